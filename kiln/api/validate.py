@@ -1,0 +1,189 @@
+"""Validation of RLJob manifests with errors a user can act on.
+
+`validate_file(path)` parses every YAML document in a file and returns one `Problem` per mistake:
+the file, the line, the field path as written in the manifest (`spec.stages[1].rl.groupSize`), and
+what was expected and found. User mistakes never raise; `load_job(path)` raises `ManifestError`
+(a `ValueError`) carrying the problems, for callers that need a single valid job.
+
+Not covered: semantic checks that need the filesystem or a cluster (does the model directory
+exist?); those are made by the launcher and the operator when they act on the job.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from kiln.api.spec import API_GROUP, API_VERSION, KIND, RLJob
+
+_STAGE_TAGS = {"sft", "rl"}
+
+
+@dataclass(frozen=True)
+class Problem:
+    file: str
+    line: int | None
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.file}:{self.line}" if self.line else self.file
+        field = f" {self.path}:" if self.path else ""
+        return f"{where}:{field} {self.message}"
+
+
+class ManifestError(ValueError):
+    """The manifest is not a valid RLJob; `problems` says where and why. Fix the file and retry."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("\n".join(str(p) for p in problems))
+
+
+def _format_loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _strip_tag(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Drop the discriminator value pydantic inserts after `stages[i]`; the user never wrote it."""
+    out: list[Any] = []
+    for i, part in enumerate(loc):
+        if (
+            i >= 2
+            and isinstance(loc[i - 1], int)
+            and loc[i - 2] == "stages"
+            and part in _STAGE_TAGS
+        ):
+            continue
+        out.append(part)
+    return tuple(out)
+
+
+def _node_line(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
+    """Line (1-based) of the deepest node along `loc` that exists in the YAML tree."""
+    line = node.start_mark.line + 1 if node is not None else None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            nxt = next((v for k, v in node.value if getattr(k, "value", None) == part), None)
+            if nxt is None:
+                break
+            # For a mapping entry report the key's line: that is where the user looks.
+            key = next(k for k, v in node.value if v is nxt)
+            node, line = nxt, key.start_mark.line + 1
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
+            if part >= len(node.value):
+                break
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _message(err: dict[str, Any]) -> str:
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return "unknown field (not part of the RLJob schema; check the spelling)"
+    if kind == "missing":
+        return "required field is missing"
+    if kind == "literal_error":
+        expected = err.get("ctx", {}).get("expected", "")
+        return f"expected one of {expected}, found {_describe(err['input'])}"
+    if kind == "union_tag_invalid":
+        expected = err.get("ctx", {}).get("expected_tags", "")
+        return f"expected type to be one of {expected}, found {_describe(err['input'])}"
+    if kind == "union_tag_not_found":
+        return "missing the 'type' field that says which kind of stage this is (sft or rl)"
+    if kind == "value_error":
+        return str(err.get("ctx", {}).get("error", err["msg"]))
+    msg = err["msg"]
+    if "input" in err and kind not in ("model_type", "dict_type"):
+        return f"{msg[0].lower() + msg[1:]}, found {_describe(err['input'])}"
+    return f"{msg[0].lower() + msg[1:]}, found {type(err.get('input')).__name__}"
+
+
+def validate_document(data: Any, *, file: str, node: yaml.Node | None = None,
+                      doc_index: int | None = None) -> tuple[RLJob | None, list[Problem]]:
+    """Validate one parsed YAML document; returns the job (if valid) and its problems."""
+    prefix = f"{file} (document {doc_index + 1})" if doc_index is not None else file
+    if not isinstance(data, dict):
+        found = "an empty document" if data is None else type(data).__name__
+        return None, [Problem(prefix, _node_line(node, ()), "",
+                              f"expected a mapping with apiVersion, kind, metadata and spec; found {found}")]
+    api, kind = data.get("apiVersion"), data.get("kind")
+    expected_api = f"{API_GROUP}/{API_VERSION}"
+    problems: list[Problem] = []
+    if api != expected_api:
+        problems.append(Problem(prefix, _node_line(node, ("apiVersion",)), "apiVersion",
+                                f"expected {expected_api!r}, found {_describe(api)}"))
+    if kind != KIND:
+        problems.append(Problem(prefix, _node_line(node, ("kind",)), "kind",
+                                f"expected {KIND!r}, found {_describe(kind)}"))
+    if problems:
+        # Without the right kind the rest of the schema does not apply.
+        return None, problems
+    try:
+        return RLJob.model_validate(data), []
+    except ValidationError as exc:
+        for err in exc.errors():
+            loc = _strip_tag(tuple(err["loc"]))
+            # Errors raised by a model validator point at the model; the message names the field.
+            problems.append(Problem(prefix, _node_line(node, loc), _format_loc(loc), _message(err)))
+        return None, problems
+
+
+def validate_text(text: str, *, file: str) -> tuple[list[RLJob], list[Problem]]:
+    try:
+        nodes = list(yaml.compose_all(text, Loader=yaml.SafeLoader))
+        docs = list(yaml.safe_load_all(text))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        reason = getattr(exc, "problem", None) or str(exc)
+        return [], [Problem(file, line, "", f"YAML syntax error: {reason}")]
+    if not docs:
+        return [], [Problem(file, None, "", "the file holds no YAML document")]
+    jobs: list[RLJob] = []
+    problems: list[Problem] = []
+    multi = len(docs) > 1
+    for i, (data, node) in enumerate(zip(docs, nodes)):
+        job, probs = validate_document(data, file=file, node=node, doc_index=i if multi else None)
+        if job is not None:
+            jobs.append(job)
+        problems.extend(probs)
+    return jobs, problems
+
+
+def validate_file(path: str | Path) -> tuple[list[RLJob], list[Problem]]:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        return [], [Problem(str(path), None, "", f"cannot read file: {exc.strerror}")]
+    except UnicodeDecodeError:
+        return [], [Problem(str(path), None, "", "not a UTF-8 text file")]
+    return validate_text(text, file=str(path))
+
+
+def load_job(path: str | Path) -> RLJob:
+    """The single valid RLJob in `path`, or ManifestError naming every problem."""
+    jobs, problems = validate_file(path)
+    if problems:
+        raise ManifestError(problems)
+    if len(jobs) != 1:
+        raise ManifestError([Problem(str(path), None, "", f"expected one RLJob, found {len(jobs)}")])
+    return jobs[0]

@@ -1,0 +1,107 @@
+"""The trajectory record: what one agent episode produced, as every service sees it.
+
+A trajectory is `y = (r1, a1, o1, ..., rn, an, on)` flattened into one token sequence (prompt
+first). Each generated token carries the log-prob the inference engine assigned it and the policy
+version it was sampled under; versions are stored as spans because weights change rarely within
+an episode. Observation tokens (tool output) and prompt tokens have `loss_mask == 0`: they are
+conditioned on, never trained on.
+
+This module is the torch-free domain type. The wire format is `kiln.v1.Trajectory` in
+`protos/kiln/v1/trajectory.proto`; `kiln.services.common.codec` converts between the two.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class VersionSpan:
+    """Tokens `[start, end)` of a trajectory were generated under policy `version`."""
+
+    start: int
+    end: int
+    version: int
+
+
+@dataclass
+class Trajectory:
+    id: str
+    task_id: str
+    group_id: str
+    tokens: list[int]
+    loss_mask: list[int]
+    """1 for tokens the policy generated and is trained on; 0 for prompt and observations."""
+    logp_infer: list[float]
+    """Per-token log-prob under the inference policy; 0.0 where loss_mask is 0."""
+    version_spans: list[VersionSpan]
+    """Cover every generated token (loss_mask == 1), in order, versions non-decreasing."""
+    prompt_len: int = 0
+    reward: float = 0.0
+    reward_parts: dict[str, float] = field(default_factory=dict)
+    verifier_output: str = ""
+    flags: list[str] = field(default_factory=list)
+    """E.g. "exploit" when a verifier detected tampering; flagged trajectories get reward 0."""
+    env: str = ""
+    sandbox_image_digest: str = ""
+    engine_fingerprint: str = ""
+    index_hashes: list[int] = field(default_factory=list)
+    """Optional per-layer hash of DSA-selected indices, to detect rollout/training mismatch."""
+    routed_experts: list[int] = field(default_factory=list)
+    """Optional flattened MoE routing decisions for routing replay."""
+    teacher_logp: list[float] = field(default_factory=list)
+    """Optional per-token teacher log-probs (on-policy distillation)."""
+    advantage: float = 0.0
+    """Group-relative advantage, filled in by the buffer when the group is complete."""
+    created_at: float = 0.0
+
+    @property
+    def oldest_version(self) -> int:
+        return min((s.version for s in self.version_spans), default=0)
+
+    @property
+    def newest_version(self) -> int:
+        return max((s.version for s in self.version_spans), default=0)
+
+    def versions_per_token(self) -> list[int]:
+        """The policy version of every token; -1 for tokens not generated (prompt/observation)."""
+        out = [-1] * len(self.tokens)
+        for span in self.version_spans:
+            for i in range(span.start, span.end):
+                out[i] = span.version
+        return out
+
+    def check(self) -> None:
+        """Raise ValueError if the record is internally inconsistent (a bug upstream)."""
+        n = len(self.tokens)
+        if len(self.loss_mask) != n or len(self.logp_infer) != n:
+            raise ValueError(
+                f"trajectory {self.id}: tokens ({n}), loss_mask ({len(self.loss_mask)}) and "
+                f"logp_infer ({len(self.logp_infer)}) must have the same length"
+            )
+        covered = [False] * n
+        last_version = -1
+        last_end = 0
+        for span in self.version_spans:
+            if not (0 <= span.start < span.end <= n) or span.start < last_end:
+                raise ValueError(f"trajectory {self.id}: version span {span} out of order or range")
+            if span.version < last_version:
+                raise ValueError(f"trajectory {self.id}: version spans go backwards at {span}")
+            last_version, last_end = span.version, span.end
+            for i in range(span.start, span.end):
+                covered[i] = True
+        for i, m in enumerate(self.loss_mask):
+            if m and not covered[i]:
+                raise ValueError(f"trajectory {self.id}: generated token {i} has no policy version")
+
+
+def spans_from_versions(versions: list[int]) -> list[VersionSpan]:
+    """Compress a per-token version list (-1 = not generated) into spans."""
+    spans: list[VersionSpan] = []
+    start = None
+    cur = None
+    for i, v in enumerate(versions + [-2]):
+        if v != cur:
+            if cur is not None and cur >= 0:
+                spans.append(VersionSpan(start, i, cur))
+            start, cur = i, v
+    return spans

@@ -1,0 +1,171 @@
+"""The desired children of an RLJob, computed from its spec by pure functions.
+
+`desired_children(job, spec)` returns every manifest the operator applies, in apply order: the
+ConfigMap holding the resolved job file the services read (`--job /etc/kiln/job.yaml`), the
+checkpoints and buffer PersistentVolumeClaims, one Service per component, and the workloads
+(built in `kiln.operator.workloads`). Nothing here talks to a cluster, so the unit tests
+validate these manifests against the Kubernetes schemas directly.
+
+Which spec changes restart which component is decided here too: each component's pod template
+carries a hash of the spec sections it reads (`component_hashes`); live settings (replica
+counts, `suspend`) are left out, so scaling never restarts a pod.
+
+Not covered: applying, diffing or deleting objects (`kiln.operator.reconcile`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from kiln.api.spec import API_GROUP, API_VERSION, KIND, RLJobSpec, StorageSpec
+from kiln.operator import naming
+from kiln.operator.naming import GRPC_PORT, METRICS_PORT, JobRef
+from kiln.operator.workloads import workloads
+
+JOB_FILE_KEY = "job.yaml"
+
+# Spec sections (wire names) each component reads from the job file. A change to any of them
+# restarts that component; a change elsewhere leaves it running.
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "trainer": ("model", "tasks", "stages", "trainer", "checkpoints", "seed"),
+    "rollout": ("model", "tasks", "stages", "rollout", "seed"),
+    "sandbox": ("tasks", "sandbox", "seed"),
+    "weight-sync": ("model", "weightSync"),
+    "buffer": ("stages", "buffer"),
+}
+# Settings applied without a restart: (section, field) of a Deployment's replica count.
+LIVE_FIELDS: dict[str, tuple[str, str]] = {
+    "rollout": ("rollout", "replicas"),
+    "sandbox": ("sandbox", "replicas"),
+}
+
+# Fields a running job cannot change: the checkpoints and the model layout depend on them.
+IMMUTABLE_FIELDS: tuple[tuple[str, ...], ...] = (
+    ("model", "path"),
+    ("model", "pvc"),
+    ("trainer", "tensorParallel"),
+    ("trainer", "pipelineParallel"),
+    ("buffer", "storage", "storageClass"),
+    ("checkpoints", "storage", "storageClass"),
+)
+
+# Services with one address per pod: weight-sync must reach every rollout replica, and gRPC's
+# long-lived connections are only balanced when the client sees every pod.
+HEADLESS = {"trainer", "rollout", "sandbox"}
+
+
+def resolved_spec(spec: RLJobSpec) -> dict[str, Any]:
+    """The spec with every default filled in, as the services will read it."""
+    return spec.model_dump(by_alias=True, mode="json")
+
+
+def job_file(job: JobRef, spec: RLJobSpec) -> str:
+    document = {
+        "apiVersion": f"{API_GROUP}/{API_VERSION}",
+        "kind": KIND,
+        "metadata": {"name": job.name, "namespace": job.namespace},
+        "spec": resolved_spec(spec),
+    }
+    return yaml.safe_dump(document, sort_keys=False)
+
+
+def component_hashes(spec: RLJobSpec) -> dict[str, str]:
+    resolved = resolved_spec(spec)
+    out = {}
+    for component, sections in SECTIONS.items():
+        parts = {key: resolved[key] for key in sections}
+        if component in LIVE_FIELDS:
+            section, field = LIVE_FIELDS[component]
+            parts[section] = {k: v for k, v in parts[section].items() if k != field}
+        out[component] = naming.config_hash(parts)
+    return out
+
+
+def immutable_changes(old: RLJobSpec, new: RLJobSpec) -> list[str]:
+    """Messages naming each immutable field that differs between two specs."""
+    a, b = resolved_spec(old), resolved_spec(new)
+    changes = []
+    for path in IMMUTABLE_FIELDS:
+        va, vb = _dig(a, path), _dig(b, path)
+        if va != vb:
+            changes.append(f"spec.{'.'.join(path)} cannot change on a running job "
+                           f"(was {va!r}, now {vb!r}); restore it, or create a new RLJob")
+    return changes
+
+
+def _dig(data: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for key in path:
+        data = data[key]
+    return data
+
+
+def config_map(job: JobRef, spec: RLJobSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": naming.metadata(job, "config", spec.image),
+        "data": {JOB_FILE_KEY: job_file(job, spec)},
+    }
+
+
+def pvc(job: JobRef, component: str, storage: StorageSpec, image: str) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": storage.size}},
+    }
+    if storage.storage_class is not None:
+        spec["storageClassName"] = storage.storage_class
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": naming.metadata(job, component, image),
+        "spec": spec,
+    }
+
+
+def service(job: JobRef, component: str, image: str) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "selector": naming.selector_labels(job, component),
+        "ports": [
+            {"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP",
+             "appProtocol": "grpc"},
+            {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"},
+        ],
+    }
+    if component in HEADLESS:
+        spec["clusterIP"] = "None"
+        # Peers find each other before they report ready (the trainer waits for the buffer).
+        spec["publishNotReadyAddresses"] = True
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": naming.metadata(job, component, image),
+        "spec": spec,
+    }
+
+
+def pvcs(job: JobRef, spec: RLJobSpec) -> list[dict[str, Any]]:
+    return [
+        pvc(job, "checkpoints", spec.checkpoints.storage, spec.image),
+        pvc(job, "buffer", spec.buffer.storage, spec.image),
+    ]
+
+
+def retained_pvc_names(job: JobRef, spec: RLJobSpec) -> dict[str, bool]:
+    """PVC name -> whether it outlives the RLJob (spec.*.storage.retain)."""
+    return {
+        job.child("checkpoints"): spec.checkpoints.storage.retain,
+        job.child("buffer"): spec.buffer.storage.retain,
+    }
+
+
+def desired_children(job: JobRef, spec: RLJobSpec, *, active: bool = True) -> list[dict[str, Any]]:
+    """Every child manifest, in apply order. `active=False` scales all workloads to zero."""
+    hashes = component_hashes(spec)
+    return [
+        config_map(job, spec),
+        *pvcs(job, spec),
+        *(service(job, c, spec.image) for c in naming.COMPONENTS),
+        *workloads(job, spec, hashes, active=active),
+    ]

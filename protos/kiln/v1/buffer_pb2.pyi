@@ -1,0 +1,112 @@
+from kiln.protos.kiln.v1 import trajectory_pb2 as _trajectory_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PutRequest(_message.Message):
+    __slots__ = ("trajectories", "group_size")
+    TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    trajectories: _containers.RepeatedCompositeFieldContainer[_trajectory_pb2.Trajectory]
+    group_size: int
+    def __init__(self, trajectories: _Optional[_Iterable[_Union[_trajectory_pb2.Trajectory, _Mapping]]] = ..., group_size: _Optional[int] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("accepted", "duplicates", "dropped_stale", "depth")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_STALE_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    duplicates: int
+    dropped_stale: int
+    depth: int
+    def __init__(self, accepted: _Optional[int] = ..., duplicates: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., depth: _Optional[int] = ...) -> None: ...
+
+class GetBatchRequest(_message.Message):
+    __slots__ = ("size", "trainer_version", "timeout_seconds", "allow_partial")
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    trainer_version: int
+    timeout_seconds: float
+    allow_partial: bool
+    def __init__(self, size: _Optional[int] = ..., trainer_version: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ...) -> None: ...
+
+class Batch(_message.Message):
+    __slots__ = ("trajectories", "batch_id", "trainer_version", "staleness")
+    TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    trajectories: _containers.RepeatedCompositeFieldContainer[_trajectory_pb2.Trajectory]
+    batch_id: int
+    trainer_version: int
+    staleness: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, trajectories: _Optional[_Iterable[_Union[_trajectory_pb2.Trajectory, _Mapping]]] = ..., batch_id: _Optional[int] = ..., trainer_version: _Optional[int] = ..., staleness: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SetTrainerVersionRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class ConfigureRequest(_message.Message):
+    __slots__ = ("group_size", "tau", "drop_unserved")
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TAU_FIELD_NUMBER: _ClassVar[int]
+    DROP_UNSERVED_FIELD_NUMBER: _ClassVar[int]
+    group_size: int
+    tau: int
+    drop_unserved: bool
+    def __init__(self, group_size: _Optional[int] = ..., tau: _Optional[int] = ..., drop_unserved: _Optional[bool] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BufferStatus(_message.Message):
+    __slots__ = ("depth", "ready", "groups_pending", "groups_ready", "accepted", "served", "dropped_stale", "dropped_other", "batches", "max_staleness", "trainer_version", "capacity", "group_size", "tau")
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_PENDING_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_READY_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    SERVED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_STALE_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_OTHER_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TAU_FIELD_NUMBER: _ClassVar[int]
+    depth: int
+    ready: int
+    groups_pending: int
+    groups_ready: int
+    accepted: int
+    served: int
+    dropped_stale: int
+    dropped_other: int
+    batches: int
+    max_staleness: int
+    trainer_version: int
+    capacity: int
+    group_size: int
+    tau: int
+    def __init__(self, depth: _Optional[int] = ..., ready: _Optional[int] = ..., groups_pending: _Optional[int] = ..., groups_ready: _Optional[int] = ..., accepted: _Optional[int] = ..., served: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., dropped_other: _Optional[int] = ..., batches: _Optional[int] = ..., max_staleness: _Optional[int] = ..., trainer_version: _Optional[int] = ..., capacity: _Optional[int] = ..., group_size: _Optional[int] = ..., tau: _Optional[int] = ...) -> None: ...
+
+class BufferRecord(_message.Message):
+    __slots__ = ("trajectory", "group_size")
+    TRAJECTORY_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    trajectory: _trajectory_pb2.Trajectory
+    group_size: int
+    def __init__(self, trajectory: _Optional[_Union[_trajectory_pb2.Trajectory, _Mapping]] = ..., group_size: _Optional[int] = ...) -> None: ...

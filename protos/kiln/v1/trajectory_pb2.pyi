@@ -1,0 +1,76 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class VersionSpan(_message.Message):
+    __slots__ = ("start", "end", "version")
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    end: int
+    version: int
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+
+class Trajectory(_message.Message):
+    __slots__ = ("id", "task_id", "group_id", "env", "tokens", "loss_mask", "logp_infer", "version_spans", "prompt_len", "teacher_logp", "reward", "reward_parts", "verifier_output", "flags", "advantage", "sandbox_image_digest", "engine_fingerprint", "index_hashes", "routed_experts", "created_at")
+    class RewardPartsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    LOGP_INFER_FIELD_NUMBER: _ClassVar[int]
+    VERSION_SPANS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_LOGP_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    REWARD_PARTS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    FLAGS_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGE_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_IMAGE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    INDEX_HASHES_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    task_id: str
+    group_id: str
+    env: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    loss_mask: _containers.RepeatedScalarFieldContainer[int]
+    logp_infer: _containers.RepeatedScalarFieldContainer[float]
+    version_spans: _containers.RepeatedCompositeFieldContainer[VersionSpan]
+    prompt_len: int
+    teacher_logp: _containers.RepeatedScalarFieldContainer[float]
+    reward: float
+    reward_parts: _containers.ScalarMap[str, float]
+    verifier_output: str
+    flags: _containers.RepeatedScalarFieldContainer[str]
+    advantage: float
+    sandbox_image_digest: str
+    engine_fingerprint: str
+    index_hashes: _containers.RepeatedScalarFieldContainer[int]
+    routed_experts: _containers.RepeatedScalarFieldContainer[int]
+    created_at: float
+    def __init__(self, id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., env: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logp_infer: _Optional[_Iterable[float]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., prompt_len: _Optional[int] = ..., teacher_logp: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., reward_parts: _Optional[_Mapping[str, float]] = ..., verifier_output: _Optional[str] = ..., flags: _Optional[_Iterable[str]] = ..., advantage: _Optional[float] = ..., sandbox_image_digest: _Optional[str] = ..., engine_fingerprint: _Optional[str] = ..., index_hashes: _Optional[_Iterable[int]] = ..., routed_experts: _Optional[_Iterable[int]] = ..., created_at: _Optional[float] = ...) -> None: ...
+
+class PolicyVersion(_message.Message):
+    __slots__ = ("version", "published_at")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    published_at: float
+    def __init__(self, version: _Optional[int] = ..., published_at: _Optional[float] = ...) -> None: ...

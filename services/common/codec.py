@@ -1,0 +1,89 @@
+"""Conversion between the domain trajectory (`kiln.trajectory`) and its wire form (`kiln.v1`).
+
+Every service that sends or receives trajectories goes through these two functions, so the
+domain type and the proto cannot drift apart silently: the round-trip test in
+tests/unit/test_codec.py fills every field of both.
+
+Precision: the proto stores per-token log-probs (`logp_infer`, `teacher_logp`) as 32-bit floats,
+the precision inference engines produce them in. A domain value that is not a float32 comes back
+rounded to the nearest float32; every other field, and any float32 log-prob, round-trips exactly.
+Integers the proto holds unsigned (tokens, mask, span bounds, versions) must be non-negative;
+protobuf raises ValueError otherwise, naming the value, and retrying does not help.
+
+Not covered here: validation of the record's internal consistency (that is `Trajectory.check`).
+"""
+from __future__ import annotations
+
+from kiln.protos.kiln.v1 import trajectory_pb2
+from kiln.trajectory import Trajectory, VersionSpan
+
+
+def span_to_proto(span: VersionSpan) -> trajectory_pb2.VersionSpan:
+    return trajectory_pb2.VersionSpan(start=span.start, end=span.end, version=span.version)
+
+
+def span_from_proto(msg: trajectory_pb2.VersionSpan) -> VersionSpan:
+    return VersionSpan(start=msg.start, end=msg.end, version=msg.version)
+
+
+def to_proto(traj: Trajectory) -> trajectory_pb2.Trajectory:
+    """The wire form of `traj`. Raises ValueError for negative unsigned fields."""
+    msg = trajectory_pb2.Trajectory(
+        id=traj.id,
+        task_id=traj.task_id,
+        group_id=traj.group_id,
+        env=traj.env,
+        prompt_len=traj.prompt_len,
+        reward=traj.reward,
+        verifier_output=traj.verifier_output,
+        advantage=traj.advantage,
+        sandbox_image_digest=traj.sandbox_image_digest,
+        engine_fingerprint=traj.engine_fingerprint,
+        created_at=traj.created_at,
+    )
+    # extend() on repeated scalar fields copies in C; building Python lists of messages would
+    # dominate the cost for long trajectories.
+    msg.tokens.extend(traj.tokens)
+    msg.loss_mask.extend(traj.loss_mask)
+    msg.logp_infer.extend(traj.logp_infer)
+    msg.teacher_logp.extend(traj.teacher_logp)
+    msg.version_spans.extend(span_to_proto(s) for s in traj.version_spans)
+    msg.reward_parts.update(traj.reward_parts)
+    msg.flags.extend(traj.flags)
+    msg.index_hashes.extend(traj.index_hashes)
+    msg.routed_experts.extend(traj.routed_experts)
+    return msg
+
+
+def from_proto(msg: trajectory_pb2.Trajectory) -> Trajectory:
+    """The domain form of `msg`. Does not validate it; call `.check()` where that matters."""
+    return Trajectory(
+        id=msg.id,
+        task_id=msg.task_id,
+        group_id=msg.group_id,
+        tokens=list(msg.tokens),
+        loss_mask=list(msg.loss_mask),
+        logp_infer=list(msg.logp_infer),
+        version_spans=[span_from_proto(s) for s in msg.version_spans],
+        prompt_len=msg.prompt_len,
+        reward=msg.reward,
+        reward_parts=dict(msg.reward_parts),
+        verifier_output=msg.verifier_output,
+        flags=list(msg.flags),
+        env=msg.env,
+        sandbox_image_digest=msg.sandbox_image_digest,
+        engine_fingerprint=msg.engine_fingerprint,
+        index_hashes=list(msg.index_hashes),
+        routed_experts=list(msg.routed_experts),
+        teacher_logp=list(msg.teacher_logp),
+        advantage=msg.advantage,
+        created_at=msg.created_at,
+    )
+
+
+def to_bytes(traj: Trajectory) -> bytes:
+    return to_proto(traj).SerializeToString()
+
+
+def from_bytes(data: bytes) -> Trajectory:
+    return from_proto(trajectory_pb2.Trajectory.FromString(data))

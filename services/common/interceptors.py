@@ -1,0 +1,96 @@
+"""Server interceptor: request ids, access logs and Prometheus RPC metrics for every method.
+
+A caller may send `x-request-id` metadata; otherwise one is made up. The id is set in the logging
+context for the duration of the call, so every log line the handler writes carries it, and it is
+sent back in the trailing metadata so a client can quote it in a bug report.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any, Awaitable, Callable
+
+import grpc
+from prometheus_client import Counter, Histogram
+
+from kiln.services.common.logs import request_id_var
+
+log = logging.getLogger("kiln.rpc")
+
+RPC_TOTAL = Counter("kiln_rpc_requests_total", "RPCs handled", ["method", "code"])
+RPC_SECONDS = Histogram(
+    "kiln_rpc_duration_seconds", "RPC handling time", ["method"],
+    buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 2, 10, 60),
+)
+
+
+def _request_id(context: grpc.aio.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-request-id":
+            return value
+    return uuid.uuid4().hex[:16]
+
+
+class ObservabilityInterceptor(grpc.aio.ServerInterceptor):
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith("/grpc."):
+            return handler  # health checks and reflection stay quiet
+        method = details.method
+
+        def wrap_unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+            async def inner(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                token, start = _enter(context)
+                try:
+                    result = await fn(request, context)
+                    return result
+                finally:
+                    _leave(context, method, token, start)
+            return inner
+
+        def wrap_stream(fn: Callable[..., Any]) -> Callable[..., Any]:
+            async def inner(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                token, start = _enter(context)
+                try:
+                    async for item in fn(request, context):
+                        yield item
+                finally:
+                    _leave(context, method, token, start)
+            return inner
+
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                wrap_unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                wrap_unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                wrap_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(
+                wrap_stream(handler.stream_stream), handler.request_deserializer, handler.response_serializer)
+        return handler
+
+
+def _enter(context: grpc.aio.ServicerContext) -> tuple[Any, float]:
+    rid = _request_id(context)
+    context.set_trailing_metadata((("x-request-id", rid),))
+    return request_id_var.set(rid), time.perf_counter()
+
+
+def _leave(context: grpc.aio.ServicerContext, method: str, token: Any, start: float) -> None:
+    elapsed = time.perf_counter() - start
+    code = context.code() or grpc.StatusCode.OK
+    name = code.name if isinstance(code, grpc.StatusCode) else str(code)
+    RPC_TOTAL.labels(method, name).inc()
+    RPC_SECONDS.labels(method).observe(elapsed)
+    level = logging.INFO if name == "OK" else logging.WARNING
+    log.log(level, "%s %s %.1f ms", method, name, elapsed * 1e3,
+            extra={"fields": {"method": method, "code": name, "ms": round(elapsed * 1e3, 2)}})
+    request_id_var.reset(token)

@@ -1,0 +1,208 @@
+"""The gRPC server every Kiln service runs in: health, reflection, interceptors, metrics, SIGTERM.
+
+A service module builds its servicers and calls `run_service(...)` from its `main()`:
+
+    async def build(job, args):            # may take long: load a model, open a store...
+        svc = BufferServicer(...)
+        return [Registration(add_BufferServicer_to_server, svc, "kiln.v1.Buffer")], svc.close
+
+    def main():
+        run_service("buffer", build)
+
+Readiness is real: the standard health service answers NOT_SERVING while `build` runs and
+SERVING once it has returned, so a launcher (or a kubelet's gRPC probe) knows when to send work.
+On SIGTERM or SIGINT the health status turns NOT_SERVING, in-flight RPCs get `grace` seconds,
+and the service's `on_stop` hook runs (a trainer writes its checkpoint there).
+
+Tests use `create_server("127.0.0.1:0", registrations)`, which returns `(server, port)`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import Gauge, start_http_server
+
+from kiln.api.spec import RLJob
+from kiln.api.validate import ManifestError, load_job
+from kiln.services.common.interceptors import ObservabilityInterceptor
+from kiln.services.common.logs import setup_logging
+
+log = logging.getLogger("kiln.server")
+
+# gRPC's defaults (4 MiB) are too small for trajectory and weight batches.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+UP = Gauge("kiln_service_up", "1 while the service is serving", ["service"])
+
+
+@dataclass
+class Registration:
+    """One servicer to add: the generated `add_XServicer_to_server`, the instance, its full name."""
+
+    add: Callable[[Any, grpc.aio.Server], None]
+    servicer: Any
+    name: str
+
+
+class _LateHandlers(grpc.GenericRpcHandler):
+    """Servicers added after the server has started (grpc.aio cannot add them later itself).
+
+    Generated `add_XServicer_to_server(servicer, server)` functions are pointed at this object
+    instead of the server; it records their handlers and serves them from then on.
+    """
+
+    def __init__(self) -> None:
+        self._handlers: list[grpc.GenericRpcHandler] = []
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        self._handlers.extend(handlers)
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        pass  # the generic handler added alongside covers the same methods
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        for h in self._handlers:
+            found = h.service(details)
+            if found is not None:
+                return found
+        return None
+
+
+@dataclass
+class Served:
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    late: _LateHandlers
+    names: list[str]
+
+    async def register(self, registrations: Sequence[Registration], ready: bool = True) -> None:
+        """Add servicers to the running server and, by default, report them SERVING."""
+        for reg in registrations:
+            reg.add(reg.servicer, self.late)
+            self.names.append(reg.name)
+        await set_serving(self.health, self.names, ready)
+
+
+async def start_server(address: str, registrations: Sequence[Registration] = (), *,
+                       ready: bool = True) -> Served:
+    server = grpc.aio.server(interceptors=[ObservabilityInterceptor()], options=CHANNEL_OPTIONS)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    late = _LateHandlers()
+    server.add_generic_rpc_handlers((late,))
+    # Reflection lists services known at start; late ones are discoverable by name via health.
+    reflection.enable_server_reflection(
+        [r.name for r in registrations]
+        + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        server,
+    )
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind gRPC server to {address}")
+    await server.start()
+    served = Served(server, port, health_servicer, late, [])
+    await served.register(registrations, ready)
+    return served
+
+
+async def create_server(address: str, registrations: Sequence[Registration] = (), *,
+                        ready: bool = True) -> tuple[grpc.aio.Server, int]:
+    """Build and start a server bound to `address` ("127.0.0.1:0" picks a free port)."""
+    served = await start_server(address, registrations, ready=ready)
+    return served.server, served.port
+
+
+async def set_serving(health_servicer: health.aio.HealthServicer, names: Sequence[str], ok: bool) -> None:
+    status = (health_pb2.HealthCheckResponse.SERVING if ok
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
+    for name in ["", *names]:
+        await health_servicer.set(name, status)
+
+
+BuildFn = Callable[[RLJob | None, argparse.Namespace],
+                   Awaitable[tuple[list[Registration], Callable[[], Awaitable[None]] | None]]]
+
+
+def service_argparser(service: str) -> argparse.ArgumentParser:
+    """The flags every service process takes; a service may add its own before `run_service`."""
+    p = argparse.ArgumentParser(prog=f"kiln-{service}", description=f"Kiln {service} service")
+    p.add_argument("--job", type=Path, help="RLJob manifest (the operator mounts it from a ConfigMap)")
+    p.add_argument("--address", default="0.0.0.0:50051", help="gRPC listen address (port 0: any free)")
+    p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (0: any free)")
+    p.add_argument("--run-dir", type=Path, default=Path("."), help="directory for state and checkpoints")
+    p.add_argument("--port-file", type=Path, help="write the bound gRPC and metrics ports here (JSON)")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight RPCs get on SIGTERM")
+    return p
+
+
+def run_service(service: str, build: BuildFn, argv: Sequence[str] | None = None,
+                parser: argparse.ArgumentParser | None = None) -> int:
+    """Parse flags, load the job, serve until SIGTERM/SIGINT. Returns the process exit code."""
+    parser = parser or service_argparser(service)
+    args = parser.parse_args(argv)
+    setup_logging(service)
+    job = None
+    if args.job is not None:
+        try:
+            job = load_job(args.job)
+        except ManifestError as exc:
+            # A bad manifest will not fix itself on restart; say exactly what is wrong.
+            print(f"kiln-{service}: invalid job file:\n{exc}", file=sys.stderr)
+            return 2
+    return asyncio.run(_serve(service, build, job, args))
+
+
+async def _serve(service: str, build: BuildFn, job: RLJob | None, args: argparse.Namespace) -> int:
+    import json
+
+    http, _thread = start_http_server(args.metrics_port, addr="0.0.0.0")
+    metrics_port = http.server_port
+    # Bind and answer health checks (NOT_SERVING) before the possibly slow build.
+    served = await start_server(args.address, ready=False)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if args.port_file:
+        tmp = args.port_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"port": served.port, "metrics_port": metrics_port}))
+        tmp.replace(args.port_file)
+    log.info("%s listening on port %d, metrics on %d; building", service, served.port, metrics_port)
+
+    build_task = asyncio.ensure_future(build(job, args))
+    stop_task = asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait({build_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    if build_task not in done:
+        build_task.cancel()
+        await served.server.stop(0)
+        http.shutdown()
+        return 0
+    stop_task.cancel()
+    registrations, on_stop = build_task.result()
+    await served.register(registrations, ready=True)
+    UP.labels(service).set(1)
+    log.info("%s serving %s", service, ", ".join(r.name for r in registrations))
+    await stop.wait()
+    log.info("%s stopping (grace %.0f s)", service, args.grace)
+    UP.labels(service).set(0)
+    await set_serving(served.health, served.names, False)
+    await served.server.stop(args.grace)
+    if on_stop is not None:
+        await on_stop()
+    http.shutdown()
+    return 0

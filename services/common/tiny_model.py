@@ -1,0 +1,243 @@
+"""Tiny tokenizers and randomly initialised models, made locally, for tests, benchmarks and the
+quickstart.
+
+Nothing is downloaded: the tokenizer is a byte-level BPE trained with the `tokenizers` library
+on whatever texts the caller gives, and the model is a Qwen2 or Llama checkpoint with random
+weights written in the Hugging Face layout (config.json, generation_config.json,
+model.safetensors and the tokenizer files). Both transformers (`AutoTokenizer`,
+`AutoModelForCausalLM`) and vLLM's CPU engine load the result.
+
+Token ids are laid out so that every caller can rely on them: the chat control tokens come first
+(`<|endoftext|>` = 0, `<|im_start|>` = 1, `<|im_end|>` = 2, `<|pad|>` = 3), then the 256 byte
+tokens and the learned merges, then any extra tokens (for example `<tool_call>`), which are
+added as ordinary (non-special) tokens so that decoding with `skip_special_tokens=True` keeps
+them in the text where tool-call parsers look for them, then reserved special tokens that round
+the vocabulary up to a multiple of 64 (so it splits evenly over tensor-parallel ranks).
+
+What this does not cover: quality. The tokenizer is only as good as the texts it is given, and
+the model is untrained; use `kiln.services.trainer` to train it.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+BOS_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+PAD_TOKEN = "<|pad|>"
+CHAT_TOKENS: tuple[str, ...] = (BOS_TOKEN, IM_START, IM_END, PAD_TOKEN)
+"""Always present, always special, always ids 0..3, in this order."""
+EOS_TOKEN = IM_END
+"""A reply ends with `<|im_end|>`; generation stops there."""
+
+DEFAULT_SPECIAL_TOKENS: list[str] = [
+    *CHAT_TOKENS,
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+]
+
+# ChatML. The newline characters are real ones: the template is Jinja, not a Python literal.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
+ARCHS = ("qwen2", "llama")
+VOCAB_MULTIPLE = 64
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def train_tokenizer(
+    texts: Iterable[str],
+    out_dir: Path,
+    *,
+    vocab_size: int = 512,
+    special_tokens: list[str] = DEFAULT_SPECIAL_TOKENS,
+) -> Path:
+    """Train a byte-level BPE tokenizer on `texts` and save it as a Hugging Face tokenizer
+    directory at `out_dir` (created if needed). Returns `out_dir`.
+
+    `vocab_size` bounds the number of special + byte + merged tokens (a small corpus may give
+    fewer merges); extra tokens from `special_tokens` beyond the chat tokens come after it, then
+    `<|reserved_i|>` tokens up to the next multiple of `VOCAB_MULTIPLE`.
+    Deterministic for the same texts and arguments.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < len(CHAT_TOKENS) + 256:
+        raise ValueError(
+            f"vocab_size={vocab_size} must be at least {len(CHAT_TOKENS) + 256} "
+            "(chat tokens plus the 256 byte tokens); retrying with the same value will not help"
+        )
+    extra = [t for t in dict.fromkeys(special_tokens) if t not in CHAT_TOKENS]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(CHAT_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in extra])
+    # Round the vocabulary up so that it splits evenly over tensor-parallel ranks.
+    pad = -tok.get_vocab_size(with_added_tokens=True) % VOCAB_MULTIPLE
+    tok.add_special_tokens([AddedToken(f"<|reserved_{i}|>", special=True, normalized=False) for i in range(pad)])
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=None,
+        additional_special_tokens=[IM_START],
+        clean_up_tokenization_spaces=False,
+        model_max_length=1 << 20,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def make_tiny_model(
+    out_dir: Path,
+    tokenizer_dir: Path,
+    *,
+    arch: str = "qwen2",
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 1024,
+    seed: int = 0,
+    dtype: str = "float32",
+    tie_word_embeddings: bool = False,
+) -> Path:
+    """Write a randomly initialised `arch` checkpoint (Qwen2 or Llama) to `out_dir`, with the
+    tokenizer from `tokenizer_dir` copied in. Returns `out_dir`.
+
+    The vocabulary is exactly the tokenizer's, so every id the model can sample decodes.
+    The same arguments give bit-identical weights.
+    """
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM
+
+    if arch not in ARCHS:
+        raise ValueError(f"arch={arch!r} is not one of {ARCHS}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {DTYPES}")
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} must be divisible by num_kv_heads={num_kv_heads}")
+    tokenizer_dir = Path(tokenizer_dir)
+    out_dir = Path(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        hidden_act="silu",
+        initializer_range=0.02,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if arch == "qwen2":
+        config = Qwen2Config(use_sliding_window=False, **common)
+    else:
+        config = LlamaConfig(attention_bias=False, mlp_bias=False, **common)
+
+    torch_dtype = getattr(torch, dtype)
+    # Initialise under a private generator state so the caller's RNG stream is left alone.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        # HF starts norms at 1 and biases at 0; random values make a weight mapping that
+        # swaps or drops them visible in the logits.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.copy_(1.0 + 0.1 * torch.randn_like(p))
+                elif name.endswith(".bias"):
+                    p.copy_(0.02 * torch.randn_like(p))
+    model = model.to(torch_dtype)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    copy_tokenizer(tokenizer_dir, out_dir)
+    return out_dir
+
+
+DEFAULT_CORPUS: tuple[str, ...] = tuple(
+    f"<|im_start|>user\nWhat is {a} + {b}? Use the calculator.<|im_end|>\n"
+    f"<|im_start|>assistant\n<think>I add {a} and {b}.</think><tool_call>add({a}, {b})</tool_call><|im_end|>\n"
+    f"<|im_start|>tool\n<tool_response>{a + b}</tool_response><|im_end|>\n"
+    f"<|im_start|>assistant\nThe answer is {a + b}.<|im_end|>"
+    for a in range(0, 100, 7)
+    for b in range(3, 60, 11)
+)
+"""A small chat-and-tool-call corpus, enough for a tokenizer that splits such text sensibly."""
+
+
+def make_tiny_checkpoint(out_dir: Path, *, texts: Iterable[str] | None = None, vocab_size: int = 512, **model_kwargs) -> Path:
+    """Tokenizer + model in one directory: `train_tokenizer` on `texts` (default
+    `DEFAULT_CORPUS`) and `make_tiny_model` with `model_kwargs`. Returns `out_dir`."""
+    out_dir = Path(out_dir)
+    tok_dir = out_dir.with_name(out_dir.name + ".tokenizer")
+    train_tokenizer(DEFAULT_CORPUS if texts is None else texts, tok_dir, vocab_size=vocab_size)
+    make_tiny_model(out_dir, tok_dir, **model_kwargs)
+    shutil.rmtree(tok_dir)
+    return out_dir
+
+
+def copy_tokenizer(tokenizer_dir: Path, out_dir: Path) -> None:
+    """Copy the tokenizer files of `tokenizer_dir` (those present) into `out_dir`."""
+    tokenizer_dir, out_dir = Path(tokenizer_dir), Path(out_dir)
+    if not (tokenizer_dir / "tokenizer.json").exists():
+        raise ValueError(f"tokenizer_dir={tokenizer_dir} holds no tokenizer.json")
+    for name in TOKENIZER_FILES:
+        src = tokenizer_dir / name
+        if src.exists():
+            shutil.copyfile(src, out_dir / name)
+
+
+def read_config(model_dir: Path) -> dict:
+    """The parsed config.json of a checkpoint directory."""
+    return json.loads((Path(model_dir) / "config.json").read_text())

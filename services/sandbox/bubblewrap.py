@@ -1,0 +1,193 @@
+"""The local sandbox backend: bubblewrap namespaces, cgroup limits, an unprivileged uid.
+
+Each sandbox is a host workspace folder plus a cgroup (memory, pids, CPU limits; `cgroup.kill`).
+Each `exec` starts a fresh `bwrap` in that cgroup:
+
+    sh (writes its pid into the cgroups, then execs)
+      setpriv --reuid U --no-new-privs, no capabilities, no bounding set
+        bwrap --unshare-all (user, pid, net, ipc, uts, cgroup, mount), --die-with-parent,
+              --new-session, --clearenv, read-only /usr and a few /etc files,
+              /workspace read-write, fresh /proc, /dev, /tmp
+          /bin/sh -c CMD
+
+Privileges are dropped before bwrap runs, so bwrap works in an unprivileged user namespace and
+nothing inside maps to host root. With `network=False` the sandbox has only its own loopback:
+the host's 127.0.0.1 is unreachable. When the command returns, the PID namespace dies with it;
+on timeout the cgroup is killed, which takes detached and double-forked processes too.
+
+Not covered: persistence of processes between execs (each exec is its own process tree; state
+lives in the workspace), and kernel-level attack surface (bubblewrap shares the host kernel;
+production uses containers in a dind sidecar).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+from .cgroups import Cgroup
+from .config import NAME_PREFIX, BubblewrapConfig
+from .interface import EXIT_OOM, EXIT_TIMEOUT, WORKSPACE, ExecResult, Sandbox, SandboxError
+from .output import CappedBuffer, drain
+from .workspace_fs import read_beneath, write_beneath
+
+BWRAP = "/usr/bin/bwrap"
+SETPRIV = "/usr/bin/setpriv"
+SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
+
+
+def check_host() -> None:
+    """Raise SandboxError naming what is missing for this backend (not retryable)."""
+    for tool in (BWRAP, SETPRIV, "/bin/sh"):
+        if not os.access(tool, os.X_OK):
+            raise SandboxError(f"{tool} not found: install bubblewrap and util-linux")
+
+
+class BubblewrapSandbox(Sandbox):
+    def __init__(self, config: BubblewrapConfig, name: str | None = None) -> None:
+        self.config = config
+        self.limits = config.limits
+        self.name = name or f"{NAME_PREFIX}-{config.owner}-{uuid.uuid4().hex[:12]}"
+        self.dir = config.state_dir / self.name
+        self.workspace = self.dir / "workspace"
+        self.cgroup = Cgroup(config.cgroup_root, self.name)
+        self._started = False
+        self._destroyed = False
+
+    # -- life cycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.config
+        self.config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
+        self.dir.mkdir(mode=0o711)
+        try:
+            self.workspace.mkdir(mode=0o755)
+            os.chown(self.workspace, cfg.uid, cfg.gid)
+            (self.dir / "passwd").write_text(
+                f"root:x:0:0:root:/root:/usr/sbin/nologin\n"
+                f"sandbox:x:{cfg.uid}:{cfg.gid}:sandbox:{WORKSPACE}:/bin/sh\n")
+            (self.dir / "group").write_text(f"root:x:0:\nsandbox:x:{cfg.gid}:\n")
+            self.cgroup.create(self.limits.memory_bytes, self.limits.pids, self.limits.cpu)
+        except BaseException:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
+        self._started = True
+
+    async def destroy(self) -> None:
+        if self._destroyed or not self._started:
+            self._destroyed = True
+            return
+        self._destroyed = True
+        await asyncio.to_thread(self._teardown)
+
+    def _teardown(self) -> None:
+        self.cgroup.remove()
+        shutil.rmtree(self.dir)
+
+    # -- commands -------------------------------------------------------------------------
+    def _bwrap_args(self, workdir: str, env: dict[str, str]) -> list[str]:
+        cfg = self.config
+        args = [BWRAP, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
+                "--hostname", "sandbox"]
+        if self.limits.network:
+            args.append("--share-net")
+        if cfg.rootfs is not None:
+            args += ["--ro-bind", str(cfg.rootfs), "/"]
+        else:
+            args += ["--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin",
+                     "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
+                     "--symlink", "usr/sbin", "/sbin"]
+            etc = list(cfg.etc_files)
+            if self.limits.network:
+                etc += ["/etc/resolv.conf", "/etc/hosts"]
+            for path in etc:
+                if os.path.exists(path):
+                    args += ["--ro-bind", path, path]
+            args += ["--ro-bind", str(self.dir / "passwd"), "/etc/passwd",
+                     "--ro-bind", str(self.dir / "group"), "/etc/group"]
+        args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
+                 "--bind", str(self.workspace), WORKSPACE, "--chdir", workdir]
+        base_env = {"PATH": SANDBOX_PATH, "HOME": WORKSPACE, "LANG": "C.UTF-8",
+                    "TMPDIR": "/tmp", "USER": "sandbox"}
+        for key, value in {**base_env, **env}.items():
+            args += ["--setenv", key, value]
+        return args
+
+    def _argv(self, cmd: str | list[str], workdir: str, env: dict[str, str]) -> list[str]:
+        procs = [str(p) for p in self.cgroup.procs_files()]
+        # The launcher joins the cgroups itself before exec'ing, so no child can be forked
+        # outside them (writing the pid after spawn would race with the first fork).
+        join = " && ".join(f'echo $$ > "${i + 1}"' for i in range(len(procs)))
+        launcher = ["/bin/sh", "-c", f'{join} && shift {len(procs)} && exec "$@"', "kiln-launch",
+                    *procs]
+        cfg = self.config
+        drop = [SETPRIV, f"--reuid={cfg.uid}", f"--regid={cfg.gid}", "--clear-groups",
+                "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
+        inner = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        return [*launcher, *drop, *self._bwrap_args(workdir, env), "--", *inner]
+
+    async def exec(self, cmd, *, timeout=None, workdir=None, env=None, stdin=None) -> ExecResult:
+        if not self._started or self._destroyed:
+            raise SandboxError(f"sandbox {self.name} is not running")
+        timeout = self.limits.timeout_seconds if timeout is None else timeout
+        workdir = workdir or WORKSPACE
+        if not workdir.startswith("/"):
+            workdir = f"{WORKSPACE}/{workdir}"
+        argv = self._argv(cmd, workdir, env or {})
+        oom_before = self.cgroup.oom_kills()
+        out, err = CappedBuffer(self.limits.output_limit_bytes), \
+            CappedBuffer(self.limits.output_limit_bytes)
+        t0 = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            start_new_session=True)
+        readers = asyncio.gather(drain(proc.stdout, out), drain(proc.stderr, err))
+        if stdin is not None:
+            asyncio.create_task(_feed(proc, stdin))
+        timed_out = False
+        try:
+            await asyncio.wait_for(proc.wait(), timeout)
+        except asyncio.TimeoutError:
+            timed_out = True
+        except asyncio.CancelledError:
+            await asyncio.to_thread(self.cgroup.kill)
+            raise
+        # Either way nothing may outlive the exec: after a timeout this is what stops the
+        # command; after a normal exit it catches anything that slipped out of the PID
+        # namespace's teardown.
+        if timed_out or self.cgroup.pids():
+            await asyncio.to_thread(self.cgroup.kill)
+        await proc.wait()
+        await readers
+        duration = time.monotonic() - t0
+        oom = self.cgroup.oom_kills() > oom_before
+        code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+        if timed_out:
+            code = EXIT_TIMEOUT
+        elif oom:
+            code = EXIT_OOM
+        return ExecResult(exit_code=code, stdout=out.text(), stderr=err.text(), timed_out=timed_out,
+                          oom_killed=oom and not timed_out, truncated=out.truncated or err.truncated,
+                          duration_s=duration)
+
+    # -- files ----------------------------------------------------------------------------
+    async def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
+        return await asyncio.to_thread(read_beneath, self.workspace, path, max_bytes)
+
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        await asyncio.to_thread(write_beneath, self.workspace, path, data, mode,
+                                self.config.uid, self.config.gid)
+
+
+async def _feed(proc: asyncio.subprocess.Process, data: bytes) -> None:
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(data)
+        await proc.stdin.drain()
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the command exited without reading all of its input; that is its business
+    finally:
+        proc.stdin.close()

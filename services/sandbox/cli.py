@@ -1,0 +1,154 @@
+"""`kiln sandbox ...`: run a command in a fresh sandbox, check a TaskSet, build the local image.
+
+    kiln sandbox exec [--backend bubblewrap|docker] [--timeout S] [--memory SIZE] [--pids N]
+                      [--network] [--workdir DIR] [--output-limit SIZE] -- COMMAND...
+    kiln sandbox verify TASKSET.jsonl --solutions DIR [--backend ...]
+    kiln sandbox image                 (build the docker backend's image from the host's /usr)
+    kiln sandbox reap [--owner NAME]   (remove sandboxes a killed process left behind)
+
+`exec` exits with the command's exit code, 124 after a timeout and 137 after an OOM kill (each
+with a one-line explanation on stderr). Heavy imports happen inside the handlers so `kiln
+--help` stays fast. `register(subparsers)` is what the top-level `kiln` command calls.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("sandbox", help="run commands and verifiers in sandboxes")
+    sub = parser.add_subparsers(dest="sandbox_command", required=True)
+
+    def backend_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--backend", choices=("bubblewrap", "docker"), default="bubblewrap")
+        p.add_argument("--owner", default="cli", help="owner part of sandbox names")
+        p.add_argument("--image", default=None, help="image for the docker backend")
+        p.add_argument("--docker-url", default=None,
+                       help="engine socket (default: DOCKER_HOST, else a private podman)")
+
+    p = sub.add_parser("exec", help="run one command in a fresh sandbox")
+    backend_args(p)
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds (default 60)")
+    p.add_argument("--memory", default="512m", help="memory limit, e.g. 256m, 1g")
+    p.add_argument("--pids", type=int, default=256)
+    p.add_argument("--cpu", type=float, default=1.0)
+    p.add_argument("--network", action="store_true", help="give the sandbox the host network")
+    p.add_argument("--workdir", default=None, help="folder inside /workspace to run in")
+    p.add_argument("--output-limit", default="1m",
+                   help="bytes kept of stdout and of stderr each (default 1m)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    p.set_defaults(func=_run_exec)
+
+    p = sub.add_parser("verify", help="run each task's reference solution through its verifier")
+    backend_args(p)
+    p.add_argument("taskset", help="TaskSet JSONL file")
+    p.add_argument("--solutions", required=True, help="folder of reference solutions")
+    p.set_defaults(func=_run_verify)
+
+    p = sub.add_parser("image", help="build the docker backend's image from the host's /usr")
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(func=_run_image)
+
+    p = sub.add_parser("reap", help="remove sandboxes left behind by a killed process")
+    backend_args(p)
+    p.set_defaults(func=_run_reap)
+
+
+def _config(args: argparse.Namespace, limits: dict | None = None):
+    from .config import parse_config
+    data: dict = {"type": args.backend, "owner": args.owner}
+    if limits:
+        data["limits"] = limits
+    if args.backend == "docker":
+        if args.image:
+            data["image"] = args.image
+        if args.docker_url:
+            data["base_url"] = args.docker_url
+    return parse_config(data)
+
+
+def _engine(config):
+    import contextlib
+    if config.type == "docker":
+        from .podman_service import LocalEngine
+        return LocalEngine(config)
+    return contextlib.nullcontext(config)
+
+
+def _run_exec(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from .factory import make_sandbox
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        print("kiln sandbox exec: no command given (put it after --)", file=sys.stderr)
+        return 2
+    config = _config(args, {"memory_bytes": args.memory, "pids": args.pids, "cpu": args.cpu,
+                            "timeout_seconds": args.timeout, "network": args.network,
+                            "output_limit_bytes": args.output_limit})
+
+    async def go(cfg):
+        async with make_sandbox(cfg) as sandbox:
+            return await sandbox.exec(command, workdir=args.workdir)
+
+    with _engine(config) as cfg:
+        result = asyncio.run(go(cfg))
+    sys.stdout.write(result.stdout)
+    sys.stdout.flush()
+    sys.stderr.write(result.stderr)
+    if result.timed_out:
+        print(f"kiln sandbox: killed after the {args.timeout:g} s timeout (exit 124)",
+              file=sys.stderr)
+    elif result.oom_killed:
+        print(f"kiln sandbox: killed by the OOM killer at the {args.memory} memory limit "
+              "(exit 137)", file=sys.stderr)
+    return result.exit_code
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    import asyncio
+    from pathlib import Path
+
+    from .runner import verify_taskset
+    config = _config(args)
+    with _engine(config) as cfg:
+        outcomes = asyncio.run(verify_taskset(cfg, Path(args.taskset), Path(args.solutions)))
+    failed = 0
+    for o in outcomes:
+        if o.passed:
+            print(f"PASS {o.task_id} reward={o.result.reward:g}")
+            continue
+        failed += 1
+        detail = o.error or f"reward={o.result.reward:g} flags={o.result.flags} " \
+                            f"{o.result.output.strip().splitlines()[-1:] or ''}"
+        print(f"FAIL {o.task_id} {detail}")
+    print(f"{len(outcomes) - failed}/{len(outcomes)} tasks pass")
+    return 1 if failed else 0
+
+
+def _run_image(args: argparse.Namespace) -> int:
+    from .podman_service import build_host_image
+    print(build_host_image(force=args.force))
+    return 0
+
+
+def _run_reap(args: argparse.Namespace) -> int:
+    from .factory import reap_orphans
+    config = _config(args)
+    with _engine(config) as cfg:
+        removed = reap_orphans(cfg)
+    for name in removed:
+        print(name)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kiln")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Task environments of the sandbox service: terminal, swe, search, code."""

@@ -1,0 +1,174 @@
+"""SWE tasks: a git repository at a commit, a problem statement, fail-to-pass and pass-to-pass
+tests. Reward 1 only if every F2P test passes and every P2P test still passes.
+
+TaskSet record:
+
+    {"id": "calc-div", "type": "swe",
+     "repo": "repos/calc.bundle",        # a git repo folder or `git bundle`, relative to the file
+     "commit": "4b1c...",                # the state the agent starts from
+     "problem_statement": "divide() crashes on ...",
+     "fail_to_pass": ["tests.test_calc.DivTest.test_zero"],
+     "pass_to_pass": ["tests.test_calc.AddTest.test_add"],
+     "test_command": "python3 -m unittest {test}",   # {test} is one test id, shell-quoted
+     "test_files": ["tests/**"]}          # optional; protected files besides the defaults
+
+The repository is checked out on the host and copied into /workspace (with its .git).
+
+Exploit check: before any test runs, every protected file (tests, conftest.py, and modules
+that could hijack the test runner: sitecustomize.py, unittest/pytest shadows, .pth files) is
+compared by SHA-256 with the original commit, and new protected files are looked for. Any
+difference gives reward 0 and the flag `tests_modified`, without running the tests. Each test
+then runs in its own process, after every process the agent left behind is killed.
+Reference solution: `{id}.patch`, applied with `git apply`.
+
+Not covered: building per-repo images with dependencies (the docker backend takes a task
+`image` for that); test ids are opaque strings handed to `test_command`.
+"""
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import hashlib
+import io
+import os
+import shlex
+import subprocess
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from ..interface import Sandbox
+from .base import Environment, TaskBase, VerifyResult, kill_leftovers
+
+DEFAULT_PROTECTED = [
+    "tests/*", "test/*", "*/tests/*", "*/test/*", "test_*.py", "*/test_*.py", "*_test.py",
+    "conftest.py", "*/conftest.py", "sitecustomize.py", "*/sitecustomize.py",
+    "usercustomize.py", "*/usercustomize.py", "unittest.py", "unittest/*", "pytest.py",
+    "pytest/*", "_pytest/*", "*.pth", "*/*.pth", "pytest.ini", "tox.ini", "setup.cfg",
+    "pyproject.toml",
+]
+
+
+class SweTask(TaskBase):
+    type: Literal["swe"] = "swe"
+    repo: str = Field(min_length=1)
+    commit: str = Field(min_length=1)
+    problem_statement: str = Field(min_length=1)
+    fail_to_pass: list[str] = Field(min_length=1)
+    pass_to_pass: list[str] = Field(default_factory=list)
+    test_command: str = "python3 -m unittest {test}"
+    test_files: list[str] = Field(default_factory=list)
+
+
+def _checkout(repo: Path, commit: str, dest: Path) -> None:
+    if not repo.exists():
+        raise FileNotFoundError(f"repo: {repo} does not exist")
+    run = lambda *a: subprocess.run(a, check=True, capture_output=True, text=True)  # noqa: E731
+    run("git", "clone", "--quiet", "--no-hardlinks", str(repo), str(dest))
+    run("git", "-C", str(dest), "-c", "advice.detachedHead=false", "checkout", "--quiet", commit)
+
+
+def _is_protected(rel: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatch(rel, p) for p in patterns)
+
+
+def _protected_hashes(root: Path, patterns: list[str]) -> dict[str, str]:
+    hashes = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d != ".git"]
+        for name in filenames:
+            rel = os.path.relpath(os.path.join(dirpath, name), root)
+            if _is_protected(rel, patterns):
+                hashes[rel] = hashlib.sha256(Path(dirpath, name).read_bytes()).hexdigest()
+    return hashes
+
+
+class SweEnvironment(Environment):
+    type = "swe"
+    task_model = SweTask
+    solution_name = "{id}.patch"
+
+    def _patterns(self, task: SweTask) -> list[str]:
+        return DEFAULT_PROTECTED + list(task.test_files)
+
+    async def setup(self, sandbox: Sandbox, task: SweTask) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            dest = Path(tmp) / "repo"
+            await asyncio.to_thread(_checkout, self.resolve(task.repo), task.commit, dest)
+            buf = io.BytesIO()
+            with tarfile.open(fileobj=buf, mode="w") as tar:
+                tar.add(dest, arcname=".")
+        await sandbox.write_file(".kiln-repo.tar", buf.getvalue())
+        res = await sandbox.exec("tar -xf .kiln-repo.tar --no-same-owner && rm .kiln-repo.tar",
+                                 timeout=task.timeout_seconds)
+        if not res.ok:
+            raise RuntimeError(f"task {task.id}: unpacking the repo failed: {res.stderr[-2000:]}")
+
+    async def _tampered(self, sandbox: Sandbox, task: SweTask) -> list[str] | None:
+        """Protected files that differ from the commit; None if the listing was cut short."""
+        with tempfile.TemporaryDirectory() as tmp:
+            dest = Path(tmp) / "repo"
+            await asyncio.to_thread(_checkout, self.resolve(task.repo), task.commit, dest)
+            original = _protected_hashes(dest, self._patterns(task))
+        listing = await sandbox.exec("find . -path ./.git -prune -o -type f -print",
+                                     timeout=task.timeout_seconds)
+        if listing.truncated or not listing.ok:
+            return None
+        now = [p[2:] for p in listing.stdout.splitlines() if p.startswith("./")]
+        changed = []
+        protected_now = {p for p in now if _is_protected(p, self._patterns(task))}
+        for rel in sorted(protected_now | set(original)):
+            if rel not in protected_now or rel not in original:
+                changed.append(rel)
+                continue
+            try:
+                data = await sandbox.read_file(rel)
+            except (ValueError, OSError):
+                changed.append(rel)  # replaced by a symlink or unreadable: tampering either way
+                continue
+            if hashlib.sha256(data).hexdigest() != original[rel]:
+                changed.append(rel)
+        return changed
+
+    async def _run_test(self, sandbox: Sandbox, task: SweTask, test: str) -> tuple[bool, str]:
+        cmd = task.test_command.replace("{test}", shlex.quote(test))
+        res = await sandbox.exec(cmd, timeout=task.timeout_seconds)
+        return res.ok, f"== {test}: {'PASS' if res.ok else 'FAIL'} (exit {res.exit_code})\n" \
+                       f"{res.stderr[-1500:]}"
+
+    async def verify(self, sandbox: Sandbox, task: SweTask, answer: str | None = None
+                     ) -> VerifyResult:
+        await kill_leftovers(sandbox)
+        changed = await self._tampered(sandbox, task)
+        if changed is None:
+            return VerifyResult(0.0, output="file listing too long to check",
+                                flags=["verifier_error"])
+        if changed:
+            return VerifyResult(0.0, parts={"f2p": 0.0, "p2p": 0.0},
+                                output="protected files changed: " + ", ".join(changed),
+                                flags=["tests_modified"])
+        logs, f2p_ok, p2p_ok = [], 0, 0
+        for test in task.fail_to_pass:
+            ok, log = await self._run_test(sandbox, task, test)
+            f2p_ok += ok
+            logs.append(log)
+        for test in task.pass_to_pass:
+            ok, log = await self._run_test(sandbox, task, test)
+            p2p_ok += ok
+            logs.append(log)
+        f2p = f2p_ok / len(task.fail_to_pass)
+        p2p = p2p_ok / len(task.pass_to_pass) if task.pass_to_pass else 1.0
+        reward = 1.0 if f2p == 1.0 and p2p == 1.0 else 0.0
+        return VerifyResult(reward, parts={"f2p": f2p, "p2p": p2p}, output="\n".join(logs)[-8000:])
+
+    async def apply_solution(self, sandbox: Sandbox, task: SweTask, solution: bytes
+                             ) -> str | None:
+        await sandbox.write_file(".kiln-solution.patch", solution)
+        res = await sandbox.exec("git apply .kiln-solution.patch; rc=$?; "
+                                 "rm -f .kiln-solution.patch; exit $rc", timeout=60)
+        if not res.ok:
+            raise RuntimeError(f"task {task.id}: reference patch does not apply: {res.stderr}")
+        return None

@@ -1,0 +1,69 @@
+"""Choosing a backend, and reaping what a killed predecessor left behind.
+
+`make_sandbox` switches on the config's `type` literal ("bubblewrap" | "docker").
+`reap_orphans` removes every cgroup, workspace and container named `kiln-sbx-<owner>-*`: call it
+when a service starts, so a service killed with SIGKILL and restarted leaves nothing running.
+An owner must therefore be unique to one live service (a pod name, a job name + replica).
+
+Not covered: pools and sessions (`sessions.py`).
+"""
+from __future__ import annotations
+
+import shutil
+
+from .config import NAME_PREFIX, BubblewrapConfig, DockerConfig, parse_config
+from .interface import Sandbox
+
+
+def make_sandbox(config: BubblewrapConfig | DockerConfig | dict, *, client=None) -> Sandbox:
+    if isinstance(config, dict):
+        config = parse_config(config)
+    kind = getattr(config, "type", None)
+    if kind == "bubblewrap":
+        from .bubblewrap import BubblewrapSandbox
+        return BubblewrapSandbox(config)
+    if kind == "docker":
+        from .docker_backend import DockerSandbox
+        return DockerSandbox(config, client=client)
+    raise ValueError(f"type: unknown sandbox backend {kind!r} (bubblewrap | docker)")
+
+
+def leftovers(config: BubblewrapConfig | DockerConfig, client=None) -> list[str]:
+    """Names of resources of `config.owner` that exist now (empty when all is clean)."""
+    prefix = f"{NAME_PREFIX}-{config.owner}-"
+    if isinstance(config, BubblewrapConfig):
+        from .cgroups import list_groups
+        names = set(list_groups(config.cgroup_root, prefix))
+        if config.state_dir.is_dir():
+            names.update(p.name for p in config.state_dir.iterdir() if p.name.startswith(prefix))
+        return sorted(names)
+    from .docker_backend import LABEL_OWNER, make_client
+    client = client or make_client(config)
+    return sorted(c.name for c in client.containers.list(
+        all=True, filters={"label": f"{LABEL_OWNER}={config.owner}"}))
+
+
+def reap_orphans(config: BubblewrapConfig | DockerConfig, client=None) -> list[str]:
+    """Kill and remove every resource of `config.owner`; returns the names removed."""
+    prefix = f"{NAME_PREFIX}-{config.owner}-"
+    if isinstance(config, BubblewrapConfig):
+        from .cgroups import Cgroup, list_groups
+        names = list_groups(config.cgroup_root, prefix)
+        for name in names:
+            Cgroup(config.cgroup_root, name).remove()
+        if config.state_dir.is_dir():
+            for path in config.state_dir.iterdir():
+                if path.name.startswith(prefix):
+                    shutil.rmtree(path)
+                    names.append(path.name)
+        return sorted(set(names))
+    if isinstance(config, DockerConfig):
+        from .docker_backend import make_client, reap_containers
+        own = client is None
+        client = client or make_client(config)
+        try:
+            return reap_containers(client, config.owner)
+        finally:
+            if own:
+                client.close()
+    raise ValueError(f"type: unknown sandbox backend {getattr(config, 'type', None)!r}")

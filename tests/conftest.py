@@ -1,0 +1,37 @@
+"""Shared pytest options and markers.
+
+`gpu` tests are skipped where torch sees no CUDA device; `k8s` tests run only with
+`--kube-config PATH` naming a kubeconfig whose current context was made for tests.
+"""
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--kube-config",
+        default=None,
+        help="kubeconfig of a throw-away test cluster (kind); enables tests marked k8s",
+    )
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ModuleNotFoundError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    kube = config.getoption("--kube-config")
+    has_gpu = None
+    for item in items:
+        if "k8s" in item.keywords and not kube:
+            item.add_marker(pytest.mark.skip(reason="needs --kube-config of a test cluster"))
+        if "gpu" in item.keywords:
+            if has_gpu is None:
+                has_gpu = _cuda_available()
+            if not has_gpu:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))

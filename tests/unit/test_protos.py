@@ -1,0 +1,32 @@
+"""Generated gRPC code is committed; it must match a fresh generation from the .proto files."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from kiln.protos.generate import PROTO_DIR, generate_to_temp
+
+
+def test_generated_code_is_current():
+    fresh = generate_to_temp()
+    protos = sorted(PROTO_DIR.glob("*.proto"))
+    assert protos
+    for proto in protos:
+        for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"):
+            name = proto.stem + suffix
+            committed = PROTO_DIR / name
+            assert committed.exists(), f"{name} missing: run python protos/generate.py"
+            assert committed.read_text() == fresh[name], f"{name} is stale: run python protos/generate.py"
+    stray = {p.name for p in PROTO_DIR.glob("*_pb2*.py*")} - set(fresh)
+    assert not stray, f"generated files without a .proto: {sorted(stray)}"
+
+
+def test_trajectory_message_round_trips():
+    from kiln.protos.kiln.v1 import trajectory_pb2 as pb
+
+    msg = pb.Trajectory(id="t1", tokens=[1, 2, 3], loss_mask=[0, 1, 1], logp_infer=[0.0, -0.5, -1.25],
+                        version_spans=[pb.VersionSpan(start=1, end=3, version=7)])
+    msg.reward_parts["answer"] = 1.0
+    back = pb.Trajectory.FromString(msg.SerializeToString())
+    assert back == msg
+    assert list(back.logp_infer) == [0.0, -0.5, -1.25]
+    assert back.version_spans[0].version == 7

@@ -1,0 +1,161 @@
+"""`kiln validate`: every kind of mistake gets the file, line, field path and what was expected."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kiln.api.validate import ManifestError, load_job, validate_file, validate_text
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((REPO / "deploy" / "examples").glob("*.yaml"))
+
+GOOD = textwrap.dedent("""\
+    apiVersion: kiln.dev/v1alpha1
+    kind: RLJob
+    metadata:
+      name: demo
+    spec:
+      model:
+        path: /models/tiny
+      tasks:
+        - name: train
+          env: chain
+          generate: {count: 10}
+      stages:
+        - name: rl
+          type: rl
+          tasks: [train]
+          batchSize: 16
+          microBatchSize: 8
+          rl:
+            groupSize: 8
+    """)
+
+
+def _mutate(fn) -> str:
+    doc = yaml.safe_load(GOOD)
+    fn(doc)
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+def _problems(text: str):
+    jobs, problems = validate_text(text, file="job.yaml")
+    assert not jobs
+    assert problems
+    return problems
+
+
+def test_good_manifest_is_valid_and_defaults_filled():
+    jobs, problems = validate_text(GOOD, file="job.yaml")
+    assert problems == []
+    (job,) = jobs
+    stage = job.spec.stages[0]
+    assert stage.rl.eps_low == 0.2 and stage.rl.eps_high == 0.28
+    assert job.spec.rollout.thinking == "interleaved"
+    assert job.spec.sandbox.backend == "bubblewrap"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_examples_validate(path):
+    jobs, problems = validate_file(path)
+    assert problems == [], "\n".join(map(str, problems))
+    assert jobs
+
+
+CASES = {
+    # name: (manifest text, expected field path, substring of the message)
+    "yaml-syntax": (GOOD.replace("  name: demo", "  name: [demo"), "", "YAML syntax error"),
+    "wrong-api-version": (GOOD.replace("kiln.dev/v1alpha1", "kiln.dev/v1"), "apiVersion",
+                          "expected 'kiln.dev/v1alpha1'"),
+    "wrong-kind": (GOOD.replace("kind: RLJob", "kind: Job"), "kind", "expected 'RLJob'"),
+    "unknown-field": (GOOD.replace("groupSize: 8", "groupSize: 8\n        gropuSize: 4"),
+                      "spec.stages[0].rl.gropuSize", "unknown field"),
+    "wrong-type": (GOOD.replace("groupSize: 8", "groupSize: eight"),
+                   "spec.stages[0].rl.groupSize", "valid integer"),
+    "out-of-range": (GOOD.replace("groupSize: 8", "groupSize: 1"),
+                     "spec.stages[0].rl.groupSize", "greater than or equal to 2"),
+    "missing-required": (_mutate(lambda d: d["spec"]["model"].pop("path")),
+                         "spec.model.path", "required"),
+    "bad-enum": (_mutate(lambda d: d["spec"].setdefault("sandbox", {}).update(backend="gvisor")),
+                 "spec.sandbox.backend", "'bubblewrap' or 'docker'"),
+    "bad-stage-type": (GOOD.replace("type: rl", "type: dpo"), "spec.stages[0]", "one of"),
+    "eps-bounds": (GOOD.replace("groupSize: 8", "groupSize: 8\n        epsLow: 1.5"),
+                   "spec.stages[0].rl.epsLow", "less than 1"),
+    "icepop-beta": (GOOD.replace("groupSize: 8", "groupSize: 8\n        icepopBeta: 0.5"),
+                    "spec.stages[0].rl.icepopBeta", "greater than 1"),
+    "tau-negative": (GOOD.replace("groupSize: 8", "groupSize: 8\n        tau: -1"),
+                     "spec.stages[0].rl.tau", "greater than or equal to 0"),
+    "micro-batch-divides": (GOOD.replace("microBatchSize: 8", "microBatchSize: 5"),
+                            "spec.stages[0]", "microBatchSize (5) must divide batchSize (16)"),
+    "unknown-task-ref": (GOOD.replace("tasks: [train]", "tasks: [trian]"),
+                         "spec", "refers to task set 'trian'"),
+    "bad-name": (GOOD.replace("name: demo", "name: Demo_Job"), "metadata.name", "pattern"),
+    "bad-quantity": (_mutate(lambda d: d["spec"].setdefault("sandbox", {}).update(memory="lots")),
+                     "spec.sandbox.memory", "pattern"),
+    "source-both": (_mutate(lambda d: d["spec"]["tasks"][0].update(path="x.jsonl")),
+                    "spec.tasks[0]", "exactly one of path or generate"),
+    "not-a-mapping": ("- just\n- a list\n", "", "expected a mapping"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_each_mistake_is_named(name):
+    text, path, needle = CASES[name]
+    problems = _problems(text)
+    assert any(p.path == path and needle in p.message for p in problems), (
+        f"no problem at {path!r} mentioning {needle!r}; got:\n" + "\n".join(map(str, problems)))
+
+
+def test_line_numbers_point_at_the_field():
+    text = GOOD.replace("groupSize: 8", "groupSize: eight")
+    (problem,) = _problems(text)
+    line = text.splitlines()[problem.line - 1]
+    assert "groupSize" in line
+
+
+def test_yaml_error_has_line():
+    (problem,) = _problems(GOOD.replace("  name: demo", "  name: [demo"))
+    assert problem.line is not None and problem.line >= 3
+
+
+def test_several_documents_each_checked():
+    bad = GOOD.replace("groupSize: 8", "groupSize: 1")
+    jobs, problems = validate_text(GOOD + "---\n" + bad, file="multi.yaml")
+    assert len(jobs) == 1
+    assert len(problems) == 1 and "(document 2)" in problems[0].file
+
+
+def test_load_job_raises_manifest_error(tmp_path):
+    f = tmp_path / "job.yaml"
+    f.write_text(GOOD.replace("kind: RLJob", "kind: Job"))
+    with pytest.raises(ManifestError) as info:
+        load_job(f)
+    assert isinstance(info.value, ValueError)
+    assert "kind" in str(info.value)
+
+
+def _kiln(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "kiln.services.cli", *args],
+                          capture_output=True, text=True, cwd=cwd)
+
+
+def test_cli_exit_codes_and_no_traceback(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text(GOOD)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(GOOD.replace("groupSize: 8", "groupSize: 1\n        gropuSize: 4"))
+    ok = _kiln("validate", str(good))
+    assert ok.returncode == 0, ok.stderr
+    assert "OK" in ok.stdout
+    res = _kiln("validate", str(good), str(bad), str(tmp_path / "missing.yaml"))
+    assert res.returncode == 1
+    assert "Traceback" not in res.stderr
+    assert f"{bad}:" in res.stderr and "spec.stages[0].rl.groupSize" in res.stderr
+    assert "spec.stages[0].rl.gropuSize: unknown field" in res.stderr
+    assert "missing.yaml: cannot read file" in res.stderr
+    assert "2 of 3 file(s) invalid" in res.stderr
