@@ -21,7 +21,7 @@ import yaml
 from kiln.api.spec import API_GROUP, API_VERSION, KIND, RLJobSpec, StorageSpec
 from kiln.operator import naming
 from kiln.operator.naming import GRPC_PORT, METRICS_PORT, JobRef
-from kiln.operator.workloads import workloads
+from kiln.operator.workloads import DIND_IMAGE, workloads
 
 JOB_FILE_KEY = "job.yaml"
 
@@ -160,12 +160,13 @@ def retained_pvc_names(job: JobRef, spec: RLJobSpec) -> dict[str, bool]:
     }
 
 
-def desired_children(job: JobRef, spec: RLJobSpec, *, active: bool = True) -> list[dict[str, Any]]:
+def desired_children(job: JobRef, spec: RLJobSpec, *, active: bool = True,
+                     dind_image: str = DIND_IMAGE) -> list[dict[str, Any]]:
     """Every child manifest, in apply order. `active=False` scales all workloads to zero."""
     hashes = component_hashes(spec)
     return [
         config_map(job, spec),
         *pvcs(job, spec),
         *(service(job, c, spec.image) for c in naming.COMPONENTS),
-        *workloads(job, spec, hashes, active=active),
+        *workloads(job, spec, hashes, active=active, dind_image=dind_image),
     ]

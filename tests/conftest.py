@@ -5,7 +5,15 @@
 """
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
+
+# Without a GPU, Triton kernels run under Triton's interpreter, which must be chosen before
+# triton is first imported (kiln.kernels.dsa passes this on to TRITON_INTERPRET).
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("KILN_TRITON_INTERPRET", "1")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

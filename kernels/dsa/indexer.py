@@ -14,8 +14,9 @@ keys) gets 0 and a decode step of one new token over a cache of S keys sees all 
 
 Arithmetic is float32 (float64 for float64 inputs) with a fixed order: heads are summed one after
 another, h = 0, 1, ..., and each score depends only on its own row of q, w and the keys, so a row
-gives the same bits alone or inside any batch. bfloat16/float16 inputs are multiplied in their
-own type with a float32 accumulator (exact products), everything else after loading is float32.
+gives the same bits alone or inside any batch. bfloat16/float16 inputs are widened to float32 on
+load and multiplied with input_precision="ieee" (no TF32), so the interpreter (which gets bf16
+arithmetic wrong) runs exactly the arithmetic a GPU runs; tensor-core bf16 dots are not used.
 
 Not covered: FP8 inputs, and a backward pass (the indexer is frozen during RL).
 """
@@ -38,7 +39,7 @@ def _indexer_kernel(
     swb, swt, swh,
     sob, sot, sos,
     BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    USE_DOT: tl.constexpr, IEEE: tl.constexpr, ACC_F64: tl.constexpr,
+    USE_DOT: tl.constexpr, ACC_DTYPE: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -53,25 +54,19 @@ def _indexer_kernel(
     k_tile = tl.load(
         k_ptr + b * skb + offs_s[:, None] * sks + offs_d[None, :] * skd,
         mask=mask_s[:, None] & mask_d[None, :], other=0.0,
-    )
-    if ACC_F64:
-        acc = tl.zeros((BLOCK_T, BLOCK_S), dtype=tl.float64)
-    else:
-        acc = tl.zeros((BLOCK_T, BLOCK_S), dtype=tl.float32)
+    ).to(ACC_DTYPE)
+    acc = tl.zeros((BLOCK_T, BLOCK_S), dtype=ACC_DTYPE)
     for h in range(0, H):
         q_tile = tl.load(
             q_ptr + b * sqb + offs_t[:, None] * sqt + h * sqh + offs_d[None, :] * sqd,
             mask=mask_t[:, None] & mask_d[None, :], other=0.0,
-        )
+        ).to(ACC_DTYPE)
         w_h = tl.load(w_ptr + b * swb + offs_t * swt + h * swh, mask=mask_t, other=0.0)
         if USE_DOT:
-            if IEEE:
-                logits = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee")
-            else:
-                logits = tl.dot(q_tile, tl.trans(k_tile), out_dtype=tl.float32)
+            logits = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee")
         else:
             logits = tl.sum(q_tile[:, None, :] * k_tile[None, :, :], axis=2)
-        acc += w_h[:, None].to(acc.dtype) * tl.maximum(logits.to(acc.dtype), 0.0)
+        acc += w_h[:, None].to(ACC_DTYPE) * tl.maximum(logits, 0.0)
 
     causal = offs_s[None, :] <= offs_t[:, None] + offset
     acc = tl.where(causal, acc, float("-inf"))
@@ -129,7 +124,7 @@ def _indexer_triton(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, offset: i
         tokens, keys, heads, dim, offset,
         *q.stride(), *k.stride(), *w.stride(), *out.stride(),
         BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_D=block_d,
-        USE_DOT=not f64, IEEE=q.dtype == torch.float32, ACC_F64=f64,
+        USE_DOT=not f64, ACC_DTYPE=tl.float64 if f64 else tl.float32,
     )
     return out
 

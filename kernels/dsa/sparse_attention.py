@@ -21,8 +21,9 @@ Determinism, forward and backward, with no atomics anywhere:
 The PyTorch path follows the same plan: per-slot contributions, then a per-key sum in that same
 order (a loop over the rank within each key's list, so no two additions race).
 
-Arithmetic is float32 (float64 for float64 inputs); bfloat16/float16 tiles meet in `tl.dot` in
-their own type with a float32 accumulator, float32 tiles with input_precision="ieee" (no TF32).
+Arithmetic is float32 (float64 for float64 inputs): bfloat16/float16 tiles are widened on load
+and `tl.dot` runs with input_precision="ieee" (no TF32), so Triton's interpreter, which gets bf16
+arithmetic wrong, runs exactly the arithmetic a GPU runs. Tensor-core bf16 dots are not used.
 
 Not covered: a key/value dim different from the query dim, dropout, attention sinks, FP8.
 """
@@ -83,11 +84,13 @@ def _gather(q, k, v, indices, acc):
     """q grouped by kv head, and the selected keys/values per slot, in the accumulator dtype."""
     batch, tokens, heads, dim = q.shape
     kv_heads = k.shape[2]
+    keys, slots = k.shape[1], indices.shape[2]
     valid = indices >= 0
-    safe = indices.clamp(min=0)
-    rows = torch.arange(batch, device=q.device)[:, None, None]
-    k_sel = k[rows, safe].to(acc)  # [B, T, N, KH, D]
-    v_sel = v[rows, safe].to(acc)
+    # Whole rows of [batch * keys, kv_heads * dim] by index_select: a copy per row, not per element.
+    flat = (torch.arange(batch, device=q.device)[:, None, None] * keys + indices.clamp(min=0)).reshape(-1)
+    sel_shape = (batch, tokens, slots, kv_heads, dim)
+    k_sel = k.reshape(batch * keys, kv_heads * dim).index_select(0, flat).reshape(sel_shape).to(acc)
+    v_sel = v.reshape(batch * keys, kv_heads * dim).index_select(0, flat).reshape(sel_shape).to(acc)
     q_g = q.reshape(batch, tokens, kv_heads, heads // kv_heads, dim).to(acc)  # [B, T, KH, G, D]
     return q_g, k_sel, v_sel, valid
 

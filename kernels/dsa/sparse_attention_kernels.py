@@ -44,7 +44,7 @@ def plan(dtype: torch.dtype, group: int, dim: int) -> Plan:
         block_m=max(1, 64 // block_g),
         meta=dict(
             BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d, USE_DOT=use_dot,
-            IEEE=dtype == torch.float32, ACC_DTYPE=tl.float64 if f64 else tl.float32,
+            ACC_DTYPE=tl.float64 if f64 else tl.float32,
         ),
     )
 
@@ -59,7 +59,7 @@ def forward_kernel(
     sob, sot, soh, sod,
     slb, slt, slh,
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    USE_DOT: tl.constexpr, IEEE: tl.constexpr, ACC_DTYPE: tl.constexpr,
+    USE_DOT: tl.constexpr, ACC_DTYPE: tl.constexpr,
 ):
     t = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -70,7 +70,10 @@ def forward_kernel(
     mask_g = offs_g < G
     mask_d = offs_d < D
     mask_gd = mask_g[:, None] & mask_d[None, :]
-    q = tl.load(q_ptr + b * sqb + t * sqt + heads[:, None] * sqh + offs_d[None, :] * sqd, mask=mask_gd, other=0.0)
+    q = tl.load(
+        q_ptr + b * sqb + t * sqt + heads[:, None] * sqh + offs_d[None, :] * sqd,
+        mask=mask_gd, other=0.0,
+    ).to(ACC_DTYPE)
 
     m = tl.full([BLOCK_G], float("-inf"), ACC_DTYPE)
     total = tl.zeros([BLOCK_G], ACC_DTYPE)
@@ -81,16 +84,19 @@ def forward_kernel(
         valid = idx >= 0
         safe = tl.where(valid, idx, 0)
         mask_nd = valid[:, None] & mask_d[None, :]
-        kt = tl.load(k_ptr + b * skb + safe[:, None] * sks + kh * skh + offs_d[None, :] * skd, mask=mask_nd, other=0.0)
-        vt = tl.load(v_ptr + b * svb + safe[:, None] * svs + kh * svh + offs_d[None, :] * svd, mask=mask_nd, other=0.0)
+        kt = tl.load(
+            k_ptr + b * skb + safe[:, None] * sks + kh * skh + offs_d[None, :] * skd,
+            mask=mask_nd, other=0.0,
+        ).to(ACC_DTYPE)
+        vt = tl.load(
+            v_ptr + b * svb + safe[:, None] * svs + kh * svh + offs_d[None, :] * svd,
+            mask=mask_nd, other=0.0,
+        ).to(ACC_DTYPE)
         if USE_DOT:
-            if IEEE:
-                logits = tl.dot(q, tl.trans(kt), input_precision="ieee")
-            else:
-                logits = tl.dot(q, tl.trans(kt), out_dtype=tl.float32)
+            logits = tl.dot(q, tl.trans(kt), input_precision="ieee")
         else:
-            logits = tl.sum(q[:, None, :].to(ACC_DTYPE) * kt[None, :, :].to(ACC_DTYPE), axis=2)
-        logits = tl.where(valid[None, :], logits.to(ACC_DTYPE) * scale, float("-inf"))
+            logits = tl.sum(q[:, None, :] * kt[None, :, :], axis=2)
+        logits = tl.where(valid[None, :], logits * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(logits, axis=1))
         # An all-unused block keeps m at -inf; shift by 0 then so exp() sees -inf, never nan.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -98,13 +104,10 @@ def forward_kernel(
         p = tl.exp(logits - m_safe[:, None])
         total = total * alpha + tl.sum(p, axis=1)
         if USE_DOT:
-            if IEEE:
-                pv = tl.dot(p, vt, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(vt.dtype), vt, out_dtype=tl.float32)
+            pv = tl.dot(p, vt, input_precision="ieee")
         else:
-            pv = tl.sum(p[:, :, None] * vt[None, :, :].to(ACC_DTYPE), axis=1)
-        acc = acc * alpha[:, None] + pv.to(ACC_DTYPE)
+            pv = tl.sum(p[:, :, None] * vt[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
         m = m_new
 
     has_any = total > 0.0
@@ -127,7 +130,7 @@ def dq_kernel(
     sdb, sdt, sdh,
     sdqb, sdqt, sdqh, sdqd,
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    USE_DOT: tl.constexpr, IEEE: tl.constexpr, ACC_DTYPE: tl.constexpr,
+    USE_DOT: tl.constexpr, ACC_DTYPE: tl.constexpr,
 ):
     t = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -138,8 +141,14 @@ def dq_kernel(
     mask_g = offs_g < G
     mask_d = offs_d < D
     mask_gd = mask_g[:, None] & mask_d[None, :]
-    q = tl.load(q_ptr + b * sqb + t * sqt + heads[:, None] * sqh + offs_d[None, :] * sqd, mask=mask_gd, other=0.0)
-    do = tl.load(do_ptr + b * sdob + t * sdot + heads[:, None] * sdoh + offs_d[None, :] * sdod, mask=mask_gd, other=0.0)
+    q = tl.load(
+        q_ptr + b * sqb + t * sqt + heads[:, None] * sqh + offs_d[None, :] * sqd,
+        mask=mask_gd, other=0.0,
+    ).to(ACC_DTYPE)
+    do = tl.load(
+        do_ptr + b * sdob + t * sdot + heads[:, None] * sdoh + offs_d[None, :] * sdod,
+        mask=mask_gd, other=0.0,
+    ).to(ACC_DTYPE)
     lse = tl.load(lse_ptr + b * slb + t * slt + heads * slh, mask=mask_g, other=0.0).to(ACC_DTYPE)
     delta = tl.load(delta_ptr + b * sdb + t * sdt + heads * sdh, mask=mask_g, other=0.0).to(ACC_DTYPE)
 
@@ -150,28 +159,26 @@ def dq_kernel(
         valid = idx >= 0
         safe = tl.where(valid, idx, 0)
         mask_nd = valid[:, None] & mask_d[None, :]
-        kt = tl.load(k_ptr + b * skb + safe[:, None] * sks + kh * skh + offs_d[None, :] * skd, mask=mask_nd, other=0.0)
-        vt = tl.load(v_ptr + b * svb + safe[:, None] * svs + kh * svh + offs_d[None, :] * svd, mask=mask_nd, other=0.0)
+        kt = tl.load(
+            k_ptr + b * skb + safe[:, None] * sks + kh * skh + offs_d[None, :] * skd,
+            mask=mask_nd, other=0.0,
+        ).to(ACC_DTYPE)
+        vt = tl.load(
+            v_ptr + b * svb + safe[:, None] * svs + kh * svh + offs_d[None, :] * svd,
+            mask=mask_nd, other=0.0,
+        ).to(ACC_DTYPE)
         if USE_DOT:
-            if IEEE:
-                logits = tl.dot(q, tl.trans(kt), input_precision="ieee")
-                dp = tl.dot(do, tl.trans(vt), input_precision="ieee")
-            else:
-                logits = tl.dot(q, tl.trans(kt), out_dtype=tl.float32)
-                dp = tl.dot(do, tl.trans(vt), out_dtype=tl.float32)
+            logits = tl.dot(q, tl.trans(kt), input_precision="ieee")
+            dp = tl.dot(do, tl.trans(vt), input_precision="ieee")
         else:
-            logits = tl.sum(q[:, None, :].to(ACC_DTYPE) * kt[None, :, :].to(ACC_DTYPE), axis=2)
-            dp = tl.sum(do[:, None, :].to(ACC_DTYPE) * vt[None, :, :].to(ACC_DTYPE), axis=2)
-        logits = logits.to(ACC_DTYPE) * scale
-        p = tl.where(valid[None, :], tl.exp(logits - lse[:, None]), 0.0)
-        ds = p * (dp.to(ACC_DTYPE) - delta[:, None])
+            logits = tl.sum(q[:, None, :] * kt[None, :, :], axis=2)
+            dp = tl.sum(do[:, None, :] * vt[None, :, :], axis=2)
+        p = tl.where(valid[None, :], tl.exp(logits * scale - lse[:, None]), 0.0)
+        ds = p * (dp - delta[:, None])
         if USE_DOT:
-            if IEEE:
-                dq += tl.dot(ds, kt, input_precision="ieee")
-            else:
-                dq += tl.dot(ds.to(kt.dtype), kt, out_dtype=tl.float32)
+            dq += tl.dot(ds, kt, input_precision="ieee")
         else:
-            dq += tl.sum(ds[:, :, None] * kt[None, :, :].to(ACC_DTYPE), axis=1)
+            dq += tl.sum(ds[:, :, None] * kt[None, :, :], axis=1)
     dq = dq * scale
     tl.store(dq_ptr + b * sdqb + t * sdqt + heads[:, None] * sdqh + offs_d[None, :] * sdqd,
              dq.to(dq_ptr.dtype.element_ty), mask=mask_gd)

@@ -12,8 +12,8 @@ with -1 at the end. A row's result depends on that row alone, never on the rest 
 How: every score becomes one int64 key whose order is the order above and which is unique within
 a row: the float32 score mapped to an order-preserving int32 in the high half, (keys - 1 - index)
 in the low half. With no ties left, any correct top-k returns the same thing: `torch.topk` on the
-keys here; in the Triton kernel a running best-KB buffer merged with each block of KB keys by
-bitonic sorts (the top KB of two sorted lists A and B is in max(A[i], B[KB-1-i])). float64 scores
+keys here; in the Triton kernel a running best-KB buffer merged with each block of KB keys by a
+bitonic network (the top KB of sorted lists A and B is in max(A[i], B[KB-1-i])). float64 scores
 do not fit that packing; the PyTorch path sorts them with a stable sort instead.
 
 Not covered: k > 2**15 in the Triton kernel (the buffer lives in registers).
@@ -35,9 +35,11 @@ def _topk_kernel(
     R, T, S, K, sentinel,
     ssb, sst, sss,
     sob, sot, sok,
-    BLOCK_R: tl.constexpr, KB: tl.constexpr,
+    BLOCK_R: tl.constexpr, KB: tl.constexpr, LOG_KB: tl.constexpr,
 ):
-    # BLOCK_R rows (flat over batch and tokens) per program, sorted side by side.
+    # BLOCK_R rows (flat over batch and tokens) per program, side by side. The sorting network is
+    # written out here with reshape/split/join rather than tl.sort, whose interpreted form is
+    # element-by-element Python (minutes for a test); on a GPU both are bitonic networks.
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
     b = (rows // T).to(tl.int64)
@@ -56,8 +58,35 @@ def _topk_kernel(
         ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
         key = (ordered.to(tl.int64) << 32) | (S - 1 - offs).to(tl.int64)[None, :]
         key = tl.where(selectable, key, sentinel)
-        block_asc = tl.sort(key, dim=1, descending=False)
-        best = tl.sort(tl.maximum(best, block_asc), dim=1, descending=True)
+
+        # Bitonic sort of the block, ascending: stage s merges runs of 2**s, each run ascending
+        # or descending by bit s of its position; step j compares elements 2**j apart.
+        for stage in tl.static_range(1, LOG_KB + 1):
+            for jj in tl.static_range(0, stage):
+                j: tl.constexpr = stage - 1 - jj
+                runs: tl.constexpr = KB >> (j + 1)
+                span: tl.constexpr = 1 << j
+                pairs = tl.permute(tl.reshape(key, [BLOCK_R, runs, 2, span]), [0, 1, 3, 2])
+                lo, hi = tl.split(pairs)
+                down = ((tl.arange(0, runs) >> (stage - 1 - j)) & 1)[None, :, None] == 1
+                small = tl.minimum(lo, hi)
+                large = tl.maximum(lo, hi)
+                pairs = tl.join(tl.where(down, large, small), tl.where(down, small, large))
+                key = tl.reshape(tl.permute(pairs, [0, 1, 3, 2]), [BLOCK_R, KB])
+
+        # max(best descending, block ascending) holds the top KB of both and is bitonic; one
+        # merge pass sorts it descending.
+        merged = tl.maximum(best, key)
+        for jj in tl.static_range(0, LOG_KB):
+            j: tl.constexpr = LOG_KB - 1 - jj
+            runs: tl.constexpr = KB >> (j + 1)
+            span: tl.constexpr = 1 << j
+            pairs = tl.permute(tl.reshape(merged, [BLOCK_R, runs, 2, span]), [0, 1, 3, 2])
+            lo, hi = tl.split(pairs)
+            pairs = tl.join(tl.maximum(lo, hi), tl.minimum(lo, hi))
+            merged = tl.reshape(tl.permute(pairs, [0, 1, 3, 2]), [BLOCK_R, KB])
+        best = merged
+
     index = tl.where(best == sentinel, -1, (S - 1) - (best & 0xFFFFFFFF))
     out_mask = row_ok[:, None] & (lanes < K)[None, :]
     tl.store(out_ptr + (b * sob + t * sot)[:, None] + lanes[None, :] * sok, index, mask=out_mask)
@@ -120,7 +149,7 @@ def _topk_triton(scores: torch.Tensor, k: int) -> torch.Tensor:
     kernel[(triton.cdiv(rows, block_r),)](
         scores, out, rows, tokens, keys, k, _INT64_MIN,
         *scores.stride(), *out.stride(),
-        BLOCK_R=block_r, KB=kb,
+        BLOCK_R=block_r, KB=kb, LOG_KB=kb.bit_length() - 1,
     )
     return out
 

@@ -52,6 +52,7 @@ class ModelInit(_Model):
     vocab_size: int = Field(512, ge=32)
     """Size of the tokenizer trained on the job's task sets."""
     max_position_embeddings: int = Field(1024, ge=16)
+    tie_word_embeddings: bool = True
     seed: int = 0
 
     @model_validator(mode="after")
@@ -88,6 +89,9 @@ class TaskGenerator(_Model):
 
     count: int = Field(ge=1)
     seed: int = 0
+    split: Literal["train", "heldout"] = "train"
+    """Which side of the environment's fixed train/held-out partition to draw from; held-out
+    tasks never coincide with training tasks, whatever the seeds."""
 
 
 class TaskSetSpec(_Model):
@@ -125,6 +129,11 @@ class _StageBase(_Model):
     """Names of entries in `spec.tasks` to train on."""
     max_steps: int = Field(100, ge=1)
     learning_rate: float = Field(1e-5, gt=0, le=1)
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up from 0 to learningRate over this many steps."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After warm-up: keep learningRate, or decay it along a cosine to minLrRatio at maxSteps."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
     batch_size: int = Field(32, ge=1)
     """Trajectories per optimizer step."""
     micro_batch_size: int = Field(8, ge=1)
@@ -260,6 +269,7 @@ class WeightSyncSpec(_Model):
     bucket_bytes: int = Field(1 << 20, ge=4096)
     """Tensors are streamed in checksummed buckets of about this size."""
     timeout_seconds: float = Field(120, gt=0)
+    resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="2Gi"))
 
 
 class StorageSpec(_Model):
@@ -273,6 +283,7 @@ class BufferSpec(_Model):
     capacity: int = Field(4096, ge=1)
     """Trajectories held before producers are told to back off."""
     storage: StorageSpec = Field(default_factory=StorageSpec)
+    resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="2Gi"))
 
 
 class CheckpointSpec(_Model):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+SERVICE_UP = Gauge("kiln_service_up", "1 while the service is serving", ["service"])
+
 # --- policy versions and off-policy drift ---------------------------------------------------
 POLICY_VERSION = Gauge(
     "kiln_policy_version", "Policy version a component currently holds", ["component"])
@@ -16,6 +18,8 @@ STALENESS = Histogram(
     "kiln_trajectory_staleness",
     "Trainer version minus the oldest policy version of a trajectory, when served for training",
     buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32))
+FRESHNESS_TAU = Gauge(
+    "kiln_freshness_tau", "The freshness bound tau the buffer applies (absent: no bound)")
 DROPPED_STALE = Counter(
     "kiln_trajectories_dropped_stale_total", "Trajectories dropped by freshness control (tau)")
 RATIO_MASK_FRACTION = Gauge(
@@ -39,6 +43,11 @@ STEP_SECONDS = Histogram(
 TRAINER_IDLE_SECONDS = Counter(
     "kiln_trainer_idle_seconds_total", "Time the trainer waited for a batch")
 REWARD_MEAN = Gauge("kiln_reward_mean", "Mean reward of the last training batch")
+TRAINER_TOKENS_PER_SECOND = Gauge(
+    "kiln_trainer_tokens_per_second", "Tokens (all positions, prompt included) per second, last step")
+CHECKPOINT_SECONDS = Histogram(
+    "kiln_trainer_checkpoint_seconds", "Wall time of writing one trainer checkpoint",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300))
 
 # --- weight sync -----------------------------------------------------------------------------
 SYNC_SECONDS = Histogram(

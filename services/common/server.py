@@ -30,10 +30,11 @@ from typing import Any, Awaitable, Callable, Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import Gauge, start_http_server
+from prometheus_client import start_http_server
 
 from kiln.api.spec import RLJob
 from kiln.api.validate import ManifestError, load_job
+from kiln.services.common import metrics
 from kiln.services.common.interceptors import ObservabilityInterceptor
 from kiln.services.common.logs import setup_logging
 
@@ -46,7 +47,7 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
 
-UP = Gauge("kiln_service_up", "1 while the service is serving", ["service"])
+UP = metrics.SERVICE_UP
 
 
 @dataclass

@@ -69,6 +69,7 @@ def train_tokenizer(
     *,
     vocab_size: int = 512,
     special_tokens: list[str] = DEFAULT_SPECIAL_TOKENS,
+    split_digits: bool = False,
 ) -> Path:
     """Train a byte-level BPE tokenizer on `texts` and save it as a Hugging Face tokenizer
     directory at `out_dir` (created if needed). Returns `out_dir`.
@@ -91,7 +92,11 @@ def train_tokenizer(
     out_dir.mkdir(parents=True, exist_ok=True)
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # With `split_digits`, every digit is its own pre-token, so no merge joins two digits: a
+    # tiny model then copies and computes numbers digit by digit.
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if split_digits else byte_level)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -26,7 +26,6 @@ import os
 import shutil
 import time
 import uuid
-from pathlib import Path
 
 from .cgroups import Cgroup
 from .config import NAME_PREFIX, BubblewrapConfig
@@ -78,7 +77,7 @@ class BubblewrapSandbox(Sandbox):
     async def destroy(self) -> None:
         if self._destroyed or not self._started:
             self._destroyed = True
-            return
+            return  # start() removes what it made when it fails
         self._destroyed = True
         await asyncio.to_thread(self._teardown)
 
@@ -145,8 +144,7 @@ class BubblewrapSandbox(Sandbox):
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             start_new_session=True)
         readers = asyncio.gather(drain(proc.stdout, out), drain(proc.stderr, err))
-        if stdin is not None:
-            asyncio.create_task(_feed(proc, stdin))
+        feeder = asyncio.ensure_future(_feed(proc, stdin)) if stdin is not None else None
         timed_out = False
         try:
             await asyncio.wait_for(proc.wait(), timeout)
@@ -162,6 +160,8 @@ class BubblewrapSandbox(Sandbox):
             await asyncio.to_thread(self.cgroup.kill)
         await proc.wait()
         await readers
+        if feeder is not None:
+            await feeder
         duration = time.monotonic() - t0
         oom = self.cgroup.oom_kills() > oom_before
         code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode

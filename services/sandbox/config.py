@@ -169,3 +169,19 @@ def check_owner(owner: str) -> str:
             "starting with a letter or digit"
         )
     return owner
+
+
+def config_from_spec(spec, owner: str) -> BubblewrapConfig | DockerConfig:
+    """Backend config from an RLJob's `spec.sandbox` (kiln.api.spec.SandboxSpec)."""
+    limits = SandboxLimits(memory_bytes=spec.memory, pids=spec.pids, cpu=spec.cpu,
+                           timeout_seconds=spec.timeout_seconds, network=spec.network,
+                           output_limit_bytes=spec.output_limit_bytes)
+    if spec.backend == "bubblewrap":
+        return BubblewrapConfig(limits=limits, owner=owner,
+                                rootfs=Path(spec.rootfs) if spec.rootfs else None)
+    if spec.backend == "docker":
+        data: dict = {"limits": limits, "owner": owner}
+        if spec.image:
+            data["image"] = spec.image
+        return DockerConfig(**data)
+    raise ValueError(f"backend: unknown sandbox backend {spec.backend!r} (bubblewrap | docker)")

@@ -7,7 +7,9 @@ no-new-privileges, and memory, pids and CPU limits; commands run through `exec`.
 
 Timeouts: the engine API cannot kill one exec, so on timeout the service runs `kill -9 -1` as
 the sandbox user inside the container, which signals every process of that user except the
-container's init: detached, setsid'd and double-forked children included. OOM kills are read
+container's init: detached, setsid'd and double-forked children included. When that kill cannot
+even start (a fork bomb holding every pid), the container is killed and started again, which
+empties its cgroup; the workspace lives in the container's writable layer and survives. OOM kills are read
 from the container's own memory cgroup (v1 `memory.oom_control` or v2 `memory.events`).
 
 File access goes through `get_archive`/`put_archive`; a path is first resolved inside the
@@ -24,6 +26,7 @@ import tarfile
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from .config import NAME_PREFIX, DockerConfig
 from .interface import (EXIT_OOM, EXIT_TIMEOUT, WORKSPACE, ExecResult, PathEscapeError, Sandbox,
@@ -31,6 +34,8 @@ from .interface import (EXIT_OOM, EXIT_TIMEOUT, WORKSPACE, ExecResult, PathEscap
 from .output import CappedBuffer
 
 LABEL_OWNER = "kiln.sandbox.owner"
+#: How long the in-container `kill -9 -1` may take before the container is restarted instead.
+KILL_EXEC_TIMEOUT_S = 3.0
 
 #: PID 1 of every container: waits for SIGCHLD and reaps every zombie, so killed detached
 #: processes do not pile up against the pids limit (`sleep infinity` would reap nothing).
@@ -49,6 +54,16 @@ REAPER_INIT = [
 
 _OOM_PROBE = ("cat /sys/fs/cgroup/memory/memory.oom_control 2>/dev/null "
               "|| cat /sys/fs/cgroup/memory.events 2>/dev/null")
+
+
+#: Engine calls block (HTTP over a unix socket) and an exec holds its thread for the whole
+#: command, so they get their own pool: asyncio's default one has only cpu_count + 4 threads,
+#: which would queue the 5th concurrent exec behind the others' running commands.
+_POOL = ThreadPoolExecutor(max_workers=256, thread_name_prefix="kiln-docker")
+
+
+async def _in_thread(fn, *args):
+    return await asyncio.get_running_loop().run_in_executor(_POOL, fn, *args)
 
 
 def make_client(config: DockerConfig):
@@ -76,7 +91,14 @@ class DockerSandbox(Sandbox):
 
     # -- life cycle -----------------------------------------------------------------------
     async def start(self) -> None:
-        await asyncio.to_thread(self._start)
+        fut = asyncio.ensure_future(_in_thread(self._start))
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            # The engine call goes on in its thread; wait for it so that `destroy` finds (and
+            # removes) the container instead of racing with its creation.
+            await asyncio.wait([fut])
+            raise
 
     def _start(self) -> None:
         import docker
@@ -103,7 +125,7 @@ class DockerSandbox(Sandbox):
         if self._destroyed:
             return
         self._destroyed = True
-        await asyncio.to_thread(self._teardown)
+        await _in_thread(self._teardown)
 
     def _teardown(self) -> None:
         import docker
@@ -137,9 +159,25 @@ class DockerSandbox(Sandbox):
                 return int(value)
         return 0
 
-    def _kill_all(self) -> None:
+    def _kill_all(self) -> int:
         out, err = CappedBuffer(4096), CappedBuffer(4096)
-        self._run_exec(["kill", "-9", "-1"], "/", {}, out, err)
+        return self._run_exec(["kill", "-9", "-1"], "/", {}, out, err)
+
+    def _restart(self) -> None:
+        self.client.api.kill(self.name)
+        self.client.api.start(self.name)
+
+    async def _stop_everything(self) -> None:
+        """Kill every process of the sandbox user; restart the container when even that
+        cannot run (a fork bomb holding every pid leaves no room for the `kill` process)."""
+        import docker
+        try:
+            code = await asyncio.wait_for(_in_thread(self._kill_all), KILL_EXEC_TIMEOUT_S)
+            if code == 0:
+                return
+        except (asyncio.TimeoutError, docker.errors.APIError):
+            pass
+        await _in_thread(self._restart)
 
     async def exec(self, cmd, *, timeout=None, workdir=None, env=None, stdin=None) -> ExecResult:
         if self.container is None or self._destroyed:
@@ -166,19 +204,19 @@ class DockerSandbox(Sandbox):
             finally:
                 done.set()
 
-        task = asyncio.ensure_future(asyncio.to_thread(run))
+        task = asyncio.ensure_future(_in_thread(run))
         timed_out = False
         try:
             code = await asyncio.wait_for(asyncio.shield(task), timeout)
         except asyncio.TimeoutError:
             timed_out = True
-            await asyncio.to_thread(self._kill_all)
+            await self._stop_everything()
             code = await task
         duration = time.monotonic() - t0
         oom = False
         if not timed_out and code == EXIT_OOM:
             # 137 is SIGKILL; only the cgroup's counter tells the OOM killer from `kill -9`.
-            oom = await asyncio.to_thread(self._oom_count) > 0
+            oom = await _in_thread(self._oom_count) > 0
         if timed_out:
             code = EXIT_TIMEOUT
         return ExecResult(exit_code=code, stdout=out.text(), stderr=err.text(),
@@ -199,7 +237,7 @@ class DockerSandbox(Sandbox):
         return full
 
     async def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
-        return await asyncio.to_thread(self._read, path, max_bytes)
+        return await _in_thread(self._read, path, max_bytes)
 
     def _read(self, path: str, max_bytes: int | None) -> bytes:
         import docker
@@ -217,7 +255,7 @@ class DockerSandbox(Sandbox):
         return body if max_bytes is None else body[:max_bytes]
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
-        await asyncio.to_thread(self._write, path, data, mode)
+        await _in_thread(self._write, path, data, mode)
 
     def _write(self, path: str, data: bytes, mode: int) -> None:
         full = self._resolve(path)

@@ -91,7 +91,13 @@ class Sandbox(abc.ABC):
         """Kill everything and remove every resource; safe to call twice."""
 
     async def __aenter__(self) -> "Sandbox":
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            # A half-made sandbox (cgroup made, container created, then cancelled) is still
+            # ours to remove.
+            await self.destroy()
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:

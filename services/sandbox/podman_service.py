@@ -25,6 +25,8 @@ from pathlib import Path
 
 DEFAULT_ROOT = Path(os.environ.get("KILN_PODMAN_ROOT", "/var/tmp/kiln-podman"))
 DEFAULT_IMAGE = "localhost/kiln-sandbox:latest"
+#: Seconds an exec session's conmon waits after the command exits (podman's default is 300).
+EXEC_EXIT_DELAY_S = 5
 
 #: Host tools copied into the image built by `build_host_image`, with their libraries.
 IMAGE_TOOLS = [
@@ -61,11 +63,17 @@ class PodmanService:
         for sub in ("storage", "run"):
             (self.root_dir / sub).mkdir(parents=True, exist_ok=True)
         self.socket.unlink(missing_ok=True)
+        # By default each exec leaves two conmon processes waiting 300 s for someone to read
+        # its exit code; we read it (exec_inspect) right after the output ends, so a few
+        # seconds suffice (0 would remove the session before exec_inspect sees it).
+        conf = self.root_dir / "containers.conf"
+        conf.write_text(f"[engine]\nexit_command_delay = {EXEC_EXIT_DELAY_S}\n")
+        env = {**os.environ, "CONTAINERS_CONF": str(conf)}
         log = open(self.root_dir / "service.log", "ab")
         self.proc = subprocess.Popen(
             [*podman_base_args(self.root_dir), "system", "service", "--time", "0",
              self.base_url], stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-            start_new_session=True)
+            start_new_session=True, env=env)
         log.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -9,8 +9,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from kiln.services.common.tiny_model import make_tiny_checkpoint
-from kiln.services.trainer import parallel
-from kiln.services.trainer.hf_io import (
+from kiln.services.common.modeling import parallel
+from kiln.services.common.modeling.hf_io import (
     fuse_qkv,
     iter_hf_tensors,
     load_hf_checkpoint,
@@ -18,7 +18,7 @@ from kiln.services.trainer.hf_io import (
     save_hf_checkpoint,
     split_qkv,
 )
-from kiln.services.trainer.megatron_model import ArchSpec, forward_logits, token_logprobs
+from kiln.services.common.modeling.megatron_model import ArchSpec, forward_logits, token_logprobs
 
 CASES = {
     "qwen2": dict(arch="qwen2"),
@@ -42,9 +42,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "megatron"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_logits_match_transformers(checkpoints: dict[str, Path], case: str) -> None:
-    model, spec = load_hf_checkpoint(checkpoints[case], tp=1)
+def test_logits_match_transformers(checkpoints: dict[str, Path], case: str, attention: str) -> None:
+    model, spec = load_hf_checkpoint(checkpoints[case], tp=1, attention=attention)
     hf = AutoModelForCausalLM.from_pretrained(str(checkpoints[case]), dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, spec.vocab_size, (3, 40), generator=g)

@@ -1,11 +1,25 @@
 from kiln.protos.kiln.v1 import trajectory_pb2 as _trajectory_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class AckStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ACK_STATUS_UNSPECIFIED: _ClassVar[AckStatus]
+    ACK_STATUS_ACKED: _ClassVar[AckStatus]
+    ACK_STATUS_ALREADY_ACKED: _ClassVar[AckStatus]
+    ACK_STATUS_UNKNOWN: _ClassVar[AckStatus]
+    ACK_STATUS_RELEASED: _ClassVar[AckStatus]
+ACK_STATUS_UNSPECIFIED: AckStatus
+ACK_STATUS_ACKED: AckStatus
+ACK_STATUS_ALREADY_ACKED: AckStatus
+ACK_STATUS_UNKNOWN: AckStatus
+ACK_STATUS_RELEASED: AckStatus
 
 class PutRequest(_message.Message):
     __slots__ = ("trajectories", "group_size")
@@ -40,16 +54,34 @@ class GetBatchRequest(_message.Message):
     def __init__(self, size: _Optional[int] = ..., trainer_version: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ...) -> None: ...
 
 class Batch(_message.Message):
-    __slots__ = ("trajectories", "batch_id", "trainer_version", "staleness")
+    __slots__ = ("trajectories", "batch_id", "trainer_version", "staleness", "delivery")
     TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     TRAINER_VERSION_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
+    DELIVERY_FIELD_NUMBER: _ClassVar[int]
     trajectories: _containers.RepeatedCompositeFieldContainer[_trajectory_pb2.Trajectory]
     batch_id: int
     trainer_version: int
     staleness: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, trajectories: _Optional[_Iterable[_Union[_trajectory_pb2.Trajectory, _Mapping]]] = ..., batch_id: _Optional[int] = ..., trainer_version: _Optional[int] = ..., staleness: _Optional[_Iterable[int]] = ...) -> None: ...
+    delivery: int
+    def __init__(self, trajectories: _Optional[_Iterable[_Union[_trajectory_pb2.Trajectory, _Mapping]]] = ..., batch_id: _Optional[int] = ..., trainer_version: _Optional[int] = ..., staleness: _Optional[_Iterable[int]] = ..., delivery: _Optional[int] = ...) -> None: ...
+
+class AckBatchRequest(_message.Message):
+    __slots__ = ("batch_id",)
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    def __init__(self, batch_id: _Optional[int] = ...) -> None: ...
+
+class AckBatchResponse(_message.Message):
+    __slots__ = ("status", "trajectories", "detail")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    status: AckStatus
+    trajectories: int
+    detail: str
+    def __init__(self, status: _Optional[_Union[AckStatus, str]] = ..., trajectories: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class SetTrainerVersionRequest(_message.Message):
     __slots__ = ("version",)
@@ -72,7 +104,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BufferStatus(_message.Message):
-    __slots__ = ("depth", "ready", "groups_pending", "groups_ready", "accepted", "served", "dropped_stale", "dropped_other", "batches", "max_staleness", "trainer_version", "capacity", "group_size", "tau")
+    __slots__ = ("depth", "ready", "groups_pending", "groups_ready", "accepted", "served", "dropped_stale", "dropped_other", "batches", "max_staleness", "trainer_version", "capacity", "group_size", "tau", "leased", "leases", "batches_acked", "redeliveries", "lease_timeout")
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     GROUPS_PENDING_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +119,11 @@ class BufferStatus(_message.Message):
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     TAU_FIELD_NUMBER: _ClassVar[int]
+    LEASED_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_ACKED_FIELD_NUMBER: _ClassVar[int]
+    REDELIVERIES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     depth: int
     ready: int
     groups_pending: int
@@ -101,7 +138,12 @@ class BufferStatus(_message.Message):
     capacity: int
     group_size: int
     tau: int
-    def __init__(self, depth: _Optional[int] = ..., ready: _Optional[int] = ..., groups_pending: _Optional[int] = ..., groups_ready: _Optional[int] = ..., accepted: _Optional[int] = ..., served: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., dropped_other: _Optional[int] = ..., batches: _Optional[int] = ..., max_staleness: _Optional[int] = ..., trainer_version: _Optional[int] = ..., capacity: _Optional[int] = ..., group_size: _Optional[int] = ..., tau: _Optional[int] = ...) -> None: ...
+    leased: int
+    leases: int
+    batches_acked: int
+    redeliveries: int
+    lease_timeout: float
+    def __init__(self, depth: _Optional[int] = ..., ready: _Optional[int] = ..., groups_pending: _Optional[int] = ..., groups_ready: _Optional[int] = ..., accepted: _Optional[int] = ..., served: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., dropped_other: _Optional[int] = ..., batches: _Optional[int] = ..., max_staleness: _Optional[int] = ..., trainer_version: _Optional[int] = ..., capacity: _Optional[int] = ..., group_size: _Optional[int] = ..., tau: _Optional[int] = ..., leased: _Optional[int] = ..., leases: _Optional[int] = ..., batches_acked: _Optional[int] = ..., redeliveries: _Optional[int] = ..., lease_timeout: _Optional[float] = ...) -> None: ...
 
 class BufferRecord(_message.Message):
     __slots__ = ("trajectory", "group_size")

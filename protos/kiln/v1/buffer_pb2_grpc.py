@@ -44,6 +44,11 @@ class BufferStub:
                 request_serializer=kiln_dot_v1_dot_buffer__pb2.GetBatchRequest.SerializeToString,
                 response_deserializer=kiln_dot_v1_dot_buffer__pb2.Batch.FromString,
                 _registered_method=True)
+        self.AckBatch = channel.unary_unary(
+                '/kiln.v1.Buffer/AckBatch',
+                request_serializer=kiln_dot_v1_dot_buffer__pb2.AckBatchRequest.SerializeToString,
+                response_deserializer=kiln_dot_v1_dot_buffer__pb2.AckBatchResponse.FromString,
+                _registered_method=True)
         self.SetTrainerVersion = channel.unary_unary(
                 '/kiln.v1.Buffer/SetTrainerVersion',
                 request_serializer=kiln_dot_v1_dot_buffer__pb2.SetTrainerVersionRequest.SerializeToString,
@@ -76,8 +81,19 @@ class BufferServicer:
 
     def GetBatch(self, request, context):
         """Up to `timeout_seconds`, wait until `size` trajectories made of whole groups are ready, then
-        serve them (oldest first) and mark them consumed durably. On timeout an empty batch comes
-        back (or, with allow_partial, whatever whole groups are ready).
+        lease them (oldest first) under a new batch_id, recorded durably. On timeout an empty batch
+        comes back (or, with allow_partial, whatever whole groups are ready). A batch whose lease
+        ended without an ack (lease timeout, or leased before a restart) is served again first, as it
+        was and under its batch_id, less any groups that have since become stale.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AckBatch(self, request, context):
+        """The trainer is done with a batch: its trajectories are consumed (never served again, and
+        their storage reclaimed). Idempotent: acking an unknown or already-acked batch changes
+        nothing and says so in `status`. Safe to retry on UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -92,7 +108,7 @@ class BufferServicer:
 
     def Configure(self, request, context):
         """Change the default group size and tau (e.g. at a stage boundary), optionally dropping
-        everything not yet served. Durable: survives a restart.
+        everything not yet consumed. Durable: survives a restart.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -116,6 +132,11 @@ def add_BufferServicer_to_server(servicer, server):
                     servicer.GetBatch,
                     request_deserializer=kiln_dot_v1_dot_buffer__pb2.GetBatchRequest.FromString,
                     response_serializer=kiln_dot_v1_dot_buffer__pb2.Batch.SerializeToString,
+            ),
+            'AckBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.AckBatch,
+                    request_deserializer=kiln_dot_v1_dot_buffer__pb2.AckBatchRequest.FromString,
+                    response_serializer=kiln_dot_v1_dot_buffer__pb2.AckBatchResponse.SerializeToString,
             ),
             'SetTrainerVersion': grpc.unary_unary_rpc_method_handler(
                     servicer.SetTrainerVersion,
@@ -187,6 +208,33 @@ class Buffer:
             '/kiln.v1.Buffer/GetBatch',
             kiln_dot_v1_dot_buffer__pb2.GetBatchRequest.SerializeToString,
             kiln_dot_v1_dot_buffer__pb2.Batch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AckBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kiln.v1.Buffer/AckBatch',
+            kiln_dot_v1_dot_buffer__pb2.AckBatchRequest.SerializeToString,
+            kiln_dot_v1_dot_buffer__pb2.AckBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

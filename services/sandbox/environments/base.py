@@ -76,7 +76,6 @@ class Environment(abc.ABC):
 def normalize_answer(text: str) -> str:
     """Lowercase, drop punctuation, articles and extra spaces: `The  Eiffel-Tower.` ->
     `eiffel tower`. Numbers keep their decimal point (`3.50` -> `3.5`)."""
-    import re
     import string
     text = text.strip().lower()
     try:

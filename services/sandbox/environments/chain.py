@@ -1,18 +1,23 @@
 """The quickstart's task environment, `chain`: several dependent calculator calls, then an answer.
 
-A task is a start value and a list of steps (`*17`, `-408`, `+95`, ...). The agent must apply
-the steps in order by calling a sandboxed calculator, copying each observation into the next
-call, and finally answer the last result. The answer is verifiable (reward 0/1).
+A task is a start value, a step (multiply, modulo, add: `*7%97+5`) and a count. The agent must
+apply the step that many times by calling a sandboxed calculator, copying each observation into
+the next call, and finally answer the last result. The answer is verifiable (reward 0/1). (A
+first design with a different step per call was too slow for a sub-million-parameter model to
+imitate on two cores: picking the k-th step is the hard part, not the copying.)
 
 The text protocol (every tag is one special token of the quickstart tokenizer):
 
-    <task>37 *48 -15 +203 *3</task>                 prompt (not trained on)
-    <call>calc 37*48</call>                         action (trained on)
-    <obs>1776</obs>                                 observation appended by the environment
-    <call>calc 1776-15</call>
-    <obs>1761</obs>
-    ...
-    <answer>5892</answer>                           final action; the episode ends
+    <task>37 *7%97+5 x4</task>          prompt (not trained on)
+    <call>calc 37*7%97+5</call>         action (trained on)
+    <obs>70</obs>                       observation appended by the environment
+    <call>calc 70*7%97+5</call>
+    <obs>10</obs>
+    <call>calc 10*7%97+5</call>
+    <obs>75</obs>
+    <call>calc 75*7%97+5</call>
+    <obs>45</obs>
+    <answer>45</answer>                 final action; the episode ends
 
 An action may start with `<think>...</think>` (free text, ignored by the parser). Generation of
 an action stops at `</call>` or `</answer>` (`STOP_TAGS`). Anything that is neither one well-formed
@@ -20,10 +25,12 @@ call nor one well-formed answer is `Invalid` and ends the episode with reward 0.
 
 `scripted_solver` writes expert trajectories for SFT. It is deliberately imperfect in ONE
 systematic way: whenever it copies an observation that ends in the digit 0 (into the next call
-or into the answer) it drops that final 0 (`1760` is copied as `176`), with probability
+or into the answer) it drops that final 0 (`70` is copied as `7`), with probability
 `mistake_rate` (default 1.0: always). It never errs otherwise, except for optional random digit
 slips (`slip_rate`, default 0). Imitation learns the mistake as a rule; a 0/1 reward lets RL
-unlearn it. About a third of tasks (4 steps) hit the mistake at least once.
+unlearn it. About 30% of 4-step tasks hit the mistake at least once (the solver solves ~70%).
+
+`ChainEnvironment` is the same task in the sandbox service's `Environment` interface.
 
 Not covered: running the tool in a sandbox (the sandbox service runs `tool_command`'s argv),
 the agent loop (rollout service), tokenizers and models (benchmarks/quickstart/trial.py).
@@ -31,16 +38,16 @@ the agent loop (rollout service), tokenizers and models (benchmarks/quickstart/t
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Literal
+from typing import ClassVar, Iterable, Literal
 
 from pydantic import Field, model_validator
 
-from .base import TaskBase
+from ..interface import Sandbox
+from .base import Environment, TaskBase, VerifyResult
 
 #: Special tokens of the protocol; a tokenizer must keep each one a single token.
 SPECIAL_TOKENS = (
@@ -53,9 +60,9 @@ STOP_TAGS = ("</call>", "</answer>")
 MAX_ACTIONS = 8
 #: Longest expression the calculator accepts (keeps results small and evaluation instant).
 MAX_EXPR_CHARS = 64
-#: Values every intermediate result stays within (so observations are at most 5 digits).
-VALUE_RANGE = (1, 99_999)
-OPS = ("+", "-", "*")
+#: The step every task repeats: multiply, reduce modulo, add (`*7%97+5`); Python's precedence
+#: evaluates it left to right, so the call needs no parentheses and values stay below m + b.
+STEP_RE = re.compile(r"\*([2-9])%([1-9][0-9]{1,2})\+([1-9][0-9]?)")
 
 Split = Literal["train", "heldout"]
 #: One task in this many is held out; membership is a hash of the task's content, so no seed
@@ -67,96 +74,79 @@ HELDOUT_EVERY = 5
 
 
 class ChainTask(TaskBase):
-    """One task record (a JSONL line of a chain TaskSet)."""
+    """One task record (a JSONL line of a chain TaskSet): apply `step` to `start`, `repeats`
+    times, each time to the previous result."""
 
     prompt: str
-    """The prompt text, `<task>START STEP STEP ...</task>`."""
-    start: int = Field(ge=VALUE_RANGE[0], le=VALUE_RANGE[1])
-    steps: list[str] = Field(min_length=1)
-    """Each an operator and a positive operand, e.g. `*17`, `-408`."""
+    """The prompt text, `<task>START STEP xREPEATS</task>`, e.g. `<task>37 *7%97+5 x4</task>`."""
+    start: int = Field(ge=0, le=9_999)
+    step: str
+    """Multiply, modulo, add, e.g. `*7%97+5` (see `STEP_RE`)."""
+    repeats: int = Field(ge=1, le=9)
+    """How many dependent calculator calls the task takes."""
     answer: int
-    """The value after applying every step to `start`."""
+    """The value after applying `step` `repeats` times."""
 
     @model_validator(mode="after")
     def _consistent(self) -> "ChainTask":
-        for step in self.steps:
-            if not re.fullmatch(r"[+\-*][1-9][0-9]{0,3}", step):
-                raise ValueError(f"steps: {step!r} is not an operator and a positive operand")
-        if self.prompt != render_prompt(self.start, self.steps):
-            raise ValueError(f"prompt: {self.prompt!r} does not match start and steps")
-        if self.answer != chain_values(self.start, self.steps)[-1]:
+        if not STEP_RE.fullmatch(self.step):
+            raise ValueError(f"step: {self.step!r} is not of the form *A%M+B")
+        if self.prompt != render_prompt(self.start, self.step, self.repeats):
+            raise ValueError(f"prompt: {self.prompt!r} does not match start, step and repeats")
+        if self.answer != chain_values(self.start, self.step, self.repeats)[-1]:
             raise ValueError(f"answer: {self.answer} is not the result of the steps")
         return self
 
 
-def render_prompt(start: int, steps: list[str]) -> str:
-    return "<task>" + " ".join([str(start), *steps]) + "</task>"
+def render_prompt(start: int, step: str, repeats: int) -> str:
+    return f"<task>{start} {step} x{repeats}</task>"
 
 
 def apply_step(value: int, step: str) -> int:
-    op, operand = step[0], int(step[1:])
-    if op == "+":
-        return value + operand
-    if op == "-":
-        return value - operand
-    return value * operand
+    return evaluate_expression(f"{value}{step}")
 
 
-def chain_values(start: int, steps: list[str]) -> list[int]:
+def chain_values(start: int, step: str, repeats: int) -> list[int]:
     """Every intermediate result, last one the answer."""
-    values = []
-    value = start
-    for step in steps:
-        value = apply_step(value, step)
-        values.append(value)
+    values = [apply_step(start, step)]
+    for _ in range(repeats - 1):
+        values.append(apply_step(values[-1], step))
     return values
 
 
-def _random_step(rng: random.Random, value: int) -> str:
-    lo, hi = VALUE_RANGE
-    while True:
-        op = rng.choice(OPS)
-        operand = rng.randint(2, 19) if op == "*" else rng.randint(1, 999)
-        if lo <= apply_step(value, f"{op}{operand}") <= hi:
-            return f"{op}{operand}"
-
-
-def _content_hash(start: int, steps: list[str]) -> int:
-    digest = hashlib.sha256(" ".join([str(start), *steps]).encode()).digest()
+def _content_hash(start: int, step: str, repeats: int) -> int:
+    digest = hashlib.sha256(f"{start} {step} x{repeats}".encode()).digest()
     return int.from_bytes(digest[:8], "big")
 
 
-def task_split(start: int, steps: list[str]) -> Split:
-    return "heldout" if _content_hash(start, steps) % HELDOUT_EVERY == 0 else "train"
+def task_split(start: int, step: str, repeats: int) -> Split:
+    return "heldout" if _content_hash(start, step, repeats) % HELDOUT_EVERY == 0 else "train"
 
 
 def generate_tasks(count: int, seed: int, *, split: Split = "train", num_steps: int = 4
                    ) -> list[ChainTask]:
-    """`count` distinct tasks of `split`, the same for the same arguments. Train and held-out
-    tasks never coincide (whatever the seeds); different seeds give different streams."""
+    """`count` distinct tasks of `split` with `num_steps` calls each, the same for the same
+    arguments. Train and held-out tasks never coincide (whatever the seeds); different seeds
+    give different streams."""
     if count < 0:
         raise ValueError(f"count: must be >= 0, got {count}")
-    if num_steps < 1:
-        raise ValueError(f"num_steps: must be >= 1, got {num_steps}")
+    if not 1 <= num_steps <= 9:
+        raise ValueError(f"num_steps: must be in 1..9, got {num_steps}")
     if split not in ("train", "heldout"):
         raise ValueError(f"split: must be 'train' or 'heldout', got {split!r}")
     rng = random.Random(f"chain/{seed}/{num_steps}")
-    seen: set[tuple[int, tuple[str, ...]]] = set()
+    seen: set[tuple[int, str]] = set()
     tasks: list[ChainTask] = []
     while len(tasks) < count:
-        start = rng.randint(10, 999)
-        steps: list[str] = []
-        value = start
-        for _ in range(num_steps):
-            steps.append(_random_step(rng, value))
-            value = apply_step(value, steps[-1])
-        key = (start, tuple(steps))
-        if key in seen or task_split(start, steps) != split:
+        start = rng.randint(10, 99)
+        step = f"*{rng.randint(2, 9)}%{rng.randint(11, 199)}+{rng.randint(1, 99)}"
+        if (start, step) in seen or task_split(start, step, num_steps) != split:
             continue
-        seen.add(key)
+        seen.add((start, step))
         tasks.append(ChainTask(
-            id=f"chain-{split}-{seed}-{len(tasks)}", prompt=render_prompt(start, steps),
-            start=start, steps=steps, answer=value,
+            id=f"chain-{split}-{seed}-{len(tasks)}",
+            prompt=render_prompt(start, step, num_steps), start=start, step=step,
+            repeats=num_steps, answer=chain_values(start, step, num_steps)[-1],
         ))
     return tasks
 
@@ -215,59 +205,89 @@ def parse_action(text: str) -> Call | Answer | Invalid:
 
 # ----------------------------------------------------------------------------- the tool
 
-#: The calculator, run as `python3 -c CALC_PROGRAM EXPR`. Integers, + - * // %, unary minus and
-#: parentheses only; anything else (names, calls, powers) exits 1. The expression is an argv
-#: element, never spliced into code or a shell line.
-CALC_PROGRAM = r'''
-import ast, sys
-
-def calc(expr):
-    if len(expr) > %d:
-        raise ValueError("expression too long")
-    def ev(node):
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            return node.value
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-            v = ev(node.operand)
-            return -v if isinstance(node.op, ast.USub) else v
-        if isinstance(node, ast.BinOp):
-            a, b = ev(node.left), ev(node.right)
-            if isinstance(node.op, ast.Add): return a + b
-            if isinstance(node.op, ast.Sub): return a - b
-            if isinstance(node.op, ast.Mult): return a * b
-            if isinstance(node.op, ast.FloorDiv): return a // b
-            if isinstance(node.op, ast.Mod): return a %% b
-        raise ValueError("unsupported expression")
-    return ev(ast.parse(expr, mode="eval").body)
-
-if __name__ == "__main__":
-    try:
-        print(calc(sys.argv[1]))
-    except Exception as exc:
-        print("error: %%s" %% exc, file=sys.stderr)
-        sys.exit(1)
-''' % MAX_EXPR_CHARS
-
-_calc_namespace: dict = {"__name__": "chain_calc"}
-exec(compile(CALC_PROGRAM, "<chain calc>", "exec"), _calc_namespace)
+#: The calculator is coreutils `expr`: integers, `+ - * / %` (C semantics: `/` truncates toward
+#: zero, `%` takes the dividend's sign), parentheses. Each token is its own argv element, never
+#: spliced into a shell line; a binary start (~1 ms) keeps a sandboxed call cheap.
+_TOKEN_RE = re.compile(r"\d+|[-+*/%()]|[^\s\d()+\-*/%]+")
 
 
-def evaluate_expression(expr: str) -> int:
-    """The calculator in-process (same code as `tool_command` runs); raises ValueError,
-    ZeroDivisionError or SyntaxError where the tool would exit 1."""
-    return _calc_namespace["calc"](expr)
+def tokenize(expr: str) -> list[str]:
+    """`37*7%97+5` -> `['37', '*', '7', '%', '97', '+', '5']`; a `-` that starts an operand is
+    folded into its number (`-3+1` -> `['-3', '+', '1']`), as `expr` reads negative integers."""
+    raw = _TOKEN_RE.findall(expr)
+    out: list[str] = []
+    for tok in raw:
+        if tok.isdigit() and out and out[-1] == "-" and (len(out) == 1 or out[-2] in "(+-*/%"):
+            out[-1] = "-" + tok
+        else:
+            out.append(tok)
+    return out
 
 
 def tool_command(call: Call) -> list[str]:
-    """The argv the sandbox runs to evaluate `call` (needs python3 in the image)."""
-    return ["python3", "-c", CALC_PROGRAM, call.expr]
+    """The argv the sandbox runs to evaluate `call` (needs coreutils in the image)."""
+    return ["expr", *tokenize(call.expr)]
+
+
+def evaluate_expression(expr: str) -> int:
+    """The calculator in-process, with `expr`'s semantics; raises ValueError (syntax, too long)
+    or ZeroDivisionError where the tool would fail."""
+    if len(expr) > MAX_EXPR_CHARS:
+        raise ValueError("expression too long")
+    toks = tokenize(expr)
+    pos = 0
+
+    def atom() -> int:
+        nonlocal pos
+        if pos < len(toks) and toks[pos] == "(":
+            pos += 1
+            v = sum_()
+            if pos >= len(toks) or toks[pos] != ")":
+                raise ValueError("unbalanced parenthesis")
+            pos += 1
+            return v
+        if pos < len(toks) and re.fullmatch(r"-?\d+", toks[pos]):
+            pos += 1
+            return int(toks[pos - 1])
+        raise ValueError(f"syntax error at {toks[pos] if pos < len(toks) else 'end'!r}")
+
+    def product() -> int:
+        nonlocal pos
+        v = atom()
+        while pos < len(toks) and toks[pos] in ("*", "/", "%"):
+            op = toks[pos]
+            pos += 1
+            w = atom()
+            if op == "*":
+                v = v * w
+            elif w == 0:
+                raise ZeroDivisionError("division by zero")
+            else:
+                q = abs(v) // abs(w) * (1 if (v >= 0) == (w >= 0) else -1)
+                v = q if op == "/" else v - q * w
+        return v
+
+    def sum_() -> int:
+        nonlocal pos
+        v = product()
+        while pos < len(toks) and toks[pos] in ("+", "-"):
+            op = toks[pos]
+            pos += 1
+            w = product()
+            v = v + w if op == "+" else v - w
+        return v
+
+    value = sum_()
+    if pos != len(toks):
+        raise ValueError(f"syntax error at {toks[pos]!r}")
+    return value
 
 
 def format_observation(stdout: str, exit_code: int) -> str:
     """The tool's result as the text appended to the context. Errors are one word, so a model
-    cannot be fed arbitrary text through the observation."""
+    cannot be fed arbitrary text through the observation. (`expr` exits 1 when the result is 0.)"""
     value = stdout.strip()
-    if exit_code == 0 and re.fullmatch(r"-?[0-9]{1,40}", value):
+    if exit_code in (0, 1) and re.fullmatch(r"-?[0-9]{1,40}", value):
         return f"<obs>{value}</obs>"
     return "<obs>error</obs>"
 
@@ -276,8 +296,8 @@ def run_tool_locally(call: Call) -> str:
     """`format_observation` of the calculator run in-process (tests and the CPU trial)."""
     try:
         return format_observation(str(evaluate_expression(call.expr)), 0)
-    except (ValueError, ZeroDivisionError, SyntaxError, RecursionError):
-        return format_observation("", 1)
+    except (ValueError, ZeroDivisionError, RecursionError):
+        return format_observation("", 2)
 
 
 # ----------------------------------------------------------------------------- reward
@@ -327,8 +347,8 @@ def scripted_solver(task: ChainTask, rng: random.Random, *, mistake_rate: float 
     mistake the trajectory carries on from the wrong value (and ends with a wrong answer)."""
     turns: list[Turn] = []
     current = str(task.start)  # the prompt's start value is read, not copied from a tool
-    for step in task.steps:
-        call = Call(f"{current}{step}")
+    for _ in range(task.repeats):
+        call = Call(f"{current}{task.step}")
         turns.append(Turn("action", f"<call>calc {call.expr}</call>"))
         obs = run_tool_locally(call)
         turns.append(Turn("observation", obs))
@@ -348,17 +368,44 @@ def final_answer(turns: list[Turn]) -> str | None:
     return last.value if isinstance(last, Answer) else None
 
 
+_TAG_RE = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
+
+
 def corpus_for_tokenizer(count: int = 2000, seed: int = 0) -> list[str]:
-    """Texts covering everything the protocol says (prompts, calls, observations, answers,
-    errors), for training the quickstart tokenizer."""
+    """The text between protocol tags in `count` expert episodes (prompts, calls,
+    observations, answers), plus the error word and the other calculator operators. The tags
+    themselves are left out: a tokenizer adds them as special tokens, not learned merges."""
     rng = random.Random(seed)
     texts = []
     for task in generate_tasks(count, seed=seed):
-        texts.append("".join(t for t, _ in render(task, scripted_solver(task, rng))))
-    texts += ["<obs>error</obs>", "<think>step</think>", "<call>calc (1+2)//3%4</call>"]
+        episode = "".join(t for t, _ in render(task, scripted_solver(task, rng)))
+        texts += [piece for piece in _TAG_RE.split(episode) if piece]
+    texts += ["error", "calc (1+2)//3%4"]
     return texts
 
 
-def dump_trajectory(task: ChainTask, turns: list[Turn]) -> str:
-    """One JSON line: the task id and the turns (for inspecting SFT data)."""
-    return json.dumps({"task_id": task.id, "turns": [[t.kind, t.text] for t in turns]})
+# ----------------------------------------------------------------------------- environment
+
+
+class ChainEnvironment(Environment):
+    """`chain` in the sandbox service's environment interface. The task needs no state in the
+    sandbox (the calculator is stateless), so setup does nothing and the reward depends on the
+    final answer alone. A reference solution is a file holding the answer."""
+
+    type: ClassVar[str] = "chain"
+    task_model: ClassVar[type[TaskBase]] = ChainTask
+    solution_name: ClassVar[str] = "{id}.txt"
+
+    async def setup(self, sandbox: Sandbox, task: TaskBase) -> None:
+        return None
+
+    async def verify(self, sandbox: Sandbox, task: TaskBase, answer: str | None = None
+                     ) -> VerifyResult:
+        if not isinstance(task, ChainTask):
+            raise TypeError(f"chain environment got a {type(task).__name__} task")
+        reward, parts, output = verify(task, answer)
+        return VerifyResult(reward=reward, parts=parts, output=output)
+
+    async def apply_solution(self, sandbox: Sandbox, task: TaskBase, solution: bytes
+                             ) -> str | None:
+        return solution.decode("ascii").strip()

@@ -52,7 +52,7 @@ class TerminalEnvironment(Environment):
     async def verify(self, sandbox: Sandbox, task: TerminalTask, answer: str | None = None
                      ) -> VerifyResult:
         await kill_leftovers(sandbox)
-        await sandbox.exec(f"rm -rf .kiln-verifier", timeout=10)
+        await sandbox.exec("rm -rf .kiln-verifier", timeout=10)
         await sandbox.write_file(TEST_PATH, task.test_script.encode(), mode=0o755)
         res = await sandbox.exec(["/bin/sh", TEST_PATH], timeout=task.timeout_seconds)
         await sandbox.exec("rm -rf .kiln-verifier", timeout=10)

@@ -1,6 +1,6 @@
-"""Process-group set-up for the trainer: torch.distributed plus Megatron's model-parallel groups.
+"""Process-group set-up for Megatron models: torch.distributed plus Megatron's model-parallel groups.
 
-The trainer runs tensor parallelism only (data- and pipeline-parallel size 1): a world of `tp`
+Models run tensor parallelism only (data- and pipeline-parallel size 1): a world of `tp`
 processes, one per tensor-parallel rank. Gloo on the CPU, NCCL on GPUs. A single process
 (`tp == 1`) still needs a process group because Megatron's layers ask for one; it gets a
 private one on a free loopback port.
@@ -16,7 +16,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from kiln.services.trainer import cpu_shims
+from kiln.services.common.modeling import cpu_shims
 
 
 def free_port() -> int:
@@ -25,8 +25,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_parallel(tp: int = 1, *, rank: int | None = None, init_method: str | None = None) -> None:
-    """Join (or create) the process group of `tp` ranks and build Megatron's groups.
+def init_parallel(tp: int = 1, *, rank: int | None = None, init_method: str | None = None, seed: int = 0) -> None:
+    """Join (or create) the process group of `tp` ranks, build Megatron's groups and seed
+    torch and Megatron's RNG tracker with `seed`.
 
     `rank` defaults to $RANK (0 when unset). `init_method` defaults to env:// when MASTER_ADDR
     is set, otherwise to a fresh loopback port (only valid for `tp == 1`). Idempotent for the
@@ -59,6 +60,7 @@ def init_parallel(tp: int = 1, *, rank: int | None = None, init_method: str | No
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=tp)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    cpu_shims.reset_rng(seed)
 
 
 def shutdown_parallel() -> None:

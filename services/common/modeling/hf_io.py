@@ -8,7 +8,10 @@ Megatron-core ships no converter, so the layout rules live here:
 - MLP: `linear_fc1` is `cat[gate, up]` per rank (each rank's gate shard then its up shard),
   because Megatron's gated MLP splits its local fc1 output in two halves;
 - column-parallel weights (embedding, qkv, fc1, lm head) split along rows, row-parallel ones
-  (attention output, fc2) along columns; norms are replicated.
+  (attention output, fc2) along columns; norms are replicated;
+- DSA models (config.json `kiln_dsa`): the lightning indexer's weights
+  `model.layers.N.self_attn.indexer.{wq,wk,weights_proj}.weight` map one to one onto
+  `decoder.layers.N.self_attention.indexer.*` and are replicated on every rank.
 
 `load_hf_checkpoint` fills a GPTModel from a checkpoint directory; `iter_hf_tensors` yields
 `(hf_name, tensor)` for the full (unsharded) model on every TP rank (it gathers shards, so all
@@ -21,13 +24,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 
-from kiln.services.trainer import parallel
-from kiln.services.trainer.megatron_model import ArchSpec, build_gpt_model
+from kiln.services.common.modeling import parallel
+from kiln.services.common.modeling.dsa import HF_INDEXER_WEIGHTS
+from kiln.services.common.modeling.megatron_model import ArchSpec, AttentionBackend, DSABackend, build_gpt_model
 
 # Megatron name (per layer, after "decoder.layers.{i}.") -> HF name (after "model.layers.{i}.")
 _LAYER_NORMS = {
@@ -94,6 +98,9 @@ def hf_to_megatron_shard(hf: dict[str, torch.Tensor], spec: ArchSpec, rank: int,
             bias = fuse_qkv(hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], spec)
             out[m + "self_attention.linear_qkv.bias"] = _shard(bias, 0, rank, tp)
         out[m + "self_attention.linear_proj.weight"] = _shard(hf[a + "o_proj.weight"], 1, rank, tp)
+        if spec.dsa is not None:
+            for name in HF_INDEXER_WEIGHTS:
+                out[m + f"self_attention.indexer.{name}.weight"] = hf[a + f"indexer.{name}.weight"]
         gate = _shard(hf[h + "mlp.gate_proj.weight"], 0, rank, tp)
         up = _shard(hf[h + "mlp.up_proj.weight"], 0, rank, tp)
         out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
@@ -119,11 +126,22 @@ def load_state_into(model: torch.nn.Module, mstate: dict[str, torch.Tensor]) -> 
             p.copy_(src.to(p.dtype))
 
 
-def load_hf_checkpoint(model_dir: Path, tp: int = 1, params_dtype: torch.dtype = torch.float32):
+def load_hf_checkpoint(
+    model_dir: Path,
+    tp: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+    attention: AttentionBackend = "sdpa",
+    dsa_backend: DSABackend = "auto",
+):
     """Build a GPTModel for this TP rank and fill it from `model_dir`. Returns (model, spec)."""
     spec = ArchSpec.from_dir(model_dir)
-    model = build_gpt_model(spec, tp, params_dtype)
+    model = build_gpt_model(spec, tp, params_dtype, attention, dsa_backend)
     hf = read_hf_state_dict(model_dir)
+    if spec.dsa is not None:
+        missing = [n for n in HF_INDEXER_WEIGHTS if f"model.layers.0.self_attn.indexer.{n}.weight" not in hf]
+        if missing:
+            raise ValueError(f"{model_dir}: config.json has kiln_dsa but the checkpoint lacks indexer weights "
+                             f"model.layers.N.self_attn.indexer.{{{','.join(missing)}}}.weight")
     load_state_into(model, hf_to_megatron_shard(hf, spec, parallel.tp_rank(), tp))
     return model, spec
 
@@ -161,6 +179,9 @@ def iter_hf_tensors(model: torch.nn.Module, spec: ArchSpec) -> Iterator[tuple[st
             yield a + "k_proj.bias", kb
             yield a + "v_proj.bias", vb
         yield a + "o_proj.weight", _gather(p, m + "self_attention.linear_proj.weight", 1)
+        if spec.dsa is not None:
+            for name in HF_INDEXER_WEIGHTS:
+                yield a + f"indexer.{name}.weight", p[m + f"self_attention.indexer.{name}.weight"].detach()
         gate, up = _gather_fc1(p[m + "mlp.linear_fc1.weight"])
         yield h + "mlp.gate_proj.weight", gate
         yield h + "mlp.up_proj.weight", up
@@ -178,16 +199,32 @@ def save_hf_checkpoint(
     source_dir: Path,
     dtype: torch.dtype | None = None,
 ) -> Path | None:
-    """Write the model as a HF checkpoint directory: `source_dir`'s config and tokenizer files
-    plus a fresh model.safetensors. Collective at TP>1; only TP rank 0 writes (others get None).
+    """Write the model as a HF checkpoint directory (see `write_hf_dir`). Collective at TP>1;
+    only TP rank 0 writes (the others return None)."""
+    tensors = iter_hf_tensors(model, spec)
+    if parallel.tp_rank() != 0:
+        for _ in tensors:  # take part in the gathers
+            pass
+        return None
+    return write_hf_dir(tensors, out_dir, source_dir=source_dir, dtype=dtype)
 
-    The directory appears atomically: it is written under a temporary name and renamed.
+
+def write_hf_dir(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    out_dir: Path,
+    *,
+    source_dir: Path,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """A HF checkpoint directory: `source_dir`'s config and tokenizer files plus a
+    model.safetensors of `named_tensors` (cast to `dtype` if given).
+
+    The directory appears atomically: it is written under a temporary name, fsynced and
+    renamed, replacing an existing `out_dir`.
     """
     from safetensors.torch import save_file
 
-    tensors = {n: t.to(dtype) if dtype else t for n, t in iter_hf_tensors(model, spec)}
-    if parallel.tp_rank() != 0:
-        return None
+    tensors = {n: (t.to(dtype) if dtype else t).contiguous() for n, t in named_tensors}
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     if tmp.exists():
@@ -201,7 +238,7 @@ def save_hf_checkpoint(
         cfg = json.loads((tmp / "config.json").read_text())
         cfg["torch_dtype"] = cfg["dtype"] = str(dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     fsync_tree(tmp)
     if out_dir.exists():
         shutil.rmtree(out_dir)

@@ -2,9 +2,12 @@
 
 `ArchSpec.from_hf_config` reads the dimensions out of config.json; `build_gpt_model` turns them
 into a TransformerConfig and a GPTModel with Megatron's local (pure PyTorch) layer spec, which
-runs on CPUs and GPUs alike without transformer-engine or apex. `causal_mask` gives the explicit
-attention mask Megatron needs on CPUs; `token_logprobs` runs the model and returns per-token
-log-probs of the given sequences, with the vocabulary split across tensor-parallel ranks.
+runs on CPUs and GPUs alike without transformer-engine or apex. A config.json with a `kiln_dsa`
+entry gets DeepSeek sparse attention in every layer (see `dsa.py`). `causal_mask` gives the
+explicit attention mask Megatron needs on CPUs; `token_logprobs` runs the model and returns
+per-token log-probs of the given sequences, with the vocabulary split across tensor-parallel
+ranks; `next_token_logprob` computes one such log-prob from a single logits row with the same
+arithmetic, for an inference engine that must reproduce the trainer's numbers bit for bit.
 
 Weights are not loaded here (see `hf_io.py`). Not covered: MoE, MLA, sliding-window attention,
 RoPE scaling, pipeline parallelism.
@@ -14,11 +17,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from kiln.services.trainer import cpu_shims
+from kiln.services.common.modeling import cpu_shims
+from kiln.services.common.modeling.dsa import DSAConfig, apply_dsa_spec, is_dsa_model, padded_length
 
 SUPPORTED_ARCHS = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 
@@ -40,6 +45,8 @@ class ArchSpec:
     rope_theta: float
     qkv_bias: bool
     tie_word_embeddings: bool
+    dsa: DSAConfig | None = None
+    """DeepSeek sparse attention settings (config.json `kiln_dsa`); None for dense attention."""
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "ArchSpec":
@@ -80,6 +87,7 @@ class ArchSpec:
             rope_theta=float(rope_theta),
             qkv_bias=qkv_bias,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            dsa=DSAConfig.from_hf(config["kiln_dsa"]) if config.get("kiln_dsa") is not None else None,
         )
 
     @classmethod
@@ -97,10 +105,50 @@ class ArchSpec:
                 raise ValueError(f"{field}={value} is not divisible by tensor_parallel={tp}")
 
 
-def build_gpt_model(spec: ArchSpec, tp: int, params_dtype: torch.dtype = torch.float32):
+AttentionBackend = Literal["sdpa", "megatron"]
+DSABackend = Literal["auto", "triton", "torch"]
+
+
+def _sdpa_attention_class():
+    """Megatron's local core attention with the score/softmax/context part done by
+    `torch.nn.functional.scaled_dot_product_attention` (causal, GQA-aware). Megatron's own
+    version materialises the [b, heads, s, s] scores and masks them with an explicit mask,
+    which costs ~40% of a CPU training step at sequence length 256."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class SdpaCausalAttention(DotProductAttention):
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            if packed_seq_params is not None or attention_bias is not None:
+                raise ValueError("SdpaCausalAttention supports neither packed sequences nor attention bias")
+            # [s, b, heads, d] -> [b, heads, s, d]; the mask is causal by construction of the
+            # trainer's inputs (see causal_mask), so SDPA's built-in causal masking replaces it.
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+            ctx = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.softmax_scale,
+                dropout_p=self.attention_dropout.p if self.training else 0.0,
+                enable_gqa=k.shape[1] != q.shape[1],
+            )
+            # [b, heads, s, d] -> [s, b, heads * d]
+            return ctx.permute(2, 0, 1, 3).reshape(ctx.shape[2], ctx.shape[0], self.hidden_size_per_partition)
+
+    return SdpaCausalAttention
+
+
+def build_gpt_model(
+    spec: ArchSpec,
+    tp: int,
+    params_dtype: torch.dtype = torch.float32,
+    attention: AttentionBackend = "sdpa",
+    dsa_backend: DSABackend = "auto",
+):
     """A GPTModel of `spec`'s shape on this process's TP rank (weights uninitialised).
 
-    Call `parallel.init_parallel(tp)` first.
+    `attention`: "sdpa" (PyTorch's fused causal attention) or "megatron" (Megatron's local
+    DotProductAttention with an explicit mask), for dense models. A DSA model (`spec.dsa`) is
+    built with DSA attention whatever `attention` says (it is part of the architecture, not a
+    backend choice), its kernels run on `dsa_backend` (see `kiln.kernels.dsa.backend`), and its
+    indexer parameters are frozen. Call `parallel.init_parallel(tp)` first.
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -139,6 +187,13 @@ def build_gpt_model(spec: ArchSpec, tp: int, params_dtype: torch.dtype = torch.f
         attention_softmax_in_fp32=True,
     )
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if attention not in ("sdpa", "megatron"):
+        raise ValueError(f"attention={attention!r} is not 'sdpa' or 'megatron'")
+    if spec.dsa is not None:
+        apply_dsa_spec(layer_spec, spec.dsa, dsa_backend)
+        attention = "dsa"
+    elif attention == "sdpa":
+        layer_spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class()
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
@@ -152,7 +207,38 @@ def build_gpt_model(spec: ArchSpec, tp: int, params_dtype: torch.dtype = torch.f
         rotary_percent=1.0,
         rotary_base=spec.rope_theta,
     )
+    _mark_tensor_parallel_weights(model)
+    model.kiln_attention = attention
     return model.to(cpu_shims.compute_device())
+
+
+def _mark_tensor_parallel_weights(model) -> None:
+    """Tag sharded weights as Megatron's init would (`tensor_model_parallel`, `partition_dim`).
+
+    Megatron sets these attributes only inside its weight initialisation, which is skipped
+    because the weights come from a checkpoint; without them every shard looks like a replicated
+    parameter, and the global gradient norm counts only rank 0's shards.
+    """
+    from megatron.core.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dim = 0
+        elif isinstance(module, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is not None and not getattr(weight, "tensor_model_parallel", False):
+            for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+                if hasattr(weight, attr):
+                    delattr(weight, attr)
+            set_tensor_model_parallel_attributes(weight, True, dim, 1)
 
 
 def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:
@@ -163,8 +249,17 @@ def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:
 def forward_logits(model, tokens_BS: torch.Tensor) -> torch.Tensor:
     """Logits `[B, S, V / tp]` (this rank's vocabulary shard) for right-padded `tokens_BS`."""
     b, s = tokens_BS.shape
+    if is_dsa_model(model):
+        # Causality comes from the indexer's selection, so no mask. Pad to a multiple of
+        # dsa.ROW_MULTIPLE tokens so that each row's arithmetic does not depend on the length.
+        padded = padded_length(s)
+        tokens = F.pad(tokens_BS, (0, padded - s), value=0)
+        position_ids = torch.arange(padded, device=tokens_BS.device)[None].expand(b, padded)
+        return model(tokens, position_ids, None)[:, :s]
     position_ids = torch.arange(s, device=tokens_BS.device)[None].expand(b, s)
-    return model(tokens_BS, position_ids, causal_mask(s, tokens_BS.device))
+    # SDPA masks causally itself; an explicit [S, S] mask would only cost memory at long S.
+    mask = None if getattr(model, "kiln_attention", "megatron") == "sdpa" else causal_mask(s, tokens_BS.device)
+    return model(tokens_BS, position_ids, mask)
 
 
 def token_logprobs(model, tokens_BS: torch.Tensor) -> torch.Tensor:
@@ -183,3 +278,16 @@ def token_logprobs(model, tokens_BS: torch.Tensor) -> torch.Tensor:
     )
     logp_BS = -nll_SB.transpose(0, 1)
     return F.pad(logp_BS, (1, 0), value=0.0)
+
+
+def next_token_logprob(logits_V: torch.Tensor, token: int) -> float:
+    """log p(token) from one row of logits (this rank's vocabulary shard), computed exactly as
+    `token_logprobs` computes each entry (Megatron's vocab-parallel cross entropy, row by row),
+    so an engine that samples from that row records the trainer's bits."""
+    from megatron.core import tensor_parallel
+
+    target = torch.tensor([[token]], dtype=torch.long, device=logits_V.device)
+    # A copy: Megatron's cross entropy subtracts the row maximum in place.
+    row = logits_V.float().reshape(1, 1, -1).clone()
+    nll = tensor_parallel.vocab_parallel_cross_entropy(row, target)
+    return float(-nll[0, 0])

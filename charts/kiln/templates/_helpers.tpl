@@ -1,0 +1,73 @@
+{{/* Chart name, truncated to the 63 characters a label allows. */}}
+{{- define "kiln.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Full name of the release's resources. */}}
+{{- define "kiln.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kiln.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels every resource of the chart carries. */}}
+{{- define "kiln.labels" -}}
+helm.sh/chart: {{ include "kiln.chart" . }}
+{{ include "kiln.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kiln
+{{- end }}
+
+{{/* Labels the operator Deployment selects its pod by; never change them. */}}
+{{- define "kiln.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kiln.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end }}
+
+{{- define "kiln.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "kiln.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "kiln.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* Namespaced permissions the operator needs to reconcile RLJobs (rules of a Role or ClusterRole). */}}
+{{- define "kiln.namespacedRules" -}}
+- apiGroups: ["kiln.dev"]
+  resources: ["rljobs"]
+  verbs: ["get", "list", "watch", "patch", "update"]
+- apiGroups: ["kiln.dev"]
+  resources: ["rljobs/status"]
+  verbs: ["get", "patch", "update"]
+- apiGroups: [""]
+  resources: ["configmaps", "services"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: [""]
+  # delete: the finalizer removes PVCs whose spec says retain: false.
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["apps"]
+  resources: ["deployments", "statefulsets"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["", "events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- end }}

@@ -1,0 +1,41 @@
+"""Operator settings read from the environment (`KILN_OPERATOR_*`), typed with pydantic.
+
+The Helm chart sets these on the operator Deployment; tests set them before starting the
+operator. Kopf's own settings (finalizer, storages, peering) are fixed in the startup handler.
+
+Not covered: per-job settings, which live in the RLJob spec.
+"""
+from __future__ import annotations
+
+import os
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kiln.operator.status import DEFAULT_ADDRESS
+from kiln.operator.workloads import DIND_IMAGE
+
+PREFIX = "KILN_OPERATOR_"
+
+
+class OperatorConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    status_interval: float = Field(15.0, gt=0)
+    """Seconds between status refreshes of each running job."""
+    grpc_timeout: float = Field(2.0, gt=0)
+    """Deadline of one health or status RPC to a job's service."""
+    address_template: str = DEFAULT_ADDRESS
+    """gRPC address of a job's component; {name}, {namespace} and {component} are filled in."""
+    dind_image: str = DIND_IMAGE
+    """Docker-in-pod sidecar image for sandboxes with the docker backend."""
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> OperatorConfig:
+        env = os.environ if environ is None else environ
+        values = {name: env[PREFIX + name.upper()] for name in cls.model_fields
+                  if PREFIX + name.upper() in env}
+        try:
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            names = ", ".join(PREFIX + str(e["loc"][0]).upper() for e in exc.errors())
+            raise ValueError(f"invalid operator setting(s) {names}: {exc}") from exc

@@ -1,0 +1,222 @@
+"""Kopf handlers of the Kiln operator: RLJob create/update/resume, delete, status timer, probes.
+
+Each handler turns the event into calls of the pure functions and the reconciler:
+- create, update (of `spec`) and resume apply the desired children; a spec that fails
+  validation, or changes an immutable field, is refused: nothing is applied, the reason goes
+  to `status.message` and the `Valid` condition, and a Warning event is posted;
+- the timer reads each job's trainer and buffer (gRPC) and keeps status current; a phase change
+  posts an event;
+- delete runs under the finalizer `kiln.dev/pvc-retention` and applies the PVC retention policy;
+  every other child goes with its owner reference.
+
+Handlers are synchronous (kopf runs them in worker threads) because the Kubernetes and gRPC
+clients they call block.
+
+Not covered: the manifests (`children`, `workloads`), the client (`kube`), the status rule
+(`status.derive_status`).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import kopf
+
+from kiln.api.spec import API_GROUP, API_VERSION, KIND, PLURAL
+from kiln.operator import metrics
+from kiln.operator.config import OperatorConfig
+from kiln.operator.kube import Kube, load_credentials
+from kiln.operator.naming import FINALIZER, JobRef
+from kiln.operator.reconcile import accepted_spec, finalize, parse_spec, reconcile
+from kiln.operator.status import GrpcStatusReader, derive_status, rfc3339, set_condition
+
+RESOURCE = (API_GROUP, API_VERSION, PLURAL)
+# The timer ticks often and reads a job only when `status_interval` has passed, so the
+# interval is a runtime setting rather than one fixed when the module is imported.
+_TICK = 1.0
+
+_phases: dict[str, str] = {}
+_phases_lock = threading.Lock()
+
+
+def _track(namespace: str, name: str, phase: str | None) -> None:
+    with _phases_lock:
+        key = f"{namespace}/{name}"
+        if phase is None:
+            _phases.pop(key, None)
+        else:
+            _phases[key] = phase
+        counts: dict[str, int] = {}
+        for p in _phases.values():
+            counts[p] = counts.get(p, 0) + 1
+    for p in ("Pending", "Running", "Succeeded", "Failed", "Suspended"):
+        metrics.JOBS.labels(p).set(counts.get(p, 0))
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Logger,
+              **_: Any) -> None:
+    config = OperatorConfig.from_env()
+    settings.persistence.finalizer = FINALIZER
+    # The CRD's structural schema would prune kopf's bookkeeping from status; keep it in
+    # annotations under the API group instead.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=API_GROUP, key="last-handled-configuration")
+    # One replica; no peering CRDs to install or watch.
+    settings.peering.standalone = True
+    # kopf's own log lines stay in the log; users see the operator's explicit events.
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.execution.max_workers = 8
+    load_credentials()
+    memo.config = config
+    memo.kube = Kube()
+    memo.reader = GrpcStatusReader(config.address_template, timeout=config.grpc_timeout)
+    logger.info("kiln operator configured: %s", config.model_dump())
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """The pod's service account in a cluster, else KUBECONFIG as set when the operator starts."""
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
+@kopf.on.cleanup()
+def close(memo: kopf.Memo, **_: Any) -> None:
+    reader = memo.get("reader")
+    if reader is not None:
+        reader.close()
+
+
+@kopf.on.probe(id="jobs")
+def jobs_probe(**_: Any) -> int:
+    with _phases_lock:
+        return len(_phases)
+
+
+def _event_phase(body: kopf.Body, old: str | None, new: str, message: str) -> None:
+    if old == new:
+        return
+    kind = "Warning" if new == "Failed" else "Normal"
+    text = f"phase {old or 'None'} -> {new}" + (f": {message}" if message else "")
+    kopf.event(body, type=kind, reason=new, message=text)
+
+
+def _refuse(body: kopf.Body, patch: kopf.Patch, status: dict[str, Any], reason: str,
+            problems: list[str], phase: str | None) -> None:
+    now = rfc3339()
+    message = "; ".join(problems)
+    conditions = set_condition(list(status.get("conditions") or []), "Valid", "False", reason,
+                               message, now)
+    patch.status["conditions"] = conditions
+    patch.status["message"] = f"spec refused ({reason}): {message}"
+    patch.status["observedGeneration"] = body.meta.get("generation")
+    if phase is not None:
+        patch.status["phase"] = phase
+        _event_phase(body, status.get("phase"), phase, "")
+    kopf.event(body, type="Warning", reason=reason, message=message[:1000])
+    metrics.RECONCILES.labels("refused").inc()
+
+
+@kopf.on.resume(*RESOURCE)
+@kopf.on.create(*RESOURCE)
+@kopf.on.update(*RESOURCE, field="spec")
+def reconcile_job(body: kopf.Body, name: str, namespace: str, uid: str, patch: kopf.Patch,
+                  memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    status = dict(body.get("status") or {})
+    spec, problems = parse_spec(name, dict(body.spec))
+    if spec is None:
+        # A spec that fails validation will not pass on retry; the user has to edit it.
+        _refuse(body, patch, status, "InvalidSpec", problems, "Failed")
+        _track(namespace, name, "Failed")
+        return
+    job = JobRef(name=name, namespace=namespace, uid=uid)
+    result = reconcile(memo.kube, job, spec, dind_image=memo.config.dind_image)
+    if result.refused:
+        # The job keeps running on the spec it was accepted with.
+        _refuse(body, patch, status, "ImmutableFieldChanged", result.refused, None)
+        return
+    changed = {k: v for k, v in result.actions.items() if v != "unchanged"}
+    logger.info("applied %d children (%s)", len(result.actions),
+                ", ".join(f"{k} {v}" for k, v in changed.items()) or "all unchanged")
+    now = rfc3339()
+    old_phase = status.get("phase")
+    conditions = set_condition(list(status.get("conditions") or []), "Valid", "True",
+                               "Accepted", "spec accepted", now)
+    if spec.suspend:
+        phase, message = "Suspended", "scaled to zero (spec.suspend)"
+        conditions = set_condition(conditions, "Ready", "False", "Suspended", message, now)
+    elif old_phase in (None, "Suspended", "Failed"):
+        phase, message = "Pending", "children applied; waiting for the trainer and buffer"
+    else:
+        phase, message = old_phase, "" if _refused(status) else status.get("message", "")
+    patch.status["phase"] = phase
+    patch.status["conditions"] = conditions
+    patch.status["message"] = message
+    patch.status["observedGeneration"] = body.meta.get("generation")
+    _event_phase(body, old_phase, phase, message)
+    _track(namespace, name, phase)
+    metrics.RECONCILES.labels("applied").inc()
+
+
+def _valid(status: dict[str, Any]) -> bool:
+    return not any(c.get("type") == "Valid" and c.get("status") == "False"
+                   and c.get("reason") == "InvalidSpec" for c in status.get("conditions") or [])
+
+
+def _refused(status: dict[str, Any]) -> bool:
+    return any(c.get("type") == "Valid" and c.get("status") == "False"
+               for c in status.get("conditions") or [])
+
+
+@kopf.timer(*RESOURCE, interval=_TICK)
+def refresh_status(body: kopf.Body, name: str, namespace: str, uid: str, memo: kopf.Memo,
+                   **_: Any) -> None:
+    status = dict(body.get("status") or {})
+    if not status.get("phase") or not _valid(status) or status["phase"] == "Suspended":
+        return  # not reconciled yet, refused, or suspended: nothing runs to be observed
+    if status.get("observedGeneration") != body.meta.get("generation"):
+        return  # a spec change is being reconciled; its handler sets the phase first
+    # `memo` here is this object's own copy of the operator's memo.
+    now = time.monotonic()
+    if now - memo.get("last_read", -1e9) < memo.config.status_interval:
+        return
+    memo.last_read = now
+    obs = memo.reader.read(JobRef(name=name, namespace=namespace, uid=uid))
+    stages = body.spec.get("stages") or []
+    if stages and obs.stage_done and obs.stage == stages[-1].get("name"):
+        obs.finished = True
+    new = derive_status(status, obs, now=rfc3339())
+    if _refused(status):
+        # The refusal (an immutable field) is what the user must read; keep it as the message.
+        new.pop("message")
+    changed = {k: v for k, v in new.items() if status.get(k) != v}
+    if not changed:
+        return
+    # Optimistic concurrency: a handler may have written status since this body was read
+    # (kopf's merge patches would let a stale conditions list win). On a conflict the next
+    # tick reads again.
+    ref = {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
+           "metadata": {"name": name, "namespace": namespace}}
+    if not memo.kube.patch_status_if_unchanged(ref, body.meta["resourceVersion"], changed):
+        memo.last_read = -1e9
+        return
+    _event_phase(body, status.get("phase"), new["phase"], new.get("message", ""))
+    _track(namespace, name, new["phase"])
+
+
+@kopf.on.delete(*RESOURCE)
+def delete_job(body: kopf.Body, name: str, namespace: str, uid: str, memo: kopf.Memo,
+               logger: kopf.Logger, **_: Any) -> None:
+    job = JobRef(name=name, namespace=namespace, uid=uid)
+    spec, _problems = parse_spec(name, dict(body.spec))
+    if spec is None:
+        spec = accepted_spec(memo.kube, job)
+    outcome = finalize(memo.kube, job, spec)
+    memo.reader.forget(job)
+    logger.info("PVC retention applied: %s", outcome)
+    _track(namespace, name, None)

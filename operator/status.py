@@ -1,0 +1,244 @@
+"""What a running job reports, and how it becomes the RLJob's status.
+
+A `StatusReader` observes one job: whether its trainer and buffer answer their gRPC health
+checks, and the progress the services report (policy version, largest staleness trained on,
+last weight sync; stage, step and reward from the trainer). `GrpcStatusReader` asks the
+services over gRPC: the standard health service, `kiln.v1.Buffer/GetStatus`,
+`kiln.v1.WeightSync/Status`, and `kiln.v1.Trainer/GetTrainerStatus` (stage, step, reward).
+`StaticStatusReader` is the in-process form: it returns whatever observation it was given.
+
+`derive_status` is the pure rule from (previous status, observation) to the new status and
+phase, shared by the operator's timer and its unit tests.
+
+Not covered: writing the status to the cluster or posting events (`kiln.operator.handlers`).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Protocol
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kiln.operator.naming import GRPC_PORT, JobRef
+from kiln.protos.kiln.v1 import buffer_pb2, buffer_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from kiln.protos.kiln.v1 import weight_sync_pb2, weight_sync_pb2_grpc
+
+WATCHED = ("trainer", "buffer")
+"""Components whose health decides whether a job is Running."""
+
+DEFAULT_ADDRESS = "{name}-{component}.{namespace}.svc:" + str(GRPC_PORT)
+
+
+@dataclass
+class Observation:
+    """One look at a job. None means "not reported"; the previous value is kept."""
+
+    serving: dict[str, bool] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    """Why a component is not serving (unreachable, NOT_SERVING, ...)."""
+    stage: str | None = None
+    policy_version: int | None = None
+    step: int | None = None
+    reward: float | None = None
+    observed_staleness: int | None = None
+    last_weight_sync: str | None = None
+    stage_done: bool = False
+    """The trainer finished the stage it reports."""
+    finished: bool = False
+    """The trainer completed every stage (the last stage is done)."""
+    failure: str | None = None
+    """The trainer stopped on an error that a restart will not fix."""
+
+
+class StatusReader(Protocol):
+    def read(self, job: JobRef) -> Observation: ...
+
+    def close(self) -> None: ...
+
+
+class StaticStatusReader:
+    """In-process reader: returns the observation last `set` for a job (all NOT_SERVING before)."""
+
+    def __init__(self) -> None:
+        self._obs: dict[tuple[str, str], Observation] = {}
+        self._lock = threading.Lock()
+
+    def set(self, job_name: str, namespace: str, observation: Observation) -> None:
+        with self._lock:
+            self._obs[(namespace, job_name)] = observation
+
+    def read(self, job: JobRef) -> Observation:
+        with self._lock:
+            found = self._obs.get((job.namespace, job.name))
+        if found is None:
+            return Observation(serving={c: False for c in WATCHED},
+                               errors={c: "no observation" for c in WATCHED})
+        return found
+
+    def close(self) -> None:
+        pass
+
+
+class GrpcStatusReader:
+    """Reads a job's services over gRPC: trainer and buffer health, the buffer's status (trainer
+    version, largest staleness served), weight-sync's latest published version (a new one
+    stamps `lastWeightSync`), and the trainer's own progress where it serves GetStatus."""
+
+    def __init__(self, address_template: str = DEFAULT_ADDRESS, timeout: float = 2.0) -> None:
+        self.address_template = address_template
+        self.timeout = timeout
+        self._channels: dict[str, grpc.Channel] = {}
+        self._published: dict[tuple[str, str], int] = {}
+        self._lock = threading.Lock()
+
+    def _channel(self, address: str) -> grpc.Channel:
+        with self._lock:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = self._channels[address] = grpc.insecure_channel(address)
+            return ch
+
+    def address(self, job: JobRef, component: str) -> str:
+        return self.address_template.format(name=job.name, namespace=job.namespace,
+                                            component=component)
+
+    def _health(self, address: str) -> tuple[bool, str]:
+        stub = health_pb2_grpc.HealthStub(self._channel(address))
+        try:
+            resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.timeout)
+        except grpc.RpcError as exc:
+            return False, f"{address}: {exc.code().name}"
+        if resp.status != health_pb2.HealthCheckResponse.SERVING:
+            name = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+            return False, f"{address}: {name}"
+        return True, ""
+
+    def read(self, job: JobRef) -> Observation:
+        obs = Observation()
+        for component in WATCHED:
+            ok, why = self._health(self.address(job, component))
+            obs.serving[component] = ok
+            if not ok:
+                obs.errors[component] = why
+        if obs.serving.get("buffer"):
+            self._read_buffer(job, obs)
+        self._read_weight_sync(job, obs)
+        if obs.serving.get("trainer"):
+            self._read_trainer(job, obs)
+        return obs
+
+    def _read_buffer(self, job: JobRef, obs: Observation) -> None:
+        stub = buffer_pb2_grpc.BufferStub(self._channel(self.address(job, "buffer")))
+        try:
+            st = stub.GetStatus(buffer_pb2.GetStatusRequest(), timeout=self.timeout)
+        except grpc.RpcError as exc:
+            obs.errors["buffer"] = f"GetStatus: {exc.code().name}"
+            return
+        obs.policy_version = int(st.trainer_version)
+        if st.max_staleness >= 0:
+            obs.observed_staleness = int(st.max_staleness)
+
+    def _read_weight_sync(self, job: JobRef, obs: Observation) -> None:
+        stub = weight_sync_pb2_grpc.WeightSyncStub(self._channel(self.address(job, "weight-sync")))
+        try:
+            st = stub.Status(weight_sync_pb2.StatusRequest(), timeout=self.timeout)
+        except grpc.RpcError as exc:
+            # Not needed for the phase; the reason is kept for the log.
+            obs.errors["weight-sync"] = f"Status: {exc.code().name}"
+            return
+        key = (job.namespace, job.name)
+        latest = int(st.latest_version)
+        with self._lock:
+            seen = self._published.get(key)
+            self._published[key] = latest
+        if latest > 0 and seen is not None and latest != seen:
+            obs.last_weight_sync = rfc3339()
+        if latest > 0:
+            obs.policy_version = latest
+
+    def _read_trainer(self, job: JobRef, obs: Observation) -> None:
+        stub = trainer_pb2_grpc.TrainerStub(self._channel(self.address(job, "trainer")))
+        try:
+            resp = stub.GetTrainerStatus(trainer_pb2.TrainerStatusRequest(), timeout=self.timeout)
+        except grpc.RpcError as exc:
+            obs.errors["trainer"] = f"GetTrainerStatus: {exc.code().name}"
+            return
+        obs.stage = resp.stage or None
+        obs.step = int(resp.stage_step)
+        obs.stage_done = bool(resp.stage_done)
+        if "reward_mean" in resp.last_metrics:
+            obs.reward = float(resp.last_metrics["reward_mean"])
+        if resp.stage_failed:
+            obs.failure = resp.message or "stage failed"
+
+    def forget(self, job: JobRef) -> None:
+        with self._lock:
+            self._published.pop((job.namespace, job.name), None)
+
+    def close(self) -> None:
+        with self._lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()
+
+
+def rfc3339(unix: float | None = None) -> str:
+    moment = datetime.now(timezone.utc) if unix is None else datetime.fromtimestamp(unix, timezone.utc)
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# ---------------------------------------------------------------------------------- status rule
+
+
+def set_condition(conditions: list[dict[str, Any]], type_: str, status: str, reason: str,
+                  message: str, now: str) -> list[dict[str, Any]]:
+    """The conditions with one replaced; lastTransitionTime moves only when status changes."""
+    out = [dict(c) for c in conditions if c.get("type") != type_]
+    old = next((c for c in conditions if c.get("type") == type_), None)
+    since = old.get("lastTransitionTime") if old and old.get("status") == status else now
+    out.append({"type": type_, "status": status, "reason": reason, "message": message,
+                "lastTransitionTime": since})
+    return sorted(out, key=lambda c: c["type"])
+
+
+def derive_status(previous: dict[str, Any], obs: Observation, *, now: str) -> dict[str, Any]:
+    """The new status of a valid, unsuspended job after one observation (a full replacement
+    of the fields the timer owns: phase, progress, the Ready condition, message)."""
+    prev_phase = previous.get("phase") or "Pending"
+    conditions = list(previous.get("conditions") or [])
+    down = [c for c in WATCHED if not obs.serving.get(c)]
+    if obs.failure:
+        phase, message = "Failed", f"trainer failed: {obs.failure}"
+        conditions = set_condition(conditions, "Ready", "False", "TrainerFailed", message, now)
+    elif obs.finished or prev_phase == "Succeeded":
+        phase, message = "Succeeded", "every stage completed"
+        conditions = set_condition(conditions, "Ready", "False", "Completed", message, now)
+    elif down:
+        # A job that ran keeps its phase while a component restarts; Ready says what is down.
+        phase = "Running" if prev_phase == "Running" else "Pending"
+        message = "waiting for " + "; ".join(obs.errors.get(c, c) for c in down)
+        conditions = set_condition(conditions, "Ready", "False", "ComponentsNotServing",
+                                   message, now)
+    else:
+        phase, message = "Running", ""
+        conditions = set_condition(conditions, "Ready", "True", "Serving",
+                                   "trainer and buffer are serving", now)
+    status = {
+        "phase": phase,
+        "conditions": conditions,
+        "message": message,
+        "stage": _pick(obs.stage, previous.get("stage")),
+        "policyVersion": _pick(obs.policy_version, previous.get("policyVersion", 0)),
+        "step": _pick(obs.step, previous.get("step", 0)),
+        "reward": _pick(obs.reward, previous.get("reward")),
+        "observedStaleness": _pick(obs.observed_staleness, previous.get("observedStaleness")),
+        "lastWeightSync": _pick(obs.last_weight_sync, previous.get("lastWeightSync")),
+    }
+    return status
+
+
+def _pick(new: Any, old: Any) -> Any:
+    return old if new is None else new

@@ -1,0 +1,272 @@
+"""Pod templates and workloads (Deployments, the trainer StatefulSet) of an RLJob, as pure functions.
+
+Every service container runs `kiln-<component> --job /etc/kiln/job.yaml --address 0.0.0.0:50051
+--metrics-port 9090 --run-dir /var/lib/kiln` from `spec.image`, with the component's
+`spec.<component>.resources`, Kubernetes-native gRPC probes against the standard health service
+on port 50051, and one `KILN_<COMPONENT>_ADDR` variable per peer. The sandbox pod runs a
+Docker-in-pod sidecar (`docker:dind`, privileged, a native sidecar so it starts first) when the
+sandbox backend is `docker`; its limits cover `maxConcurrent` sandboxes of the spec's size.
+
+Not covered: Services, PVCs and the job ConfigMap (`kiln.operator.children`).
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from kiln.api.spec import Resources, RLJobSpec
+from kiln.operator import naming
+from kiln.operator.naming import (CONFIG_HASH, GRPC_PORT, JOB_FILE, METRICS_PORT, MODEL_ROOT,
+                                  RUN_DIR, JobRef)
+
+DIND_IMAGE = "docker:27-dind"
+DIND_SOCKET_DIR = "/run/dind"
+SERVICE_UID = 1000
+
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|Ki|M|Mi|G|Gi|T|Ti)?$")
+_FACTORS = {None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
+            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def quantity_value(quantity: str) -> float:
+    """A Kubernetes quantity ("512Mi", "1.5", "250m") as a plain number."""
+    match = _QUANTITY.match(quantity)
+    if match is None:
+        raise ValueError(f"not a Kubernetes quantity: {quantity!r}")
+    return float(match.group(1)) * _FACTORS[match.group(2)]
+
+
+def resources(res: Resources) -> dict[str, Any]:
+    """Requests equal limits (Guaranteed QoS): training and engines should not be throttled or
+    evicted ahead of best-effort pods."""
+    amounts: dict[str, Any] = {"cpu": res.cpu, "memory": res.memory}
+    limits = dict(amounts)
+    if res.gpu:
+        limits["nvidia.com/gpu"] = res.gpu
+    return {"requests": amounts, "limits": limits}
+
+
+def _grpc_probes() -> dict[str, Any]:
+    probe = {"grpc": {"port": GRPC_PORT}}
+    return {
+        # Loading a model or replaying a buffer can take minutes; liveness starts after that.
+        "startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": 90, "timeoutSeconds": 5},
+        "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 2, "timeoutSeconds": 5},
+        "livenessProbe": {**probe, "periodSeconds": 20, "failureThreshold": 3, "timeoutSeconds": 5},
+    }
+
+
+def _env(job: JobRef, component: str) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "KILN_JOB_NAME", "value": job.name},
+        {"name": "KILN_COMPONENT", "value": component},
+        {"name": "KILN_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "KILN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    ]
+    env += [{"name": naming.addr_env_name(c), "value": naming.component_address(job, c)}
+            for c in naming.COMPONENTS]
+    return env
+
+
+def _service_security(unconfined: bool = False) -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": SERVICE_UID,
+        "runAsGroup": SERVICE_UID,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        # bubblewrap creates user namespaces, which the runtime's default seccomp profile forbids.
+        "seccompProfile": {"type": "Unconfined" if unconfined else "RuntimeDefault"},
+    }
+
+
+def service_container(job: JobRef, spec: RLJobSpec, component: str, res: Resources,
+                      extra_env: list[dict[str, Any]] = (), extra_mounts: list[dict[str, Any]] = (),
+                      unconfined: bool = False) -> dict[str, Any]:
+    return {
+        "name": component,
+        "image": spec.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": [f"kiln-{component}"],
+        "args": ["--job", JOB_FILE, "--address", f"0.0.0.0:{GRPC_PORT}",
+                 "--metrics-port", str(METRICS_PORT), "--run-dir", RUN_DIR],
+        "ports": [
+            {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
+        ],
+        "env": [*_env(job, component), *extra_env],
+        "resources": resources(res),
+        **_grpc_probes(),
+        "volumeMounts": [
+            # subPath: a pod keeps the job file it started with; a change to the sections it
+            # reads restarts it (config hash), a change elsewhere does not concern it.
+            {"name": "job", "mountPath": JOB_FILE, "subPath": "job.yaml", "readOnly": True},
+            {"name": "run", "mountPath": RUN_DIR},
+            *extra_mounts,
+        ],
+        "securityContext": _service_security(unconfined),
+    }
+
+
+def _job_volume(job: JobRef) -> dict[str, Any]:
+    return {"name": "job", "configMap": {"name": job.child("config")}}
+
+
+def _model_volume(spec: RLJobSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts, env) for the model PVC, or nothing when the spec names none."""
+    if spec.model.pvc is None:
+        return [], [], []
+    return (
+        [{"name": "model", "persistentVolumeClaim": {"claimName": spec.model.pvc, "readOnly": True}}],
+        [{"name": "model", "mountPath": MODEL_ROOT, "readOnly": True}],
+        [{"name": "KILN_MODEL_ROOT", "value": MODEL_ROOT}],
+    )
+
+
+def pod_template(job: JobRef, spec: RLJobSpec, component: str, config_hash: str,
+                 containers: list[dict[str, Any]], volumes: list[dict[str, Any]],
+                 init_containers: list[dict[str, Any]] = (), grace_seconds: int = 30) -> dict[str, Any]:
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,  # services never call the Kubernetes API
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": grace_seconds,
+        "securityContext": {"fsGroup": SERVICE_UID},
+        "containers": containers,
+        "volumes": volumes,
+    }
+    if init_containers:
+        pod_spec["initContainers"] = list(init_containers)
+    return {
+        "metadata": {
+            "labels": naming.labels(job, component, spec.image),
+            "annotations": {
+                CONFIG_HASH: config_hash,
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(METRICS_PORT),
+            },
+        },
+        "spec": pod_spec,
+    }
+
+
+def _deployment(job: JobRef, spec: RLJobSpec, component: str, replicas: int,
+                template: dict[str, Any], recreate: bool = False) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "replicas": replicas,
+        "selector": {"matchLabels": naming.selector_labels(job, component)},
+        "template": template,
+    }
+    if recreate:
+        # A ReadWriteOnce volume cannot be attached to the old and the new pod at once.
+        body["strategy"] = {"type": "Recreate"}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": naming.metadata(job, component, spec.image),
+        "spec": body,
+    }
+
+
+def trainer(job: JobRef, spec: RLJobSpec, config_hash: str, active: bool) -> dict[str, Any]:
+    volumes, mounts, env = _model_volume(spec)
+    container = service_container(job, spec, "trainer", spec.trainer.resources, env, mounts)
+    # The run dir is the checkpoints volume: a restarted trainer resumes from its last checkpoint.
+    volumes = [_job_volume(job),
+               {"name": "run", "persistentVolumeClaim": {"claimName": job.child("checkpoints")}},
+               *volumes]
+    template = pod_template(job, spec, "trainer", config_hash, [container], volumes,
+                            grace_seconds=120)  # room to write a checkpoint on SIGTERM
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": naming.metadata(job, "trainer", spec.image),
+        "spec": {
+            "replicas": 1 if active else 0,
+            "serviceName": job.child("trainer"),
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": naming.selector_labels(job, "trainer")},
+            "template": template,
+        },
+    }
+
+
+def rollout(job: JobRef, spec: RLJobSpec, config_hash: str, active: bool) -> dict[str, Any]:
+    volumes, mounts, env = _model_volume(spec)
+    container = service_container(job, spec, "rollout", spec.rollout.resources, env, mounts)
+    volumes = [_job_volume(job), {"name": "run", "emptyDir": {}}, *volumes]
+    template = pod_template(job, spec, "rollout", config_hash, [container], volumes)
+    return _deployment(job, spec, "rollout", spec.rollout.replicas if active else 0, template)
+
+
+def dind_resources(spec: RLJobSpec) -> dict[str, Any]:
+    """Room for one sandbox guaranteed, `maxConcurrent` of the spec's size at most."""
+    sb = spec.sandbox
+    memory = quantity_value(sb.memory)
+    one = {"cpu": f"{round(sb.cpu * 1000)}m", "memory": f"{int(memory // 2**20)}Mi"}
+    most = {"cpu": f"{round(sb.cpu * sb.max_concurrent * 1000)}m",
+            "memory": f"{int(memory * sb.max_concurrent // 2**20)}Mi"}
+    return {"requests": one, "limits": most}
+
+
+def dind_sidecar(spec: RLJobSpec, image: str = DIND_IMAGE) -> dict[str, Any]:
+    socket = f"unix://{DIND_SOCKET_DIR}/docker.sock"
+    return {
+        "name": "dind",
+        "image": image,
+        # A native sidecar: started (and ready) before the sandbox service, stopped after it.
+        "restartPolicy": "Always",
+        "args": [f"--host={socket}", f"--group={SERVICE_UID}"],
+        "env": [{"name": "DOCKER_TLS_CERTDIR", "value": ""}],
+        "securityContext": {"privileged": True},
+        "resources": dind_resources(spec),
+        "startupProbe": {"exec": {"command": ["docker", "-H", socket, "info"]},
+                         "periodSeconds": 2, "failureThreshold": 60},
+        "volumeMounts": [
+            {"name": "dind-socket", "mountPath": DIND_SOCKET_DIR},
+            {"name": "dind-storage", "mountPath": "/var/lib/docker"},
+        ],
+    }
+
+
+def sandbox(job: JobRef, spec: RLJobSpec, config_hash: str, active: bool,
+            dind_image: str = DIND_IMAGE) -> dict[str, Any]:
+    docker = spec.sandbox.backend == "docker"
+    volumes = [_job_volume(job), {"name": "run", "emptyDir": {}}]
+    env: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    sidecars: list[dict[str, Any]] = []
+    if docker:
+        env = [{"name": "DOCKER_HOST", "value": f"unix://{DIND_SOCKET_DIR}/docker.sock"}]
+        mounts = [{"name": "dind-socket", "mountPath": DIND_SOCKET_DIR}]
+        volumes += [{"name": "dind-socket", "emptyDir": {}}, {"name": "dind-storage", "emptyDir": {}}]
+        sidecars = [dind_sidecar(spec, dind_image)]
+    container = service_container(job, spec, "sandbox", spec.sandbox.resources, env, mounts,
+                                  unconfined=not docker)
+    template = pod_template(job, spec, "sandbox", config_hash, [container], volumes, sidecars)
+    return _deployment(job, spec, "sandbox", spec.sandbox.replicas if active else 0, template)
+
+
+def weight_sync(job: JobRef, spec: RLJobSpec, config_hash: str, active: bool) -> dict[str, Any]:
+    container = service_container(job, spec, "weight-sync", spec.weight_sync.resources)
+    volumes = [_job_volume(job), {"name": "run", "emptyDir": {}}]
+    template = pod_template(job, spec, "weight-sync", config_hash, [container], volumes)
+    return _deployment(job, spec, "weight-sync", 1 if active else 0, template)
+
+
+def buffer(job: JobRef, spec: RLJobSpec, config_hash: str, active: bool) -> dict[str, Any]:
+    container = service_container(job, spec, "buffer", spec.buffer.resources)
+    volumes = [_job_volume(job),
+               {"name": "run", "persistentVolumeClaim": {"claimName": job.child("buffer")}}]
+    template = pod_template(job, spec, "buffer", config_hash, [container], volumes)
+    return _deployment(job, spec, "buffer", 1 if active else 0, template, recreate=True)
+
+
+def workloads(job: JobRef, spec: RLJobSpec, hashes: dict[str, str], *, active: bool,
+              dind_image: str = DIND_IMAGE) -> list[dict[str, Any]]:
+    return [
+        trainer(job, spec, hashes["trainer"], active),
+        rollout(job, spec, hashes["rollout"], active),
+        sandbox(job, spec, hashes["sandbox"], active, dind_image),
+        weight_sync(job, spec, hashes["weight-sync"], active),
+        buffer(job, spec, hashes["buffer"], active),
+    ]

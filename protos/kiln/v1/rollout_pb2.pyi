@@ -1,0 +1,87 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RolloutMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    IDLE: _ClassVar[RolloutMode]
+    DEMONSTRATE: _ClassVar[RolloutMode]
+    EXPLORE: _ClassVar[RolloutMode]
+IDLE: RolloutMode
+DEMONSTRATE: RolloutMode
+EXPLORE: RolloutMode
+
+class SetModeRequest(_message.Message):
+    __slots__ = ("mode", "stage", "task_sets", "group_size", "synchronous", "batch_size", "seed")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    TASK_SETS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SYNCHRONOUS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    mode: RolloutMode
+    stage: str
+    task_sets: _containers.RepeatedScalarFieldContainer[str]
+    group_size: int
+    synchronous: bool
+    batch_size: int
+    seed: int
+    def __init__(self, mode: _Optional[_Union[RolloutMode, str]] = ..., stage: _Optional[str] = ..., task_sets: _Optional[_Iterable[str]] = ..., group_size: _Optional[int] = ..., synchronous: _Optional[bool] = ..., batch_size: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class RolloutStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RolloutStatus(_message.Message):
+    __slots__ = ("mode", "stage", "policy_version", "episodes", "tokens_generated", "tokens_per_second", "mean_reward", "in_flight", "engine_fingerprint")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    MEAN_REWARD_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    mode: RolloutMode
+    stage: str
+    policy_version: int
+    episodes: int
+    tokens_generated: int
+    tokens_per_second: float
+    mean_reward: float
+    in_flight: int
+    engine_fingerprint: str
+    def __init__(self, mode: _Optional[_Union[RolloutMode, str]] = ..., stage: _Optional[str] = ..., policy_version: _Optional[int] = ..., episodes: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., mean_reward: _Optional[float] = ..., in_flight: _Optional[int] = ..., engine_fingerprint: _Optional[str] = ...) -> None: ...
+
+class EvaluateRequest(_message.Message):
+    __slots__ = ("task_set", "max_tasks", "samples", "greedy")
+    TASK_SET_FIELD_NUMBER: _ClassVar[int]
+    MAX_TASKS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    GREEDY_FIELD_NUMBER: _ClassVar[int]
+    task_set: str
+    max_tasks: int
+    samples: int
+    greedy: bool
+    def __init__(self, task_set: _Optional[str] = ..., max_tasks: _Optional[int] = ..., samples: _Optional[int] = ..., greedy: _Optional[bool] = ...) -> None: ...
+
+class EvaluateResponse(_message.Message):
+    __slots__ = ("policy_version", "tasks", "greedy_success", "sampled_success", "seconds")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    GREEDY_SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    tasks: int
+    greedy_success: float
+    sampled_success: float
+    seconds: float
+    def __init__(self, policy_version: _Optional[int] = ..., tasks: _Optional[int] = ..., greedy_success: _Optional[float] = ..., sampled_success: _Optional[float] = ..., seconds: _Optional[float] = ...) -> None: ...

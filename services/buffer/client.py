@@ -1,0 +1,203 @@
+"""How rollout, trainer and launcher talk to the buffer: one small protocol, two implementations.
+
+- `GrpcBufferClient(target)`: a real channel to a `kiln-buffer` process. Put retries with
+  exponential backoff and jitter on RESOURCE_EXHAUSTED (the buffer is full) and UNAVAILABLE
+  (restarting, or a failed disk write); Put is idempotent by trajectory id, so a retry after a lost
+  acknowledgement stores nothing twice. GetBatch, AckBatch, SetTrainerVersion, Configure and
+  GetStatus retry on UNAVAILABLE only (AckBatch is idempotent, and a GetBatch whose answer was
+  lost leaves a lease that is served again). Other codes raise `grpc.RpcError` at once
+  (INVALID_ARGUMENT will not heal).
+- `InProcessBufferClient(buffer)`: the same calls straight on a `TrajectoryBuffer`, with the same
+  backoff on `BufferFull`, so a whole RL loop can run in one process (tests, small local runs).
+
+`make_client` picks one from a target string. The client is synchronous; asyncio callers use
+`asyncio.to_thread`.
+
+The trainer's side of the lease protocol: `get_batch`, train, `ack_batch(batch.batch_id)`. A batch
+whose ack did not arrive comes back with the same `batch_id` (and `delivery` > 1); a trainer that
+remembers the ids it trained on (say, in its checkpoint) acks such a batch again without training
+on it. One that does not trains on it a second time, which is what at-least-once delivery costs.
+
+Not covered here: batching of puts (the caller decides how many trajectories per call; 0.5-1 MiB
+messages move fastest, see PLATFORM.md).
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence, TypeVar
+
+import grpc
+
+from kiln.protos.kiln.v1 import buffer_pb2, buffer_pb2_grpc
+from kiln.services.buffer.buffer import (
+    AckResult,
+    Batch,
+    BufferConfig,
+    BufferFull,
+    BufferStatus,
+    PutResult,
+    TrajectoryBuffer,
+)
+from kiln.services.buffer.servicer import ack_from_proto, batch_from_proto, status_from_proto
+from kiln.services.common import codec
+from kiln.services.common.server import CHANNEL_OPTIONS
+from kiln.trajectory import Trajectory
+
+log = logging.getLogger("kiln.buffer.client")
+T = TypeVar("T")
+
+
+class BufferClient(Protocol):
+    def put(self, trajectories: Sequence[Trajectory], group_size: int | None = None) -> PutResult: ...
+
+    def get_batch(self, size: int, trainer_version: int, timeout: float = 0.0,
+                  allow_partial: bool = False) -> Batch: ...
+
+    def ack_batch(self, batch_id: int) -> AckResult: ...
+
+    def set_trainer_version(self, version: int) -> BufferStatus: ...
+
+    def configure(self, group_size: int | None = None, tau: int | None = None,
+                  drop_unserved: bool = False) -> BufferStatus: ...
+
+    def status(self) -> BufferStatus: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class Backoff:
+    """Exponential backoff with full jitter, given up after `max_wait` seconds in total."""
+
+    initial: float = 0.05
+    maximum: float = 2.0
+    max_wait: float = 600.0
+
+    def run(self, fn: Callable[[], T], retryable: Callable[[BaseException], bool], what: str) -> T:
+        deadline = time.monotonic() + self.max_wait
+        delay = self.initial
+        while True:
+            try:
+                return fn()
+            except Exception as exc:
+                if not retryable(exc):
+                    raise
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.error("%s: giving up after %.0f s: %s", what, self.max_wait, exc)
+                    raise
+                pause = min(random.uniform(0, delay), left)
+                log.debug("%s: retrying in %.2f s: %s", what, pause, exc)
+                time.sleep(pause)
+                delay = min(delay * 2, self.maximum)
+
+
+def _code(exc: BaseException) -> grpc.StatusCode | None:
+    return exc.code() if isinstance(exc, grpc.RpcError) else None
+
+
+def _put_retryable(exc: BaseException) -> bool:
+    return _code(exc) in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+
+
+def _unavailable(exc: BaseException) -> bool:
+    return _code(exc) == grpc.StatusCode.UNAVAILABLE
+
+
+class GrpcBufferClient:
+    def __init__(self, target: str, *, backoff: Backoff | None = None,
+                 rpc_timeout: float = 60.0) -> None:
+        self.target = target
+        self.backoff = backoff or Backoff()
+        self.rpc_timeout = rpc_timeout
+        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._stub = buffer_pb2_grpc.BufferStub(self._channel)
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until the channel connects (raises grpc.FutureTimeoutError otherwise)."""
+        grpc.channel_ready_future(self._channel).result(timeout=timeout)
+
+    def put(self, trajectories: Sequence[Trajectory], group_size: int | None = None) -> PutResult:
+        req = buffer_pb2.PutRequest(group_size=group_size or 0)
+        req.trajectories.extend(codec.to_proto(t) for t in trajectories)
+        resp = self.backoff.run(lambda: self._stub.Put(req, timeout=self.rpc_timeout),
+                                _put_retryable, "buffer Put")
+        return PutResult(resp.accepted, resp.duplicates, resp.dropped_stale, resp.depth)
+
+    def get_batch(self, size: int, trainer_version: int, timeout: float = 0.0,
+                  allow_partial: bool = False) -> Batch:
+        req = buffer_pb2.GetBatchRequest(size=size, trainer_version=trainer_version,
+                                         timeout_seconds=timeout, allow_partial=allow_partial)
+        # The server waits up to `timeout`; the deadline leaves room for the answer to arrive.
+        resp = self.backoff.run(lambda: self._stub.GetBatch(req, timeout=timeout + self.rpc_timeout),
+                                _unavailable, "buffer GetBatch")
+        return batch_from_proto(resp)
+
+    def ack_batch(self, batch_id: int) -> AckResult:
+        req = buffer_pb2.AckBatchRequest(batch_id=batch_id)
+        return ack_from_proto(self._call(self._stub.AckBatch, req, "AckBatch"))
+
+    def set_trainer_version(self, version: int) -> BufferStatus:
+        req = buffer_pb2.SetTrainerVersionRequest(version=version)
+        return status_from_proto(self._call(self._stub.SetTrainerVersion, req, "SetTrainerVersion"))
+
+    def configure(self, group_size: int | None = None, tau: int | None = None,
+                  drop_unserved: bool = False) -> BufferStatus:
+        req = buffer_pb2.ConfigureRequest(group_size=group_size or 0, drop_unserved=drop_unserved)
+        if tau is not None:
+            req.tau = tau
+        return status_from_proto(self._call(self._stub.Configure, req, "Configure"))
+
+    def status(self) -> BufferStatus:
+        return status_from_proto(
+            self._call(self._stub.GetStatus, buffer_pb2.GetStatusRequest(), "GetStatus"))
+
+    def _call(self, method: Callable[..., Any], req: Any, name: str) -> Any:
+        return self.backoff.run(lambda: method(req, timeout=self.rpc_timeout), _unavailable,
+                                f"buffer {name}")
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class InProcessBufferClient:
+    """The buffer in this process. `configure(tau=None)` disables freshness, as over gRPC."""
+
+    def __init__(self, buffer: TrajectoryBuffer, *, backoff: Backoff | None = None) -> None:
+        self.buffer = buffer
+        self.backoff = backoff or Backoff()
+
+    def put(self, trajectories: Sequence[Trajectory], group_size: int | None = None) -> PutResult:
+        return self.backoff.run(lambda: self.buffer.put(trajectories, group_size),
+                                lambda e: isinstance(e, BufferFull), "buffer put")
+
+    def get_batch(self, size: int, trainer_version: int, timeout: float = 0.0,
+                  allow_partial: bool = False) -> Batch:
+        return self.buffer.get_batch(size, trainer_version, timeout, allow_partial)
+
+    def ack_batch(self, batch_id: int) -> AckResult:
+        return self.buffer.ack_batch(batch_id)
+
+    def set_trainer_version(self, version: int) -> BufferStatus:
+        return self.buffer.set_trainer_version(version)
+
+    def configure(self, group_size: int | None = None, tau: int | None = None,
+                  drop_unserved: bool = False) -> BufferStatus:
+        return self.buffer.configure(group_size, tau, drop_unserved)
+
+    def status(self) -> BufferStatus:
+        return self.buffer.status()
+
+    def close(self) -> None:
+        self.buffer.close()
+
+
+def make_client(target: str, config: BufferConfig | None = None) -> BufferClient:
+    """`local:DIR` opens a buffer in this process on DIR; anything else is a gRPC target."""
+    if target.startswith("local:"):
+        return InProcessBufferClient(TrajectoryBuffer.open(Path(target[len("local:"):]), config))
+    return GrpcBufferClient(target)

@@ -1,0 +1,166 @@
+"""The stage driver: runs a job's stages in order by telling the services what to do.
+
+For each stage it evaluates held-out task sets (if the stage asks for it), starts the trainer on
+the stage, puts rollout in the matching mode (DEMONSTRATE for SFT, EXPLORE for RL), follows
+progress until the trainer reports the stage done, stops rollout, waits for the final weights
+to reach rollout, and evaluates again. Progress is printed as a live line and appended to
+`metrics.jsonl`; `state.json` records finished stages so `kiln run --resume` skips them.
+
+The driver talks to the services through three small Protocols, with gRPC implementations in
+`clients.py`; it knows nothing of processes (`processes.py`) or of gRPC.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from kiln.api.spec import RLJob, RLStage, SFTStage
+
+IDLE, DEMONSTRATE, EXPLORE = 0, 1, 2
+
+
+class TrainerControl(Protocol):
+    def start_stage(self, name: str) -> None: ...
+    def status(self) -> dict[str, Any]:
+        """Keys: stage, step, version, stage_done, loss, reward, ratio_mask, icepop_mask,
+        mismatch_abs, mismatch_kl, max_staleness, tokens_per_second."""
+        ...
+
+
+class RolloutControl(Protocol):
+    def set_mode(self, mode: int, *, stage: str, task_sets: list[str], group_size: int,
+                 synchronous: bool, batch_size: int, seed: int) -> None: ...
+    def evaluate(self, task_set: str, *, samples: int, greedy: bool) -> dict[str, Any]: ...
+    def status(self) -> dict[str, Any]: ...
+
+
+class BufferControl(Protocol):
+    def status(self) -> dict[str, Any]: ...
+
+
+@dataclass
+class RunState:
+    path: Path
+    finished_stages: list[str] = field(default_factory=list)
+    evaluations: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: Path) -> RunState:
+        if path.exists():
+            data = json.loads(path.read_text())
+            return cls(path, data.get("finished_stages", []), data.get("evaluations", {}))
+        return cls(path)
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"finished_stages": self.finished_stages,
+                                   "evaluations": self.evaluations}, indent=2))
+        tmp.replace(self.path)
+
+
+class Driver:
+    def __init__(self, job: RLJob, run_dir: Path, trainer: TrainerControl, rollout: RolloutControl,
+                 buffer: BufferControl, *, poll_seconds: float = 1.0, out=sys.stdout) -> None:
+        self.job, self.run_dir = job, run_dir
+        self.trainer, self.rollout, self.buffer = trainer, rollout, buffer
+        self.poll_seconds = poll_seconds
+        self.out = out
+        self.state = RunState.load(run_dir / "state.json")
+        self.metrics_file = run_dir / "metrics.jsonl"
+
+    # ------------------------------------------------------------------ stages
+    def run(self) -> RunState:
+        for stage in self.job.spec.stages:
+            if stage.name in self.state.finished_stages:
+                self._say(f"stage {stage.name}: already finished, skipping")
+                continue
+            self._run_stage(stage)
+            self.state.finished_stages.append(stage.name)
+            self.state.save()
+        return self.state
+
+    def _evaluate(self, stage: SFTStage | RLStage, when: str) -> None:
+        if not stage.eval:
+            return
+        for task_set in stage.eval.tasks:
+            key = f"{stage.name}/{when}/{task_set}"
+            if key in self.state.evaluations:
+                continue
+            self._say(f"stage {stage.name}: evaluating {task_set} ({when})")
+            result = self.rollout.evaluate(task_set, samples=stage.eval.samples, greedy=True)
+            self.state.evaluations[key] = result
+            self.state.save()
+            self._say(f"  {task_set} {when} {stage.name}: greedy {result['greedy_success']:.3f}, "
+                      f"sampled {result['sampled_success']:.3f} (version {result['policy_version']}, "
+                      f"{result['tasks']} tasks, {result['seconds']:.1f} s)")
+            self._record({"event": "eval", "stage": stage.name, "when": when, "task_set": task_set, **result})
+
+    def _run_stage(self, stage: SFTStage | RLStage) -> None:
+        self._evaluate(stage, "before")
+        rl = isinstance(stage, RLStage)
+        self._say(f"stage {stage.name} ({stage.type}): {stage.max_steps} steps")
+        self.trainer.start_stage(stage.name)
+        self.rollout.set_mode(
+            EXPLORE if rl else DEMONSTRATE, stage=stage.name, task_sets=list(stage.tasks),
+            group_size=stage.rl.group_size if rl else 1,
+            synchronous=rl and not stage.rl.asynchronous, batch_size=stage.batch_size,
+            seed=self.job.spec.seed)
+        start = time.monotonic()
+        while True:
+            t = self.trainer.status()
+            if t.get("failed"):
+                raise RuntimeError(f"trainer failed in stage {stage.name}: {t.get('message', '')}")
+            r = self.rollout.status()
+            b = self.buffer.status()
+            self._progress(stage, t, r, b, time.monotonic() - start)
+            if t.get("stage") == stage.name and t.get("stage_done"):
+                break
+            time.sleep(self.poll_seconds)
+        self.rollout.set_mode(IDLE, stage="", task_sets=[], group_size=1, synchronous=False,
+                              batch_size=0, seed=0)
+        self._wait_for_version(t["version"])
+        self._line_done()
+        self._evaluate(stage, "after")
+
+    def _wait_for_version(self, version: int, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.rollout.status()["policy_version"] < version:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rollout did not receive policy version {version} in {timeout:.0f} s")
+            time.sleep(0.1)
+
+    # ------------------------------------------------------------------ output
+    def _progress(self, stage, t: dict, r: dict, b: dict, elapsed: float) -> None:
+        step = t.get("step", 0) if t.get("stage") == stage.name else 0
+        eta = elapsed / step * (stage.max_steps - step) if step else float("nan")
+        rec = {"event": "progress", "time": time.time(), "elapsed": elapsed, "stage": stage.name,
+               "step": step, "max_steps": stage.max_steps, "trainer": t, "rollout": r, "buffer": b}
+        self._record(rec)
+        reward = t.get("reward")
+        line = (f"\r[{stage.name}] step {step}/{stage.max_steps}  v{t.get('version', 0)}"
+                f"  reward {reward if reward is None else f'{reward:.3f}'}"
+                f"  rollout pass {r.get('mean_reward', 0):.3f}"
+                f"  staleness<={b.get('max_staleness', 0)}  dropped {b.get('dropped_stale', 0)}"
+                f"  {r.get('tokens_per_second', 0):.0f} tok/s  ETA {eta:.0f}s   ")
+        if self.out.isatty():
+            self.out.write(line)
+            self.out.flush()
+        elif step and step != getattr(self, "_last_step", None):
+            self.out.write(line.lstrip("\r") + "\n")
+            self._last_step = step
+
+    def _line_done(self) -> None:
+        if self.out.isatty():
+            self.out.write("\n")
+
+    def _say(self, text: str) -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    def _record(self, rec: dict) -> None:
+        with open(self.metrics_file, "a") as f:
+            f.write(json.dumps(rec, default=str) + "\n")

@@ -1,0 +1,68 @@
+"""`kiln trajectories RUN_DIR`: print sampled trajectories of a run, human-readably.
+
+Shows each turn (prompt, actions, observations) decoded with the run's tokenizer, the policy
+version spans, the reward and its parts, and the verifier's output. Reads the samples rollout
+keeps in `RUN_DIR/rollout/trajectories.jsonl`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("trajectories", help="print trajectories of a run human-readably")
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    p.add_argument("-n", "--limit", type=int, default=5, help="how many (default 5; 0 = all)")
+    p.add_argument("--stage", help="only trajectories of this stage")
+    p.add_argument("--reward", type=float, help="only trajectories with this reward")
+    p.add_argument("--last", action="store_true", help="the most recent ones instead of the first")
+    p.set_defaults(func=main)
+
+
+def _segments(t: dict) -> list[tuple[str, list[int]]]:
+    """Split the token sequence into runs of equal loss mask: ('prompt'|'action'|'observation', ids)."""
+    out: list[tuple[str, list[int]]] = []
+    for i, (tok, m) in enumerate(zip(t["tokens"], t["loss_mask"])):
+        kind = "prompt" if i < t["prompt_len"] else ("action" if m else "observation")
+        if out and out[-1][0] == kind:
+            out[-1][1].append(tok)
+        else:
+            out.append((kind, [tok]))
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    path = args.run_dir / "rollout" / "trajectories.jsonl"
+    if not path.exists():
+        print(f"kiln trajectories: {path} does not exist (is {args.run_dir} a run directory?)", file=sys.stderr)
+        return 2
+    from transformers import AutoTokenizer
+
+    job = yaml.safe_load((args.run_dir / "job.yaml").read_text())
+    model = job["spec"]["model"]
+    tok = AutoTokenizer.from_pretrained(model.get("tokenizer") or model["path"])
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if args.stage:
+        rows = [r for r in rows if r["stage"] == args.stage]
+    if args.reward is not None:
+        rows = [r for r in rows if r["reward"] == args.reward]
+    if args.last:
+        rows = rows[::-1]
+    if args.limit:
+        rows = rows[: args.limit]
+    for t in rows:
+        spans = ", ".join(f"[{s['start']},{s['end']})@v{s['version']}" for s in t["version_spans"])
+        parts = ", ".join(f"{k}={v:g}" for k, v in t["reward_parts"].items())
+        print(f"=== {t['id'][:12]}  stage {t['stage']}  task {t['task_id']}  group {t['group_id'][:8]}")
+        print(f"    reward {t['reward']:g} ({parts})  verifier: {t['verifier_output']}  flags: {t['flags']}")
+        print(f"    {len(t['tokens'])} tokens, {sum(t['loss_mask'])} trained; versions {spans}")
+        for kind, ids in _segments(t):
+            print(f"    {kind:>11}: {tok.decode(ids, skip_special_tokens=False)}")
+    if not rows:
+        print("no trajectories match", file=sys.stderr)
+    return 0

@@ -1,0 +1,158 @@
+"""`kiln run JOB.yaml`: the whole job on one machine, every service its own process.
+
+    validate -> run directory -> model (created if `spec.model.init`) -> start services ->
+    wait for health -> drive the stages -> summary.json + report
+
+The services are the same entry points the operator runs in pods, on loopback ports. The run
+directory holds the resolved job (`job.yaml`), `metrics.jsonl`, `state.json` (finished stages
+and evaluations), each service's state (`trainer/checkpoints`, `buffer/` segments, ...), logs,
+`report/*.png` and `summary.json`. Ctrl-C stops the services in order, the trainer writing a
+checkpoint on its way out; `kiln run --resume RUN_DIR` starts them again on the same directory:
+the trainer resumes from its latest checkpoint, the buffer from its log, and finished stages
+are skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from kiln.api.spec import RLJob, RLStage
+from kiln.api.validate import ManifestError, load_job
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="run an RLJob on this machine, every service a process")
+    p.add_argument("job", nargs="?", type=Path, help="RLJob manifest")
+    p.add_argument("--run-dir", type=Path, help="run directory (default: runs/<job name>)")
+    p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a stopped run")
+    p.set_defaults(func=main)
+
+
+def _resolve(job: RLJob, job_file: Path) -> RLJob:
+    """Relative paths in the job are relative to the job file; make them absolute."""
+    base = job_file.resolve().parent
+    spec = job.spec
+    model_path = Path(spec.model.path)
+    if not model_path.is_absolute():
+        # The quickstart's model lives under the working directory's runs/, beside the run.
+        model_path = (Path.cwd() / model_path).resolve()
+    model = spec.model.model_copy(update={"path": str(model_path)})
+    tasks = [t.model_copy(update={"path": str((base / t.path).resolve())})
+             if t.path and not Path(t.path).is_absolute() else t for t in spec.tasks]
+    return job.model_copy(update={"spec": spec.model_copy(update={"model": model, "tasks": tasks})})
+
+
+def _dump(job: RLJob) -> str:
+    return yaml.safe_dump(job.model_dump(mode="json", by_alias=True, exclude_none=True), sort_keys=False)
+
+
+def prepare_model(job: RLJob, out=sys.stdout) -> None:
+    """Create the job's model if it asks for one and none exists yet (nothing is downloaded)."""
+    path = Path(job.spec.model.path)
+    if (path / "config.json").exists():
+        return
+    init = job.spec.model.init
+    if init is None:
+        raise ValueError(f"spec.model.path: {path} holds no config.json and spec.model.init is not set")
+    from kiln.services.common.tiny_model import make_tiny_model, train_tokenizer
+    from kiln.services.sandbox.environments import chain
+
+    t0 = time.monotonic()
+    tok_dir = path.with_name(path.name + ".tokenizer")
+    train_tokenizer(chain.corpus_for_tokenizer(), tok_dir, vocab_size=init.vocab_size,
+                    special_tokens=list(chain.SPECIAL_TOKENS), split_digits=True)
+    make_tiny_model(path, tok_dir, arch=init.arch, hidden_size=init.hidden_size,
+                    num_layers=init.num_layers, num_heads=init.num_heads,
+                    num_kv_heads=init.num_kv_heads, intermediate_size=init.intermediate_size,
+                    max_position_embeddings=init.max_position_embeddings, seed=init.seed,
+                    tie_word_embeddings=init.tie_word_embeddings,
+                    dtype=job.spec.model.dtype)
+    out.write(f"created model {path} ({time.monotonic() - t0:.1f} s)\n")
+
+
+def main(args: argparse.Namespace) -> int:
+    from kiln.services import processes
+    from kiln.services.clients import connect
+    from kiln.services.driver import Driver
+    from kiln.services.report import write_report, write_summary
+
+    out = sys.stdout
+    started = time.time()
+    if args.resume:
+        run_dir = args.resume.resolve()
+        job_file = run_dir / "job.yaml"
+        if not job_file.exists():
+            print(f"kiln run: --resume {args.resume}: no job.yaml there; not a run directory", file=sys.stderr)
+            return 2
+    elif args.job is None:
+        print("kiln run: give a job file, or --resume RUN_DIR", file=sys.stderr)
+        return 2
+    try:
+        job = load_job(job_file if args.resume else args.job)
+    except ManifestError as exc:
+        print(f"kiln run: invalid job:\n{exc}", file=sys.stderr)
+        return 2
+    if not args.resume:
+        job = _resolve(job, args.job)
+        run_dir = (args.run_dir or Path("runs") / job.metadata.name).resolve()
+        if (run_dir / "state.json").exists():
+            print(f"kiln run: {run_dir} holds a previous run; use --resume {run_dir} or another "
+                  "--run-dir", file=sys.stderr)
+            return 2
+        run_dir.mkdir(parents=True, exist_ok=True)
+        job_file = run_dir / "job.yaml"
+        job_file.write_text(_dump(job))
+    if job.spec.model.init is None and not (Path(job.spec.model.path) / "config.json").exists():
+        print(f"kiln run: spec.model.path: {job.spec.model.path} holds no config.json and "
+              "spec.model.init is not set", file=sys.stderr)
+        return 2
+    prepare_model(job, out)
+
+    services: dict[str, processes.ServiceProcess] = {}
+    interrupted = False
+
+    def _interrupt(signum, frame):  # noqa: ARG001
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        out.write(f"run directory: {run_dir}\nstarting services: {', '.join(processes.ORDER)}\n")
+        for name in processes.ORDER:
+            addrs = {n: s.address for n, s in services.items()}
+            services[name] = processes.start(name, job_file, run_dir, addrs)
+            if name in ("buffer", "sandbox", "weight_sync"):
+                processes.wait_ready(services[name])
+        for name in ("trainer", "rollout"):
+            processes.wait_ready(services[name])
+        out.write(f"all services healthy after {time.time() - started:.1f} s\n")
+        trainer, rollout, buffer = connect({n: s.address for n, s in services.items()})
+        driver = Driver(job, run_dir, trainer, rollout, buffer)
+        state = driver.run()
+    except KeyboardInterrupt:
+        interrupted = True
+        out.write(f"\ninterrupted: stopping services (the trainer checkpoints); continue with\n"
+                  f"  kiln run --resume {run_dir}\n")
+    except processes.ServiceFailed as exc:
+        out.write(f"\nkiln run: {exc}\n")
+        return 1
+    finally:
+        # The trainer first, so its checkpoint is written while everything else still runs.
+        for name in ("rollout", "trainer", "weight_sync", "sandbox", "buffer"):
+            if name in services:
+                processes.stop(services[name])
+    if interrupted:
+        return 130
+    summary = write_summary(job, run_dir, state, wall_seconds=time.time() - started)
+    write_report(run_dir)
+    out.write(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+def rl_stages(job: RLJob) -> list[RLStage]:
+    return [s for s in job.spec.stages if isinstance(s, RLStage)]

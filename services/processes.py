@@ -1,0 +1,118 @@
+"""Start Kiln's services as local processes on loopback and wait until they are healthy.
+
+Each service runs from the same entry point the operator runs in its pod (`python -m
+kiln.services.<name>.main`), with the resolved job file, a free port (announced through a port
+file), its own state directory under the run directory, and a log file. Addresses of the other
+services are passed in the same environment variables the operator sets (`KILN_<NAME>_ADDR`).
+
+Not covered: what the services are told to do (`driver.py`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+# Start order: a service is started after the ones it talks to.
+ORDER = ("buffer", "sandbox", "weight_sync", "trainer", "rollout")
+
+
+class ServiceFailed(RuntimeError):
+    """A service process exited or never became healthy; its log says why."""
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    proc: subprocess.Popen
+    state_dir: Path
+    log_path: Path
+    port: int = 0
+    metrics_port: int = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def env_var(name: str) -> str:
+    return f"KILN_{name.upper()}_ADDR"
+
+
+def start(name: str, job_file: Path, run_dir: Path, addresses: dict[str, str],
+          extra_env: dict[str, str] | None = None) -> ServiceProcess:
+    state = run_dir / name
+    state.mkdir(parents=True, exist_ok=True)
+    port_file = state / "ports.json"
+    port_file.unlink(missing_ok=True)
+    log_path = run_dir / "logs" / f"{name}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **{env_var(k): v for k, v in addresses.items()}, **(extra_env or {})}
+    env.setdefault("KILN_LOG_FORMAT", "json")
+    cmd = [sys.executable, "-m", f"kiln.services.{name}.main", "--job", str(job_file),
+           "--address", "127.0.0.1:0", "--metrics-port", "0", "--run-dir", str(state),
+           "--port-file", str(port_file)]
+    with open(log_path, "ab") as log:
+        # A new session: Ctrl-C in the terminal reaches the launcher only, which then stops
+        # each service in order (the trainer must checkpoint before the others go).
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                cwd=run_dir, start_new_session=True)
+    return ServiceProcess(name, proc, state, log_path)
+
+
+def wait_ready(svc: ServiceProcess, timeout: float = 180.0) -> None:
+    """Wait for the port file, then for the health service to say SERVING."""
+    port_file = svc.state_dir / "ports.json"
+    deadline = time.monotonic() + timeout
+    while not port_file.exists():
+        _check_alive(svc)
+        if time.monotonic() > deadline:
+            raise ServiceFailed(f"{svc.name} did not bind a port in {timeout:.0f} s:\n{svc.log_tail()}")
+        time.sleep(0.05)
+    info = json.loads(port_file.read_text())
+    svc.port, svc.metrics_port = info["port"], info["metrics_port"]
+    with grpc.insecure_channel(svc.address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            _check_alive(svc)
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise ServiceFailed(f"{svc.name} not healthy after {timeout:.0f} s:\n{svc.log_tail()}")
+            time.sleep(0.2)
+
+
+def _check_alive(svc: ServiceProcess) -> None:
+    code = svc.proc.poll()
+    if code is not None:
+        raise ServiceFailed(f"{svc.name} exited with code {code}; last log lines:\n{svc.log_tail()}")
+
+
+def stop(svc: ServiceProcess, timeout: float = 60.0) -> int | None:
+    """SIGTERM (the service drains and runs its stop hook), SIGKILL if it does not exit."""
+    if svc.proc.poll() is None:
+        svc.proc.send_signal(signal.SIGTERM)
+        try:
+            svc.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            svc.proc.kill()
+            svc.proc.wait()
+    return svc.proc.returncode

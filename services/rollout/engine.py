@@ -1,0 +1,247 @@
+"""The rollout inference engine: vLLM's `AsyncLLM`, with exact per-token policy versions.
+
+`EngineProtocol` is what the agent loop needs from an engine: `generate` (token ids in, sampled
+token ids with their log-probs and policy versions out), `apply_weights` (a new policy version,
+in place, while generation goes on), `version` and `fingerprint`. `RolloutEngine` implements it
+on vLLM; `kiln.services.rollout.torch_engine.TorchEngine` implements it on a plain transformers
+model (fast tests, no vLLM start-up).
+
+The version guarantee. `apply_weights` freezes the scheduler between two engine steps (vLLM's
+`pause_generation(mode="keep")`: no step runs, in-flight requests stay queued), reloads the
+weights in place, relabels the engine's weight version, and preempts every running request
+(`reset_prefix_cache(reset_running_requests=True)`) before resuming. vLLM labels each step's
+outputs with the weight version current when the step ran, and reports per-request version
+spans; a preempted request is re-prefilled, so its KV cache is recomputed under the new weights.
+Hence for every generated token: its recorded version is the version of the weights that
+produced it, and its recorded log-prob is that version's log-prob of the token given the whole
+preceding sequence (not a mix of old cached keys and new weights). A request may therefore carry
+several versions; they never decrease.
+
+Not covered: multi-GPU tensor parallelism, LoRA, and atomicity of a failed reload (vLLM's
+in-place reload may have copied some tensors before failing; the version label then stays old,
+and the engine should be reloaded with a complete version before it is trusted again).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Literal, Protocol, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    import torch
+
+    from kiln.api.spec import RLJob
+
+NamedTensors = Iterable[tuple[str, "torch.Tensor"]]
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    """Generation also stops at the model's end-of-sequence token(s); the stop token is kept."""
+    seed: int | None = None
+    """Per-request seed; None draws from the engine's seeded stream."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"sampling.temperature={self.temperature} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p={self.top_p} must be in (0, 1]")
+        if self.max_tokens < 1:
+            raise ValueError(f"sampling.max_tokens={self.max_tokens} must be >= 1")
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    logprobs: list[float]
+    """Log-prob of each sampled token under the raw model distribution (before temperature or
+    top-p), as the trainer computes it."""
+    versions: list[int]
+    """Policy version of each sampled token (non-decreasing)."""
+    finish_reason: str
+    """"stop" (a stop or end-of-sequence token, included in token_ids), "length" or "abort"."""
+    index_hashes: list[int] = field(default_factory=list)
+    """DSA models only (engine `megatron`): one `kiln.kernels.dsa.index_hash` per attention layer
+    of the top-k indices selected for prompt + token_ids[:-1] under the last token's version,
+    which the trainer recomputes to detect a different selection. Empty for other engines."""
+
+
+class EngineProtocol(Protocol):
+    @property
+    def version(self) -> int:
+        """The policy version new tokens are sampled under."""
+
+    @property
+    def fingerprint(self) -> str:
+        """Engine build and the settings that decide its numerics (recorded per trajectory)."""
+
+    async def generate(self, prompt_token_ids: Sequence[int], sampling: SamplingOptions) -> Generation:
+        ...
+
+    async def apply_weights(self, version: int, named_tensors: NamedTensors) -> None:
+        """Switch to `version` (Hugging Face tensor names), which must be newer than `version`."""
+
+    async def close(self) -> None:
+        ...
+
+
+class EngineSettings(BaseModel):
+    """How an engine is started; `from_job` fills it from an RLJob."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(min_length=1)
+    """Hugging Face checkpoint directory."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    kv_cache_bytes: int = Field(1 << 30, ge=1 << 20)
+    enforce_eager: bool = True
+    seed: int = 0
+    max_model_len: int | None = Field(None, ge=16)
+    """Defaults to the model's max_position_embeddings."""
+    initial_version: int = Field(0, ge=0)
+    """Policy version of the checkpoint in `model`."""
+
+    @classmethod
+    def from_job(cls, job: "RLJob", model_dir: str | None = None, **overrides: Any) -> "EngineSettings":
+        spec = job.spec
+        return cls(model=model_dir or spec.model.path, dtype=spec.model.dtype,
+                   kv_cache_bytes=spec.rollout.kv_cache_bytes,
+                   enforce_eager=spec.rollout.enforce_eager, seed=spec.seed, **overrides)
+
+
+def check_new_version(current: int, version: int) -> None:
+    if version <= current:
+        raise ValueError(
+            f"version={version} is not newer than the engine's version {current}; versions only "
+            "move forward (retrying the same version will not help)")
+
+
+def _reload_in_worker(worker: Any, path: str) -> None:
+    """Runs inside each vLLM worker: reload the weights in place from a safetensors file."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        worker.model_runner.reload_weights(
+            weights_iterator=((name, f.get_tensor(name)) for name in f.keys()))
+
+
+def _write_weights(named_tensors: NamedTensors) -> str:
+    # The weights go to the engine's workers (other processes on this host) through a file in
+    # shared memory: vLLM's RPC path copies large arguments several times and does not
+    # round-trip tensors nested in arguments.
+    import tempfile
+
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {name: t.detach().to("cpu", copy=False).contiguous() for name, t in named_tensors}
+    for name, t in tensors.items():
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            raise ValueError(f"weight {name} has dtype {t.dtype}; only floating-point weights load")
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    fd, path = tempfile.mkstemp(prefix="kiln-weights-", suffix=".safetensors", dir=shm)
+    os.close(fd)
+    try:
+        save_file(tensors, path)
+    except BaseException:
+        os.unlink(path)
+        raise
+    return path
+
+
+class RolloutEngine:
+    """vLLM AsyncLLM behind `EngineProtocol`. Create with `await RolloutEngine.start(settings)`
+    (~20 s on a CPU) and `await engine.close()` when done. Many `generate` calls may run at once."""
+
+    def __init__(self, llm: Any, settings: EngineSettings, fingerprint: str) -> None:
+        self._llm = llm
+        self.settings = settings
+        self._fingerprint = fingerprint
+        self._version = settings.initial_version
+        self._update_lock = asyncio.Lock()
+
+    @classmethod
+    async def start(cls, settings: EngineSettings) -> "RolloutEngine":
+        # Reloading from in-memory tensors sends a function to the workers, which vLLM only
+        # accepts with this set; it must be in the environment before the engine processes start.
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        import torch
+        import vllm
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=settings.model, dtype=settings.dtype, seed=settings.seed,
+            enforce_eager=settings.enforce_eager, kv_cache_memory_bytes=settings.kv_cache_bytes,
+            max_model_len=settings.max_model_len, disable_log_stats=True,
+        )
+        llm = AsyncLLM.from_engine_args(args)
+        await llm.update_weight_version(str(settings.initial_version))
+        fingerprint = (f"vllm-{vllm.__version__}+torch-{torch.__version__};dtype={settings.dtype};"
+                       f"seed={settings.seed};enforce_eager={settings.enforce_eager};"
+                       f"logprobs=raw")
+        return cls(llm, settings, fingerprint)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    async def generate(self, prompt_token_ids: Sequence[int], sampling: SamplingOptions) -> Generation:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_tokens,
+            stop_token_ids=list(sampling.stop_token_ids), seed=sampling.seed, logprobs=0,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        final = None
+        async for out in self._llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)),
+                                            params, request_id=uuid.uuid4().hex):
+            final = out
+        if final is None:
+            raise RuntimeError("vLLM returned no output for a request (engine stopped?); retry may help")
+        c = final.outputs[0]
+        token_ids = list(c.token_ids)
+        logprobs = [entry[tok].logprob for entry, tok in zip(c.logprobs or [], token_ids)]
+        versions = [-1] * len(token_ids)
+        for span in c.weight_versions or []:
+            versions[span.start:span.end] = [int(span.version)] * (span.end - span.start)
+        if len(logprobs) != len(token_ids) or -1 in versions:
+            raise RuntimeError(f"vLLM output lacks logprobs or weight versions for request "
+                               f"{final.request_id}; this is a bug, not retryable")
+        return Generation(token_ids, logprobs, versions, c.finish_reason or "abort")
+
+    async def apply_weights(self, version: int, named_tensors: NamedTensors) -> None:
+        async with self._update_lock:
+            check_new_version(self._version, version)
+            path = await asyncio.to_thread(_write_weights, named_tensors)
+            llm = self._llm
+            await llm.pause_generation(mode="keep", clear_cache=False)
+            try:
+                await llm.collective_rpc(_reload_in_worker, kwargs={"path": path})
+                await llm.update_weight_version(str(version))
+                # Running requests are preempted and re-prefilled under the new weights.
+                await llm.reset_prefix_cache(reset_running_requests=True)
+                self._version = version
+            finally:
+                await llm.resume_generation()
+                os.unlink(path)
+
+    async def close(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.shutdown()

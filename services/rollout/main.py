@@ -1,0 +1,109 @@
+"""`kiln-rollout`: the rollout service process.
+
+    kiln-rollout --job job.yaml --run-dir runs/x/rollout --address 0.0.0.0:50051
+
+Starts the vLLM engine on the job's model, subscribes to weight-sync for new policy versions
+(applied in place, with exact per-token versions), and serves `kiln.v1.Rollout`, which a stage
+driver uses to set the mode and run evaluations. Addresses of the services it talks to come from
+`KILN_SANDBOX_ADDR` (environment episodes), `KILN_BUFFER_ADDR` and `KILN_WEIGHT_SYNC_ADDR`, as the
+operator sets them in the pod. Every tenth finished trajectory is also kept in
+`<run-dir>/trajectories.jsonl` for `kiln trajectories`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+from typing import Sequence
+
+from kiln.api.spec import RLJob
+from kiln.services.common import metrics
+from kiln.services.common.server import CHANNEL_OPTIONS, Registration, run_service, service_argparser
+
+log = logging.getLogger("kiln.rollout")
+
+
+def _addr(name: str) -> str:
+    value = os.environ.get(f"KILN_{name}_ADDR")
+    if not value:
+        raise ValueError(f"KILN_{name}_ADDR is not set: the rollout service needs the {name.lower()} "
+                         "service's address")
+    return value
+
+
+class BufferSink:
+    """The producer's sink: the buffer's (blocking, retrying) client, off the event loop."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+
+    async def put(self, trajectories) -> None:
+        await asyncio.to_thread(self.client.put, trajectories, len(trajectories))
+
+
+async def build(job: RLJob | None, args: argparse.Namespace):
+    import grpc
+    from transformers import AutoTokenizer
+
+    from kiln.protos.kiln.v1 import rollout_pb2_grpc
+    from kiln.services.buffer.client import GrpcBufferClient
+    from kiln.services.rollout.agent import Limits
+    from kiln.services.rollout.engine import EngineSettings, RolloutEngine, SamplingOptions
+    from kiln.services.rollout.env_client import GrpcEnvClient
+    from kiln.services.rollout.producer import Producer
+    from kiln.services.rollout.servicer import RolloutServicer
+    from kiln.services.weight_sync.client import subscribe_and_apply
+
+    if job is None:
+        raise ValueError("--job is required")
+    spec = job.spec
+    sandbox, buffer_addr, sync_addr = _addr("SANDBOX"), _addr("BUFFER"), _addr("WEIGHT_SYNC")
+    tokenizer = AutoTokenizer.from_pretrained(spec.model.tokenizer or spec.model.path)
+    engine = await RolloutEngine.start(EngineSettings.from_job(job))
+    env_channel = grpc.aio.insecure_channel(sandbox, options=CHANNEL_OPTIONS)
+    env = GrpcEnvClient(env_channel, owner=socket.gethostname())
+    task_sets = await env.task_sets()
+    s = spec.rollout.sampling
+    producer = Producer(
+        engine, env, tokenizer, BufferSink(GrpcBufferClient(buffer_addr)),
+        sampling=SamplingOptions(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens_per_turn,
+                                 seed=None),
+        limits=Limits(spec.rollout.max_turns, s.max_tokens_per_turn, s.max_total_tokens),
+        max_concurrent=spec.rollout.max_concurrent_episodes,
+        samples_path=args.run_dir / "trajectories.jsonl")
+    producer.start()
+    sync_channel = grpc.aio.insecure_channel(sync_addr, options=CHANNEL_OPTIONS)
+
+    async def apply(version, named_tensors):
+        await engine.apply_weights(version, named_tensors)
+        metrics.POLICY_VERSION.labels("rollout").set(version)
+        log.info("applied policy version %d", version)
+
+    subscription = asyncio.ensure_future(
+        subscribe_and_apply(sync_channel, f"rollout-{socket.gethostname()}-{os.getpid()}", apply))
+    metrics.POLICY_VERSION.labels("rollout").set(engine.version)
+    servicer = RolloutServicer(producer, task_sets)
+
+    async def on_stop() -> None:
+        subscription.cancel()
+        await producer.stop()
+        await engine.close()
+        await env_channel.close()
+        await sync_channel.close()
+
+    return [Registration(rollout_pb2_grpc.add_RolloutServicer_to_server, servicer, "kiln.v1.Rollout")], on_stop
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return run_service("rollout", build, argv, parser=service_argparser("rollout"))
+    except ValueError as exc:
+        print(f"kiln-rollout: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

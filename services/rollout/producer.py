@@ -1,0 +1,213 @@
+"""Keeps episodes in flight and ships finished trajectories to the buffer.
+
+Modes (set by the stage driver through the Rollout RPC):
+- DEMONSTRATE (SFT stages): the environment's scripted solver acts; one trajectory per task.
+- EXPLORE (RL stages): the policy acts; G episodes of the same task form a group, shipped
+  together so the buffer can compute group-relative advantages.
+- IDLE: nothing new starts; episodes in flight finish and are shipped.
+
+Asynchronous RL keeps up to `maxConcurrentEpisodes` episodes running whatever the trainer does;
+weights change underneath them and every token records its version. Synchronous RL (`async:
+false`) produces exactly one batch per policy version and waits for the next version before
+starting another, so the trainer and rollout take turns.
+
+Also `evaluate`: greedy and sampled success on a task set at the current version.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import json
+import logging
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from kiln.services.common import metrics
+from kiln.trajectory import Trajectory
+
+from .agent import Engine, EnvClient, Limits, Tokenizer, demonstration_trajectory, run_episode
+from .engine import SamplingOptions
+
+log = logging.getLogger(__name__)
+
+IDLE, DEMONSTRATE, EXPLORE = 0, 1, 2
+
+
+class TrajectorySink(Protocol):
+    async def put(self, trajectories: list[Trajectory]) -> None: ...
+
+
+@dataclass
+class Mode:
+    mode: int = IDLE
+    stage: str = ""
+    task_sets: list[tuple[str, int]] = field(default_factory=list)
+    """(name, size) of the task sets to draw from."""
+    group_size: int = 1
+    synchronous: bool = False
+    batch_size: int = 0
+    seed: int = 0
+
+
+class Producer:
+    def __init__(self, engine: Engine, env: EnvClient, tokenizer: Tokenizer, sink: TrajectorySink,
+                 *, sampling: SamplingOptions, limits: Limits, max_concurrent: int,
+                 samples_path: Path | None = None, sample_every: int = 10) -> None:
+        self.engine, self.env, self.tokenizer, self.sink = engine, env, tokenizer, sink
+        self.sampling, self.limits = sampling, limits
+        self.max_concurrent = max_concurrent
+        self.mode = Mode()
+        self._changed = asyncio.Event()
+        self._slots = asyncio.Semaphore(max_concurrent)
+        self._tasks: set[asyncio.Task] = set()
+        self.episodes = 0
+        self.tokens = 0
+        self.in_flight = 0
+        self.recent_rewards: collections.deque[float] = collections.deque(maxlen=256)
+        self._token_times: collections.deque[tuple[float, int]] = collections.deque(maxlen=512)
+        self._main: asyncio.Task | None = None
+        # Every `sample_every`-th finished trajectory is also kept as JSON for `kiln
+        # trajectories` (the buffer compacts what has been trained on).
+        self.samples_path, self.sample_every = samples_path, sample_every
+
+    # ---------------------------------------------------------------- control
+    def start(self) -> None:
+        self._main = asyncio.ensure_future(self._run())
+
+    def set_mode(self, mode: Mode) -> None:
+        self.mode = mode
+        self._changed.set()
+
+    async def stop(self) -> None:
+        self.set_mode(Mode())
+        if self._main:
+            self._main.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def tokens_per_second(self) -> float:
+        if len(self._token_times) < 2:
+            return 0.0
+        (t0, _), (t1, _) = self._token_times[0], self._token_times[-1]
+        n = sum(k for _, k in list(self._token_times)[1:])
+        return n / (t1 - t0) if t1 > t0 else 0.0
+
+    # ---------------------------------------------------------------- loop
+    async def _run(self) -> None:
+        rng_mode, rng = None, random.Random()
+        while True:
+            mode = self.mode
+            if mode.mode == IDLE or not mode.task_sets:
+                self._changed.clear()
+                await self._changed.wait()
+                continue
+            if rng_mode is not mode:
+                # One task stream per stage, reproducible from the job's seed.
+                rng_mode, rng = mode, random.Random(f"{mode.seed}/{mode.stage}")
+            if mode.synchronous and mode.mode == EXPLORE:
+                await self._one_synchronous_batch(mode, rng)
+                continue
+            group = mode.group_size if mode.mode == EXPLORE else 1
+            # Hold a slot per episode of the group before starting it, so at most
+            # max_concurrent episodes run at once.
+            for _ in range(group):
+                await self._slots.acquire()
+            if self.mode is not mode:
+                for _ in range(group):
+                    self._slots.release()
+                continue
+            name, size = rng.choice(mode.task_sets)
+            task = asyncio.ensure_future(self._group(mode, name, rng.randrange(size), group, rng.getrandbits(31)))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _one_synchronous_batch(self, mode: Mode, rng: random.Random) -> None:
+        version = self.engine.version
+        groups = max(1, mode.batch_size // mode.group_size)
+        jobs = []
+        for _ in range(groups):
+            for _ in range(mode.group_size):
+                await self._slots.acquire()
+            name, size = rng.choice(mode.task_sets)
+            jobs.append(asyncio.ensure_future(
+                self._group(mode, name, rng.randrange(size), mode.group_size, rng.getrandbits(31))))
+        await asyncio.gather(*jobs, return_exceptions=True)
+        # Rollout pauses until the trainer has trained on this batch and published.
+        while self.engine.version <= version and self.mode is mode:
+            await asyncio.sleep(0.05)
+
+    async def _group(self, mode: Mode, task_set: str, index: int, group: int, seed: int) -> None:
+        self.in_flight += group
+        try:
+            gid = uuid.uuid4().hex
+            if mode.mode == DEMONSTRATE:
+                demo = await self.env.demonstrate(task_set, index, seed)
+                trajs = [demonstration_trajectory(demo, self.tokenizer, version=self.engine.version,
+                                                  group_id=gid)]
+            else:
+                results = await asyncio.gather(*[
+                    run_episode(self.engine, self.env, self.tokenizer, task_set=task_set, index=index,
+                                sampling=self.sampling, limits=self.limits, group_id=gid)
+                    for _ in range(group)], return_exceptions=True)
+                trajs = [r for r in results if isinstance(r, Trajectory)]
+                errors = [r for r in results if not isinstance(r, Trajectory)]
+                for err in errors:
+                    metrics.EPISODES.labels("error").inc()
+                    log.warning("episode of %s[%d] failed: %r", task_set, index, err)
+                if errors:
+                    return  # a partial group would bias the group-relative baseline
+            for t in trajs:
+                n = sum(t.loss_mask)
+                self.tokens += n
+                self._token_times.append((time.monotonic(), n))
+                metrics.ROLLOUT_TOKENS.inc(n)
+                metrics.EPISODES.labels("ok").inc()
+                metrics.EPISODE_REWARD.observe(t.reward)
+                self.recent_rewards.append(t.reward)
+            self._keep_samples(mode, trajs)
+            self.episodes += len(trajs)
+            if self.mode is mode:
+                await self.sink.put(trajs)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("group of %s[%d] failed", task_set, index)
+        finally:
+            self.in_flight -= group
+            for _ in range(group):
+                self._slots.release()
+
+    def _keep_samples(self, mode: Mode, trajs: list[Trajectory]) -> None:
+        if self.samples_path is None:
+            return
+        with open(self.samples_path, "a") as f:
+            for i, t in enumerate(trajs):
+                if (self.episodes + i) % self.sample_every == 0:
+                    f.write(json.dumps({"stage": mode.stage, **dataclasses.asdict(t)}) + "\n")
+
+    # ---------------------------------------------------------------- evaluation
+    async def evaluate(self, task_set: str, size: int, *, max_tasks: int, samples: int,
+                       greedy: bool) -> tuple[int, float, float]:
+        """(tasks, greedy success, sampled success) at the current policy version."""
+        n = min(size, max_tasks) if max_tasks else size
+        sem = asyncio.Semaphore(self.max_concurrent)
+
+        async def one(index: int, temperature: float, seed: int) -> float:
+            async with sem:
+                t = await run_episode(
+                    self.engine, self.env, self.tokenizer, task_set=task_set, index=index,
+                    sampling=dataclasses.replace(self.sampling, temperature=temperature, seed=seed),
+                    limits=self.limits)
+                return t.reward
+
+        greedy_rewards = await asyncio.gather(*[one(i, 0.0, 0) for i in range(n)]) if greedy else []
+        sampled = await asyncio.gather(*[one(i, self.sampling.temperature, 1000 + 7 * i + s)
+                                         for i in range(n) for s in range(samples)])
+        g = sum(r >= 1.0 for r in greedy_rewards) / len(greedy_rewards) if greedy_rewards else 0.0
+        s = sum(r >= 1.0 for r in sampled) / len(sampled) if sampled else 0.0
+        return n, g, s

@@ -1,0 +1,54 @@
+"""gRPC servicer for `kiln.v1.Rollout`: translates protobuf <-> `Producer` calls."""
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from kiln.protos.kiln.v1 import rollout_pb2, rollout_pb2_grpc
+
+from .producer import Mode, Producer
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
+    def __init__(self, producer: Producer, task_sets: dict[str, tuple[str, int]]) -> None:
+        self.producer = producer
+        self.task_sets = task_sets
+
+    def _status(self) -> rollout_pb2.RolloutStatus:
+        p = self.producer
+        rewards = list(p.recent_rewards)
+        return rollout_pb2.RolloutStatus(
+            mode=p.mode.mode, stage=p.mode.stage, policy_version=p.engine.version, episodes=p.episodes,
+            tokens_generated=p.tokens, tokens_per_second=p.tokens_per_second(),
+            mean_reward=sum(rewards) / len(rewards) if rewards else 0.0, in_flight=p.in_flight,
+            engine_fingerprint=p.engine.fingerprint)
+
+    async def SetMode(self, request, context):
+        unknown = [t for t in request.task_sets if t not in self.task_sets]
+        if unknown:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"task_sets: {unknown} not served (known: {sorted(self.task_sets)})")
+        if request.mode == rollout_pb2.EXPLORE and request.group_size < 2:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "group_size: must be >= 2 to explore")
+        self.producer.set_mode(Mode(
+            mode=request.mode, stage=request.stage,
+            task_sets=[(t, self.task_sets[t][1]) for t in request.task_sets],
+            group_size=max(1, request.group_size), synchronous=request.synchronous,
+            batch_size=request.batch_size, seed=request.seed))
+        return self._status()
+
+    async def GetStatus(self, request, context):
+        return self._status()
+
+    async def Evaluate(self, request, context):
+        if request.task_set not in self.task_sets:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"task_set: {request.task_set!r} not served (known: {sorted(self.task_sets)})")
+        start = time.monotonic()
+        version = self.producer.engine.version
+        n, greedy, sampled = await self.producer.evaluate(
+            request.task_set, self.task_sets[request.task_set][1], max_tasks=request.max_tasks,
+            samples=request.samples, greedy=request.greedy)
+        return rollout_pb2.EvaluateResponse(policy_version=version, tasks=n, greedy_success=greedy,
+                                            sampled_success=sampled, seconds=time.monotonic() - start)

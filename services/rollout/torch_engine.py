@@ -1,0 +1,123 @@
+"""`EngineProtocol` on a plain transformers model: the second implementation, for fast tests.
+
+Starts in about a second (no engine processes), samples one request at a time per decoding step
+(concurrent `generate` calls interleave token by token), and keeps the same version guarantee as
+the vLLM engine: weights change only between decoding steps, every token is tagged with the
+version that produced it, and a request whose cached keys and values were computed under an
+older version recomputes them before its next token, so each recorded log-prob is exactly the
+tagged version's log-prob of the token given the whole preceding sequence.
+
+Sampling follows vLLM's semantics: log-probs are those of the raw model distribution (before
+temperature and top-p); temperature 0 is greedy; generation stops at `stop_token_ids` or the
+model's end-of-sequence token(s), which are kept in the output. Not covered: batching across
+requests (throughput), and token-for-token equality with vLLM's random streams.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any, Sequence
+
+import torch
+
+from kiln.services.rollout.engine import (
+    EngineSettings, Generation, NamedTensors, SamplingOptions, check_new_version)
+
+
+class TorchEngine:
+    def __init__(self, model: Any, settings: EngineSettings, eos_token_ids: set[int]) -> None:
+        self.model = model
+        self.settings = settings
+        self.eos_token_ids = eos_token_ids
+        self._version = settings.initial_version
+        self._lock = asyncio.Lock()  # one decoding step or one weight update at a time
+        self._seeds = random.Random(settings.seed)
+        self._params = dict(model.named_parameters())
+        self._fingerprint = (f"torch-{torch.__version__};dtype={settings.dtype};"
+                             f"seed={settings.seed};logprobs=raw")
+
+    @classmethod
+    async def start(cls, settings: EngineSettings) -> "TorchEngine":
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        model = await asyncio.to_thread(
+            AutoModelForCausalLM.from_pretrained, settings.model, dtype=getattr(torch, settings.dtype))
+        model.eval()
+        eos = GenerationConfig.from_pretrained(settings.model).eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        return cls(model, settings, eos_ids)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    @torch.no_grad()
+    def _forward(self, tokens: list[int], new: int, past: Any) -> tuple[torch.Tensor, Any]:
+        ids = torch.tensor([tokens[-new:]], dtype=torch.long)
+        out = self.model(input_ids=ids, past_key_values=past, use_cache=True)
+        return out.logits[0, -1].float(), out.past_key_values
+
+    async def generate(self, prompt_token_ids: Sequence[int], sampling: SamplingOptions) -> Generation:
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(63)
+        gen = torch.Generator().manual_seed(seed)
+        stops = self.eos_token_ids | set(sampling.stop_token_ids)
+        tokens = list(prompt_token_ids)
+        out, logps, versions = [], [], []
+        past, past_version, cached = None, None, 0
+        finish = "length"
+        for _ in range(sampling.max_tokens):
+            async with self._lock:
+                version = self._version
+                if past is None or past_version != version:
+                    past, cached = None, 0  # recompute the whole context under these weights
+                logits, past = await asyncio.to_thread(self._forward, tokens, len(tokens) - cached, past)
+                cached, past_version = len(tokens), version
+            token, logp = _sample(logits, sampling, gen)
+            tokens.append(token)
+            out.append(token)
+            logps.append(logp)
+            versions.append(version)
+            if token in stops:
+                finish = "stop"
+                break
+        return Generation(out, logps, versions, finish)
+
+    async def apply_weights(self, version: int, named_tensors: NamedTensors) -> None:
+        async with self._lock:
+            check_new_version(self._version, version)
+            tensors = list(named_tensors)
+            unknown = [n for n, _ in tensors if n not in self._params]
+            if unknown:
+                raise ValueError(f"weights {unknown[:5]} are not parameters of the model; "
+                                 "old weights kept")
+            for name, t in tensors:
+                if t.shape != self._params[name].shape:
+                    raise ValueError(f"weight {name} has shape {tuple(t.shape)}, expected "
+                                     f"{tuple(self._params[name].shape)}; old weights kept")
+            with torch.no_grad():
+                for name, t in tensors:
+                    self._params[name].copy_(t)
+            self._version = version
+
+    async def close(self) -> None:
+        self.model = None
+
+
+def _sample(logits: torch.Tensor, sampling: SamplingOptions, gen: torch.Generator) -> tuple[int, float]:
+    logp = torch.log_softmax(logits, dim=-1)
+    if sampling.temperature == 0:
+        token = int(torch.argmax(logits))
+        return token, float(logp[token])
+    probs = torch.softmax(logits / sampling.temperature, dim=-1)
+    if sampling.top_p < 1:
+        sorted_p, order = torch.sort(probs, descending=True, stable=True)
+        keep = torch.cumsum(sorted_p, 0) - sorted_p < sampling.top_p  # always keeps the top one
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+    token = int(torch.multinomial(probs, 1, generator=gen))
+    return token, float(logp[token])

@@ -1,0 +1,101 @@
+"""Process entry point of the sandbox service (`kiln-sandbox`).
+
+    kiln-sandbox --address 127.0.0.1:50061 --metrics-port 0 [--job job.yaml]
+                 [--backend bubblewrap|docker] [--owner NAME] [--max-concurrent N]
+                 [--warm-pool N] [--tasks-dir DIR]
+
+With `--job`, the backend and limits come from the RLJob's `spec.sandbox`; flags given on the
+command line win. The docker backend uses DOCKER_HOST (the dind sidecar in a pod) or, when
+unset, a private podman service started here. At start the service reaps every sandbox of its
+owner left by an earlier, killed process.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+
+def _parser():
+    from kiln.services.common.server import service_argparser
+    p = service_argparser("sandbox")
+    p.add_argument("--backend", choices=("bubblewrap", "docker"), default=None)
+    p.add_argument("--owner", default=None,
+                   help="unique per live service (default: the host name); names sandboxes")
+    p.add_argument("--max-concurrent", type=int, default=None)
+    p.add_argument("--warm-pool", type=int, default=None)
+    p.add_argument("--max-parallel-starts", type=int, default=8)
+    p.add_argument("--tasks-dir", type=Path, default=None,
+                   help="folder relative task paths (repos, corpora) resolve against")
+    return p
+
+
+def _owner(args) -> str:
+    import re
+    raw = args.owner or os.environ.get("POD_NAME") or socket.gethostname()
+    return re.sub(r"[^a-z0-9-]", "-", raw.lower()).strip("-")[:40] or "sandbox"
+
+
+async def build(job, args):
+    from kiln.protos.kiln.v1 import sandbox_pb2_grpc
+    from kiln.services.common.server import Registration
+
+    from .config import BubblewrapConfig, DockerConfig, config_from_spec
+    from .servicer import SandboxServicer
+    from .sessions import PoolConfig, SessionManager
+
+    owner = _owner(args)
+    spec = job.spec.sandbox if job is not None else None
+    if spec is not None:
+        config = config_from_spec(spec, owner)
+    else:
+        config = BubblewrapConfig(owner=owner)
+    if args.backend and args.backend != config.type:
+        config = (DockerConfig if args.backend == "docker" else BubblewrapConfig)(
+            owner=owner, limits=config.limits)
+    engine = None
+    if isinstance(config, DockerConfig):
+        from .podman_service import LocalEngine
+        engine = LocalEngine(config)
+        config = engine.__enter__()
+    pool = PoolConfig(
+        max_concurrent=args.max_concurrent or (spec.max_concurrent if spec else 64),
+        warm_pool=args.warm_pool if args.warm_pool is not None else (spec.warm_pool if spec else 0),
+        max_parallel_starts=args.max_parallel_starts,
+        tasks_dir=(args.tasks_dir or Path.cwd()).resolve())
+    manager = SessionManager(config, pool)
+    await manager.start()
+
+    registrations = [Registration(sandbox_pb2_grpc.add_SandboxServicer_to_server,
+                                  SandboxServicer(manager), "kiln.v1.Sandbox")]
+    episodes = None
+    if job is not None:
+        # Episodes of the job's task sets (kiln.v1.Environment), for the rollout service.
+        from kiln.protos.kiln.v1 import env_pb2_grpc
+
+        from .env_servicer import EnvironmentServicer
+        from .episodes import EpisodeManager
+
+        episodes = EpisodeManager(job, base_dir=Path.cwd(), config=config.model_copy(
+            update={"owner": f"{owner[:37]}-ep"}))
+        registrations.append(Registration(env_pb2_grpc.add_EnvironmentServicer_to_server,
+                                          EnvironmentServicer(episodes), "kiln.v1.Environment"))
+
+    async def on_stop():
+        if episodes is not None:
+            await episodes.close_all()
+        await manager.close()
+        if engine is not None:
+            engine.__exit__(None, None, None)
+
+    return registrations, on_stop
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kiln.services.common.server import run_service
+    return run_service("sandbox", build, argv, parser=_parser())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

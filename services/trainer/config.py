@@ -1,0 +1,104 @@
+"""Typed configuration of the trainer service (what the operator or the local launcher fills in
+from an RLJob's trainer section)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from kiln.api.spec import RLJob, RLStage
+from kiln.services.trainer.loss import PolicyLossConfig
+
+
+class OptimizerConfig(BaseModel):
+    """AdamW with a linear warm-up to a constant learning rate."""
+
+    lr: float = Field(1e-5, gt=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    warmup_steps: int = Field(0, ge=0)
+    grad_clip: float = Field(1.0, ge=0.0)
+    """Clip the global gradient norm to this; 0 disables clipping (the norm is still reported)."""
+    reset_moments_on_publish: bool = True
+    """Zero AdamW's first and second moments (and its step count) after each weight publish."""
+
+
+class TrainerConfig(BaseModel):
+    model_dir: Path
+    """Hugging Face checkpoint (config.json + safetensors + tokenizer) to start from."""
+    tensor_parallel: int = Field(1, ge=1)
+    params_dtype: Literal["float32", "bfloat16"] = "float32"
+    attention: Literal["sdpa", "megatron"] = "sdpa"
+    """Core attention: PyTorch's fused causal SDPA, or Megatron's local unfused version."""
+    micro_batch_size: int = Field(4, ge=1)
+    """Sequences per forward/backward pass; gradients of a batch's micro-batches are summed."""
+    minibatches_per_step: int = Field(1, ge=1)
+    """Optimizer updates per `step(batch)`: the batch is split into this many parts. With more
+    than one, the log-probs of the weights at the start of the step (`logp_train_old`, used by
+    IcePop) differ from the current ones in later updates."""
+    loss: PolicyLossConfig = PolicyLossConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    checkpoint_dir: Path | None = None
+    """Where `step_*` checkpoints go; the latest one there is resumed on start."""
+    checkpoint_interval: int = Field(0, ge=0)
+    """Checkpoint every this many steps; 0 = only on request."""
+    keep_checkpoints: int = Field(2, ge=1)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainerConfig":
+        if self.checkpoint_interval and self.checkpoint_dir is None:
+            raise ValueError("checkpoint_interval is set but checkpoint_dir is not")
+        return self
+
+
+def stage_by_name(job: RLJob, name: str | None):
+    """The stage called `name`, or the job's first stage when `name` is None."""
+    if name is None:
+        return job.spec.stages[0]
+    for stage in job.spec.stages:
+        if stage.name == name:
+            return stage
+    raise ValueError(f"stage {name!r} is not in spec.stages ({[s.name for s in job.spec.stages]})")
+
+
+def config_from_job(job: RLJob, *, run_dir: Path, stage: str | None = None, model_dir: Path | None = None) -> TrainerConfig:
+    """The trainer configuration an RLJob asks for, for stage `stage` (default: the first).
+
+    Learning rate and micro-batch size come from the stage, loss settings from its `rl` section
+    (SFT stages keep the loss defaults, unused), everything else from `spec.trainer`.
+    Checkpoints go to `<run_dir>/checkpoints`. `model_dir` overrides `spec.model.path`.
+    """
+    st = stage_by_name(job, stage)
+    t = job.spec.trainer
+    if job.spec.model.dtype == "float16":
+        raise ValueError("spec.model.dtype=float16 is not supported by the trainer; use bfloat16 or float32")
+    if t.pipeline_parallel != 1:
+        raise ValueError(f"spec.trainer.pipelineParallel={t.pipeline_parallel}: only 1 is supported")
+    loss = PolicyLossConfig()
+    reset = True
+    if isinstance(st, RLStage):
+        rl = st.rl
+        loss = PolicyLossConfig(
+            eps_low=rl.eps_low,
+            eps_high=rl.eps_high,
+            icepop_beta=rl.icepop_beta,
+            aggregation="token_mean" if rl.loss_aggregation == "token-mean" else "seq_mean",
+        )
+        reset = rl.reset_optimizer_on_sync
+    return TrainerConfig(
+        model_dir=model_dir if model_dir is not None else Path(job.spec.model.path),
+        tensor_parallel=t.tensor_parallel,
+        params_dtype=job.spec.model.dtype,
+        micro_batch_size=st.micro_batch_size,
+        loss=loss,
+        optimizer=OptimizerConfig(
+            lr=st.learning_rate, weight_decay=t.weight_decay, grad_clip=t.grad_clip, reset_moments_on_publish=reset
+        ),
+        checkpoint_dir=Path(run_dir) / "checkpoints",
+        checkpoint_interval=t.checkpoint_interval,
+        keep_checkpoints=t.keep_checkpoints,
+        seed=job.spec.seed,
+    )

@@ -1,0 +1,288 @@
+"""The trainer engine: a Megatron-core policy model, its optimizer, and one call per step.
+
+`TrainerEngine` holds the model (loaded from a Hugging Face checkpoint, tensor-parallel over the
+current process group), AdamW, the step and policy-version counters, and the Prometheus metrics.
+It knows nothing of gRPC, buffers or weight transport:
+- `logprobs(sequences)`: per-token log-probs under the current weights;
+- `step(trajectories)`: one RL step (policy loss with ratio masking and IcePop, see `loss.py`);
+- `sft_step(trajectories)`: one supervised step (cross-entropy on loss-masked tokens);
+- `new_version()`: declare the current weights a new policy version (on publish), resetting the
+  optimizer moments if configured; `named_hf_tensors()`: the weights under HF names;
+- `save_checkpoint()` / resume of the latest checkpoint on construction.
+
+At TP > 1 every rank makes the same calls with the same data (there is no data parallelism).
+
+`logp_train_old` for IcePop is the training engine's log-prob under the weights at the start of
+the step. With one optimizer update per step it equals the current log-prob, which is computed
+anyway; with `minibatches_per_step > 1` it is an extra no-grad pass before the first update.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from kiln.services.trainer import checkpoint as ckpt
+from kiln.services.common.modeling import cpu_shims, parallel
+from kiln.services.trainer.batch import TensorBatch, collate, collate_tokens
+from kiln.services.trainer.config import TrainerConfig
+from kiln.services.common.modeling.hf_io import iter_hf_tensors, load_hf_checkpoint, save_hf_checkpoint
+from kiln.services.trainer.loss import LossStats, policy_loss, sft_loss
+from kiln.services.common.modeling.megatron_model import token_logprobs
+from kiln.services.trainer import metrics
+from kiln.trajectory import Trajectory
+
+LossFn = Callable[[torch.Tensor, TensorBatch, torch.Tensor, float], tuple[torch.Tensor, LossStats]]
+
+
+class TrainerEngine:
+    def __init__(self, config: TrainerConfig, *, resume: bool = True) -> None:
+        self.config = config
+        parallel.init_parallel(config.tensor_parallel, seed=config.seed)
+        self.device = cpu_shims.compute_device()
+        dtype = getattr(torch, config.params_dtype)
+        self.model, self.spec = load_hf_checkpoint(config.model_dir, config.tensor_parallel, dtype, config.attention)
+        opt = config.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
+        )
+        warmup = opt.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
+        )
+        self.step_count = 0
+        self.version = 0
+        self.last_metrics: dict[str, float] = {}
+        self.stage: str | None = None
+        """Stage name for the metrics' `stage` label; None labels steps "sft" or "rl"."""
+        self.stage_steps: dict[str, int] = {}
+        """Optimizer steps taken per stage name; checkpointed, so a resumed stage continues."""
+        self.resumed_from: Path | None = None
+        self.last_checkpoint: Path | None = None
+        """The newest checkpoint written or resumed from."""
+        if resume and config.checkpoint_dir is not None:
+            latest = ckpt.latest_checkpoint(config.checkpoint_dir)
+            if latest is not None:
+                self.load_checkpoint(latest)
+        metrics.TRAINER_VERSION.set(self.version)
+
+    # --- log-probs -------------------------------------------------------------------------
+
+    def _check_vocab(self, tokens: torch.Tensor) -> None:
+        if tokens.numel() and (int(tokens.max()) >= self.spec.vocab_size or int(tokens.min()) < 0):
+            raise ValueError(
+                f"token ids must be in [0, {self.spec.vocab_size}); got {int(tokens.min())}..{int(tokens.max())}"
+            )
+
+    @torch.no_grad()
+    def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Per-token log-probs of each sequence under the current weights (entry 0 is 0.0)."""
+        tokens, lengths = collate_tokens(sequences)
+        self._check_vocab(tokens)
+        self.model.eval()
+        out: list[list[float]] = []
+        mbs = self.config.micro_batch_size
+        for i in range(0, len(sequences), mbs):
+            n = max(lengths[i : i + mbs])
+            logp = token_logprobs(self.model, tokens[i : i + mbs, :n].to(self.device)).cpu()
+            out.extend(row[:length].tolist() for row, length in zip(logp, lengths[i : i + mbs]))
+        return out
+
+    # --- training steps --------------------------------------------------------------------
+
+    def step(self, batch: list[Trajectory]) -> dict[str, float]:
+        """One RL step on `batch` (policy loss). Returns the step's metrics."""
+        cfg = self.config.loss
+
+        def loss_fn(logp, mb, train_old, normalizer):
+            # On-policy distillation: per-token advantage from the teacher, else the sequence's.
+            opd = mb.teacher_logp - logp.detach()
+            adv = torch.where(mb.has_teacher[:, None], opd, mb.advantages[:, None].expand_as(logp))
+            return policy_loss(
+                logp, mb.logp_infer, mb.loss_mask, adv, cfg, logp_train_old=train_old, normalizer=normalizer
+            )
+
+        return self._run(batch, loss_fn, needs_old=cfg.icepop_beta is not None, aggregation=cfg.aggregation, rl=True)
+
+    def sft_step(self, batch: list[Trajectory]) -> dict[str, float]:
+        """One supervised step: cross-entropy on the loss-masked tokens of `batch`."""
+        agg = self.config.loss.aggregation
+
+        def loss_fn(logp, mb, train_old, normalizer):
+            return sft_loss(logp, mb.loss_mask, aggregation=agg, normalizer=normalizer)
+
+        return self._run(batch, loss_fn, needs_old=False, aggregation=agg, rl=False)
+
+    def _run(
+        self, batch: list[Trajectory], loss_fn: LossFn, *, needs_old: bool, aggregation: str, rl: bool
+    ) -> dict[str, float]:
+        t0 = time.perf_counter()
+        tb = collate(batch)
+        self._check_vocab(tb.tokens)
+        if tb.loss_mask.sum() == 0:
+            raise ValueError("batch has no trainable tokens (every loss_mask is 0)")
+        tb = tb.to(self.device)
+        parts = [p for p in torch.tensor_split(torch.arange(len(batch)), self.config.minibatches_per_step) if len(p)]
+        old = self._old_logprobs(tb) if needs_old and len(parts) > 1 else None
+
+        self.model.train()
+        stats = LossStats()
+        losses, norms = [], []
+        for part in parts:
+            mask = tb.loss_mask[part]
+            if aggregation == "token_mean":
+                normalizer = float(mask.sum().clamp(min=1))
+            else:
+                normalizer = float((mask.sum(dim=1) > 0).sum().clamp(min=1))
+            self.optimizer.zero_grad(set_to_none=True)
+            part_loss = 0.0
+            for idx in torch.split(part, self.config.micro_batch_size):
+                mb = _select(tb, idx)
+                logp = token_logprobs(self.model, mb.tokens)
+                train_old = old[idx][:, : logp.shape[1]] if old is not None else logp.detach()
+                loss, st = loss_fn(logp, mb, train_old, normalizer)
+                loss.backward()
+                part_loss += loss.item()
+                stats = stats.merge(st)
+            norms.append(self._clip_grads())
+            self.optimizer.step()
+            self.scheduler.step()
+            losses.append(part_loss)
+        self.step_count += 1
+
+        elapsed = time.perf_counter() - t0
+        out = {
+            "step": float(self.step_count),
+            "policy_version": float(self.version),
+            "loss": sum(losses) / len(losses),
+            "grad_norm": sum(norms) / len(norms),
+            "lr": self.scheduler.get_last_lr()[0],
+            "sequences": float(len(batch)),
+            "step_time_s": elapsed,
+            "tokens_per_s": tb.num_tokens / elapsed if elapsed > 0 else 0.0,
+            "reward_mean": sum(t.reward for t in batch) / len(batch),
+            **stats.as_dict(),
+        }
+        self.last_metrics = out
+        if self.stage:
+            self.stage_steps[self.stage] = self.stage_steps.get(self.stage, 0) + 1
+        metrics.observe_step(out, self.stage or ("rl" if rl else "sft"), rl=rl)
+        self.maybe_checkpoint()
+        return out
+
+    @torch.no_grad()
+    def _old_logprobs(self, tb: TensorBatch) -> torch.Tensor:
+        self.model.eval()
+        out = torch.zeros_like(tb.logp_infer)
+        for idx in torch.split(torch.arange(tb.tokens.shape[0]), self.config.micro_batch_size):
+            mb = _select(tb, idx)
+            out[idx, : mb.tokens.shape[1]] = token_logprobs(self.model, mb.tokens)
+        return out
+
+    def _clip_grads(self) -> float:
+        """Global gradient norm over all TP shards; clip in place if configured. Megatron's own
+        clip function assumes CUDA tensors, hence this one."""
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in params:
+            # Replicated parameters (norms) count once, sharded ones once per shard.
+            if param_is_not_tensor_parallel_duplicate(p):
+                sq += p.grad.detach().double().pow(2).sum()
+        if parallel.tp_size() > 1:
+            dist.all_reduce(sq, group=parallel.tp_group())
+        norm = math.sqrt(float(sq))
+        clip = self.config.optimizer.grad_clip
+        if clip > 0 and norm > clip:
+            scale = clip / (norm + 1e-6)
+            for p in params:
+                p.grad.mul_(scale)
+        return norm
+
+    # --- versions and weights --------------------------------------------------------------
+
+    def new_version(self) -> int:
+        """Declare the current weights policy version `version + 1` (call when publishing
+        them); resets the optimizer moments if configured. Returns the new version."""
+        self.version += 1
+        if self.config.optimizer.reset_moments_on_publish:
+            self.reset_optimizer_moments()
+        metrics.TRAINER_VERSION.set(self.version)
+        return self.version
+
+    def reset_optimizer_moments(self) -> None:
+        """Zero AdamW's first and second moments and its step count (so bias correction starts
+        afresh, as for a new optimizer)."""
+        for state in self.optimizer.state.values():
+            for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                if key in state:
+                    state[key].zero_()
+            if "step" in state:
+                state["step"].zero_()
+
+    def named_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full weights under Hugging Face names (collective at TP > 1)."""
+        return iter_hf_tensors(self.model, self.spec)
+
+    def export_hf(self, out_dir: Path) -> Path | None:
+        """Write the current weights as a HF checkpoint directory (TP rank 0 writes)."""
+        return save_hf_checkpoint(self.model, self.spec, out_dir, source_dir=self.config.model_dir)
+
+    # --- checkpoints -----------------------------------------------------------------------
+
+    def maybe_checkpoint(self) -> Path | None:
+        interval = self.config.checkpoint_interval
+        if interval and self.step_count % interval == 0:
+            return self.save_checkpoint()
+        return None
+
+    def save_checkpoint(self) -> Path:
+        if self.config.checkpoint_dir is None:
+            raise ValueError("checkpoint_dir is not configured; cannot save a checkpoint")
+        t0 = time.perf_counter()
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
+        meta = {"version": self.version, "model_dir": str(self.config.model_dir),
+                "last_metrics": self.last_metrics, "stage": self.stage, "stage_steps": self.stage_steps}
+        path = ckpt.write_checkpoint(
+            self.config.checkpoint_dir, self.step_count, meta, state, keep=self.config.keep_checkpoints
+        )
+        metrics.CHECKPOINT_SECONDS.observe(time.perf_counter() - t0)
+        self.last_checkpoint = path
+        return path
+
+    def load_checkpoint(self, path: Path) -> None:
+        meta, state = ckpt.read_checkpoint(path)
+        self.model.load_state_dict(state["model"], strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        self.step_count = int(meta["step"])
+        self.version = int(meta["version"])
+        self.last_metrics = dict(meta.get("last_metrics") or {})
+        self.stage = meta.get("stage")
+        self.stage_steps = dict(meta.get("stage_steps") or {})
+        self.resumed_from = self.last_checkpoint = Path(path)
+
+
+def _select(tb: TensorBatch, idx: torch.Tensor) -> TensorBatch:
+    """Rows `idx` of a batch, trimmed to their longest sequence."""
+    lengths = [tb.lengths[i] for i in idx.tolist()]
+    n = max(lengths)
+    return TensorBatch(
+        tokens=tb.tokens[idx, :n],
+        loss_mask=tb.loss_mask[idx, :n],
+        logp_infer=tb.logp_infer[idx, :n],
+        advantages=tb.advantages[idx],
+        teacher_logp=tb.teacher_logp[idx, :n],
+        has_teacher=tb.has_teacher[idx],
+        lengths=lengths,
+    )

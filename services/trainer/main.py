@@ -1,0 +1,123 @@
+"""`kiln-trainer`: the trainer service process.
+
+    kiln-trainer --job job.yaml --run-dir runs/x/trainer --address 0.0.0.0:50052 [--stage NAME]
+    kiln-trainer --model-dir path/to/hf-checkpoint --run-dir runs/x/trainer   (no job file)
+
+Loads the model (resuming the newest checkpoint under `<run-dir>/checkpoints`), serves
+`kiln.v1.Trainer`, and on SIGTERM writes a final checkpoint if it stepped since the last one.
+Only tensor-parallel size 1 is served (every rank of a TP group would have to receive the same
+calls); TP > 1 is available to in-process use of `TrainerEngine`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Sequence
+
+from kiln.api.spec import RLJob
+from kiln.services.common.server import Registration, run_service, service_argparser
+from kiln.services.trainer.config import TrainerConfig, config_from_job
+
+log = logging.getLogger("kiln.trainer")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = service_argparser("trainer")
+    p.add_argument("--stage", help="stage whose learning rate and loss settings apply (default: the first)")
+    p.add_argument("--model-dir", type=Path, help="HF checkpoint to start from (overrides spec.model.path)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="override spec.model.dtype")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    return p
+
+
+def config_from(job: RLJob | None, args: argparse.Namespace) -> TrainerConfig:
+    if job is not None:
+        cfg = config_from_job(job, run_dir=args.run_dir, stage=args.stage, model_dir=args.model_dir)
+    elif args.model_dir is not None:
+        cfg = TrainerConfig(model_dir=args.model_dir, checkpoint_dir=args.run_dir / "checkpoints")
+    else:
+        raise ValueError("give --job or --model-dir")
+    if args.dtype:
+        cfg = cfg.model_copy(update={"params_dtype": args.dtype})
+    if cfg.tensor_parallel != 1:
+        raise ValueError(f"spec.trainer.tensorParallel={cfg.tensor_parallel}: the trainer service runs 1")
+    if not (cfg.model_dir / "config.json").exists():
+        raise ValueError(f"model directory {cfg.model_dir} has no config.json (create the model first)")
+    return cfg
+
+
+async def build(job: RLJob | None, args: argparse.Namespace):
+    import torch
+
+    from kiln.services.trainer.engine import TrainerEngine
+    from kiln.services.trainer.servicer import SERVICE_NAME, TrainerServicer, add_to_server
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = config_from(job, args)
+    engine = await asyncio.to_thread(TrainerEngine, cfg)
+    log.info("trainer ready: step %d, policy version %d, resumed from %s",
+             engine.step_count, engine.version, engine.resumed_from)
+    engine_lock = threading.Lock()
+    stages = await _stage_runner(job, engine, engine_lock, args) if job is not None else None
+    servicer = TrainerServicer(engine, engine_lock, stages)
+
+    async def on_stop() -> None:
+        if stages is not None:
+            # Let the step in progress finish; the checkpoint below then holds it.
+            await asyncio.to_thread(stages.stop)
+        path = await servicer.final_checkpoint()
+        if path is not None:
+            log.info("final checkpoint %s", path)
+
+    return [Registration(add_to_server, servicer, SERVICE_NAME)], on_stop
+
+
+async def _stage_runner(job: RLJob, engine, engine_lock: threading.Lock, args: argparse.Namespace):
+    """The stage runner, when the buffer and weight-sync addresses are known (else None)."""
+    import grpc
+
+    from kiln.services.buffer.client import GrpcBufferClient
+    from kiln.services.common.server import CHANNEL_OPTIONS
+    from kiln.services.trainer.publisher import GrpcWeightPublisher
+    from kiln.services.trainer.stages import StageRunner
+
+    buffer_addr = os.environ.get("KILN_BUFFER_ADDR")
+    sync_addr = os.environ.get("KILN_WEIGHT_SYNC_ADDR")
+    if not buffer_addr or not sync_addr:
+        log.info("no KILN_BUFFER_ADDR/KILN_WEIGHT_SYNC_ADDR: serving RPCs only, no stages")
+        return None
+    channel = grpc.aio.insecure_channel(sync_addr, options=CHANNEL_OPTIONS)
+    ws = job.spec.weight_sync
+    publisher = GrpcWeightPublisher(asyncio.get_running_loop(), channel, bucket_bytes=ws.bucket_bytes,
+                                    timeout=ws.timeout_seconds)
+    if engine.version > 0:
+        # Resumed from a checkpoint: weight-sync (which keeps versions in memory) may have
+        # restarted too; announce the weights rollout must serve.
+        from kiln.services.weight_sync.client import PublishError, publish
+        try:
+            await publish(channel, engine.version, list(engine.named_hf_tensors()), ws.bucket_bytes)
+        except PublishError as exc:
+            if exc.retryable:
+                raise
+            log.info("weight-sync already holds version %d or newer", engine.version)
+    return StageRunner(job, engine, engine_lock, GrpcBufferClient(buffer_addr), publisher, args.run_dir)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        return run_service("trainer", build, argv, parser=parser)
+    except ValueError as exc:
+        # Configuration errors do not go away on restart.
+        print(f"kiln-trainer: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

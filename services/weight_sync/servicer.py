@@ -1,0 +1,126 @@
+"""gRPC servicer for `kiln.v1.WeightSync`: translates between protobuf and `WeightStore`.
+
+Status codes say whether retrying helps: FAILED_PRECONDITION for a version that is not newer
+than the latest (republishing it will never succeed), DATA_LOSS for a corrupt or truncated
+publish (republishing may), INVALID_ARGUMENT for a malformed stream (a bug in the sender).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator
+
+import grpc
+
+from kiln.protos.kiln.v1 import weight_sync_pb2 as pb
+from kiln.protos.kiln.v1 import weight_sync_pb2_grpc as pb_grpc
+from kiln.services.common.metrics import SYNC_BYTES
+from kiln.services.weight_sync import wire
+from kiln.services.weight_sync.buckets import Manifest, TransferError
+from kiln.services.weight_sync.store import PendingVersion, ReplicaState, WeightStore
+
+log = logging.getLogger("kiln.weight_sync")
+
+SERVICE_NAME = "kiln.v1.WeightSync"
+STREAMS_METADATA = "x-kiln-publish-streams"
+"""A publish split over N parallel streams sends N here on every stream (default 1)."""
+
+_CODES = {
+    "stale": grpc.StatusCode.FAILED_PRECONDITION,
+    "manifest": grpc.StatusCode.INVALID_ARGUMENT,
+    "checksum": grpc.StatusCode.DATA_LOSS,
+    "truncated": grpc.StatusCode.DATA_LOSS,
+}
+
+
+def _expected_streams(context: grpc.aio.ServicerContext) -> int:
+    for key, value in context.invocation_metadata() or ():
+        if key == STREAMS_METADATA:
+            return max(int(value), 1)
+    return 1
+
+
+class WeightSyncServicer(pb_grpc.WeightSyncServicer):
+    def __init__(self, store: WeightStore | None = None, *, commit_timeout: float = 120.0) -> None:
+        self.store = store or WeightStore()
+        self.commit_timeout = commit_timeout
+
+    async def Publish(self, request_iterator: AsyncIterator[pb.WeightChunk],
+                      context: grpc.aio.ServicerContext) -> pb.PublishReply:
+        pending: PendingVersion | None = None
+        nbytes = 0
+        start = time.monotonic()
+        try:
+            try:
+                async for msg in request_iterator:
+                    chunk = wire.chunk_from_pb(msg)
+                    if pending is None:
+                        if not isinstance(chunk, Manifest):
+                            raise TransferError("manifest", "a publish stream must start with the manifest")
+                        pending = self.store.open_stream(chunk, _expected_streams(context))
+                    elif isinstance(chunk, Manifest):
+                        raise TransferError("manifest", "a publish stream carries one manifest")
+                    else:
+                        self.store.add_bucket(pending, chunk)
+                        nbytes += len(chunk.data)
+            finally:
+                if pending is not None:
+                    self.store.close_stream(pending)
+        except TransferError as exc:
+            log.warning("publish rejected (%s): %s", exc.reason, exc)
+            await context.abort(_CODES[exc.reason], f"{exc.reason}: {exc}")
+        if pending is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty publish stream")
+        try:
+            stored = await asyncio.wait_for(asyncio.shield(pending.done), self.commit_timeout)
+        except TransferError as exc:
+            await context.abort(_CODES[exc.reason], f"{exc.reason}: {exc}")
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"version {pending.assembly.version} not complete after "
+                                f"{self.commit_timeout:.0f} s; republish it")
+        log.info("version %d committed (%d bytes)", stored.version, stored.manifest.total_bytes)
+        return pb.PublishReply(version=stored.version, bytes=nbytes,
+                               seconds=time.monotonic() - start)
+
+    async def Subscribe(self, request: pb.SubscribeRequest,
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WeightChunk]:
+        replica = request.replica_id
+        if not replica:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "replica_id must be set")
+        n = max(request.num_streams, 1)
+        try:
+            wire.stream_indices(0, request.stream_index, n)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self.store.replicas.setdefault(replica, ReplicaState(replica))
+        sent = 0
+        while True:
+            stored = await self.store.wait_newer(sent)
+            yield pb.WeightChunk(manifest=wire.manifest_to_pb(stored.manifest))
+            for i in wire.stream_indices(len(stored.buckets), request.stream_index, n):
+                if self.store.latest_version > stored.version:
+                    log.info("replica %s: abandoning version %d for %d",
+                             replica, stored.version, self.store.latest_version)
+                    break
+                bucket = stored.buckets[i]
+                yield pb.WeightChunk(bucket=wire.bucket_to_pb(bucket))
+                SYNC_BYTES.inc(len(bucket.data))
+            sent = stored.version
+
+    async def Ack(self, request: pb.AckRequest, context: grpc.aio.ServicerContext) -> pb.AckReply:
+        state = self.store.record_ack(request.replica_id, request.version, request.ok, request.error)
+        if not request.ok:
+            log.warning("replica %s rejected version %d: %s (still on %d)", request.replica_id,
+                        request.version, request.error, state.applied_version)
+        return pb.AckReply()
+
+    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusReply:
+        return pb.StatusReply(
+            latest_version=self.store.latest_version,
+            replicas=[pb.ReplicaState(replica_id=s.replica_id, applied_version=s.applied_version,
+                                      last_version=s.last_version, last_ok=s.last_ok,
+                                      last_error=s.last_error)
+                      for s in sorted(self.store.replicas.values(), key=lambda s: s.replica_id)],
+        )

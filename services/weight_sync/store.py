@@ -1,0 +1,173 @@
+"""The weight-sync service's state: the latest committed version, versions being published, and
+what every replica last acknowledged.
+
+`WeightStore` is the single place where versions move forward. A publish opens (or joins, for
+parallel streams) a `PendingVersion`; each bucket is checked on arrival; when the last one lands
+the version is committed, replacing the previous one, and every subscriber waiting in
+`wait_newer` wakes up. A version not newer than the latest committed one is refused
+(`TransferError("stale")`); a corrupt bucket, or the last stream of a publish closing with
+buckets missing, fails that pending version and leaves the latest committed one untouched.
+
+Only the latest version is kept (a subscriber still sending an older one holds its own
+reference). Everything here runs on one asyncio loop; nothing is thread-safe.
+Not covered: persistence (a restarted service has no version until the trainer publishes again).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from kiln.services.common.metrics import POLICY_VERSION, SYNC_FAILURES, SYNC_SECONDS
+from kiln.services.weight_sync.buckets import Assembly, Bucket, Manifest, TransferError
+
+COMPONENT = "weight-sync"
+
+
+@dataclass(frozen=True)
+class StoredVersion:
+    manifest: Manifest
+    buckets: list[Bucket]
+    committed_at: float  # time.time()
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+
+@dataclass
+class PendingVersion:
+    assembly: Assembly
+    expected_streams: int = 1
+    """How many parallel streams carry this version (each announces it)."""
+    opened: int = 0
+    closed: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+    done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    """Resolves to the StoredVersion when committed, or to a TransferError when it fails."""
+
+
+@dataclass
+class ReplicaState:
+    replica_id: str
+    applied_version: int = 0
+    last_version: int = 0
+    last_ok: bool = False
+    last_error: str = ""
+
+
+class WeightStore:
+    def __init__(self) -> None:
+        self.latest: StoredVersion | None = None
+        self._pending: dict[int, PendingVersion] = {}
+        self._changed = asyncio.Condition()
+        self._commit_times: dict[int, float] = {}
+        self.replicas: dict[str, ReplicaState] = {}
+
+    @property
+    def latest_version(self) -> int:
+        return self.latest.version if self.latest else 0
+
+    # --- publishing -------------------------------------------------------------------------
+
+    def open_stream(self, manifest: Manifest, expected_streams: int = 1) -> PendingVersion:
+        """A publish stream announced `manifest`; returns the version's pending state (shared by
+        the `expected_streams` parallel streams of the same version)."""
+        if manifest.version <= self.latest_version:
+            SYNC_FAILURES.labels("stale").inc()
+            raise TransferError(
+                "stale", f"version {manifest.version} is not newer than the latest committed "
+                f"version {self.latest_version}; versions only move forward")
+        pending = self._pending.get(manifest.version)
+        if pending is None:
+            pending = PendingVersion(Assembly(manifest), expected_streams)
+            self._pending[manifest.version] = pending
+        elif pending.assembly.manifest != manifest or pending.expected_streams != expected_streams:
+            raise TransferError(
+                "manifest", f"version {manifest.version} is already being published with a "
+                "different manifest or stream count")
+        elif pending.opened >= expected_streams:
+            raise TransferError(
+                "manifest", f"version {manifest.version}: more than {expected_streams} publish streams")
+        pending.opened += 1
+        return pending
+
+    def add_bucket(self, pending: PendingVersion, bucket: Bucket) -> None:
+        """Check and keep one bucket; commits the version when it was the last one."""
+        if pending.done.done():
+            # Another stream of the same version already failed (or it was superseded).
+            raise TransferError("manifest", f"version {pending.assembly.version} is no longer "
+                                            "being published")
+        try:
+            pending.assembly.add(bucket)
+        except TransferError as exc:
+            self._fail(pending, exc)
+            raise
+        if pending.assembly.complete:
+            self._commit(pending)
+
+    def close_stream(self, pending: PendingVersion) -> None:
+        """A publish stream ended (normally or not). When every expected stream has ended and
+        buckets are still missing, the version failed as truncated."""
+        pending.closed += 1
+        if pending.closed >= pending.expected_streams and not pending.done.done():
+            a = pending.assembly
+            self._fail(pending, TransferError(
+                "truncated", f"version {a.version}: publish ended with "
+                f"{a.manifest.num_buckets - a.received} of {a.manifest.num_buckets} buckets missing"))
+
+    def _fail(self, pending: PendingVersion, exc: TransferError) -> None:
+        if pending.done.done():
+            return
+        SYNC_FAILURES.labels(exc.reason).inc()
+        pending.done.set_exception(exc)
+        pending.done.exception()  # mark retrieved: streams that already left need not see it
+        self._pending.pop(pending.assembly.version, None)
+
+    def _commit(self, pending: PendingVersion) -> None:
+        version = pending.assembly.version
+        try:
+            buckets = pending.assembly.finish()
+        except TransferError as exc:
+            self._fail(pending, exc)
+            raise
+        if version <= self.latest_version:
+            # A newer version was committed while this one was in flight.
+            exc = TransferError("stale", f"version {version} was overtaken by {self.latest_version}")
+            self._fail(pending, exc)
+            raise exc
+        stored = StoredVersion(pending.assembly.manifest, buckets, time.time())
+        self.latest = stored
+        self._commit_times[version] = stored.committed_at
+        for old in [v for v in self._commit_times if v < version - 64]:
+            del self._commit_times[old]
+        self._pending.pop(version, None)
+        for v, other in list(self._pending.items()):
+            if v < version:
+                self._fail(other, TransferError("stale", f"version {v} was overtaken by {version}"))
+        POLICY_VERSION.labels(COMPONENT).set(version)
+        pending.done.set_result(stored)
+        asyncio.get_running_loop().create_task(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    # --- subscribing ------------------------------------------------------------------------
+
+    async def wait_newer(self, than: int) -> StoredVersion:
+        """The latest committed version once it is newer than `than`."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.latest_version > than)
+            assert self.latest is not None
+            return self.latest
+
+    def record_ack(self, replica_id: str, version: int, ok: bool, error: str) -> ReplicaState:
+        state = self.replicas.setdefault(replica_id, ReplicaState(replica_id))
+        state.last_version, state.last_ok, state.last_error = version, ok, error
+        if ok:
+            state.applied_version = max(state.applied_version, version)
+            committed = self._commit_times.get(version)
+            if committed is not None:
+                SYNC_SECONDS.observe(max(time.time() - committed, 0.0))
+        return state

@@ -1,0 +1,256 @@
+"""A stand-in for a Kubernetes API server, for end-to-end tests of the operator.
+
+No Kubernetes API server can run on the CI machines, so the operator's end-to-end tests talk to
+kmock's in-memory emulator over real HTTP. kmock 0.8 needs a few fixes to satisfy kopf 1.45;
+they all live here, in `KubeApiFake`:
+
+- objects get `metadata.uid`, `resourceVersion`, `creationTimestamp` and `generation` on
+  create; every patch bumps `resourceVersion` (kopf's JSON-patches `test` it) and a patch of
+  `spec` bumps `generation`;
+- a JSON-patch whose `test` fails is answered 422 (kopf then retries), not 500;
+- list responses carry `kind` and `apiVersion`;
+- `metadata.generateName` is honoured (kopf posts events that way);
+- `GET /api/v1/namespaces` is served (kmock's path parser fails on it);
+- a watch misses no event that happens while it starts, and does not announce again what the
+  client listed at the `resourceVersion` it passes.
+
+What it still is not: there is no garbage collection (assert owner references instead of
+cascading deletion), no label selectors (clients filter), no schema validation or defaulting,
+no controllers (Deployments never get pods). `running_fake_api()` serves it from a thread of
+its own (the operator under test runs in another), and `write_kubeconfig` points clients at it.
+
+The code under test (the operator) stays real; only the API server is fake.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import json
+import threading
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import aiohttp.web
+import jsonpatch
+import kmock
+import yaml
+from kmock import KubernetesError, ResourceInfo
+
+from kiln.api.spec import API_GROUP, API_VERSION, KIND, PLURAL
+
+RLJOBS = f"{API_GROUP}/{API_VERSION}/{PLURAL}"
+
+_BUILTIN = {
+    "v1/configmaps": "ConfigMap",
+    "v1/services": "Service",
+    "v1/persistentvolumeclaims": "PersistentVolumeClaim",
+    "v1/events": "Event",
+    "v1/namespaces": "Namespace",
+    "apps/v1/deployments": "Deployment",
+    "apps/v1/statefulsets": "StatefulSet",
+}
+_VERBS = {"create", "delete", "get", "list", "patch", "update", "watch"}
+
+
+class KubeApiFake(kmock.KubernetesEmulator):
+    """kmock's emulator with the fixes kopf needs (see the module docstring)."""
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self._versions = itertools.count(1)
+        self.namespaces: set[str] = set()
+        for path, kind in _BUILTIN.items():
+            self.resources[path] = ResourceInfo(kind=kind, singular=kind.lower(), verbs=_VERBS,
+                                                namespaced=kind != "Namespace")
+        self.resources[RLJOBS] = ResourceInfo(kind=KIND, singular=KIND.lower(), verbs=_VERBS,
+                                              namespaced=True, subresources={"status"})
+
+    # -- fixes -----------------------------------------------------------------------------
+
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        if raw_request.method == "GET" and raw_request.path.rstrip("/") == "/api/v1/namespaces":
+            items = [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": n}}
+                     for n in sorted(self.namespaces)]
+            if raw_request.query.get("watch") == "true":
+                return await self._watch_namespaces(raw_request, items)
+            return aiohttp.web.json_response({
+                "apiVersion": "v1", "kind": "NamespaceList",
+                "metadata": {"resourceVersion": str(next(self._versions))}, "items": items})
+        return await super().__call__(raw_request)
+
+    async def _watch_namespaces(self, raw_request: aiohttp.web.BaseRequest,
+                                items: list[dict[str, Any]]) -> aiohttp.web.StreamResponse:
+        """Namespaces never change here: announce them, then hold the stream open."""
+        response = aiohttp.web.StreamResponse()
+        await response.prepare(raw_request)
+        for item in items:
+            await response.write(json.dumps({"type": "ADDED", "object": item}).encode() + b"\n")
+        await asyncio.sleep(3600)  # cancelled when the client or the server goes away
+        return response
+
+    async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        if request.resource is not None:
+            if request.action == kmock.action.CREATE and isinstance(request.data, dict):
+                self._stamp_new(request)
+            elif request.action == kmock.action.UPDATE and request.data is not None:
+                self._stamp_patch(request)
+        try:
+            return await super()._handle(request)
+        except (jsonpatch.JsonPatchTestFailed, jsonpatch.JsonPatchConflict) as exc:
+            raise KubernetesError(status=422, reason="Invalid", message=str(exc)) from exc
+
+    async def _serve_list(self, request: kmock.Request) -> Any:
+        payload = await super()._serve_list(request)
+        res = request.resource
+        kind = self.resources[res].kind if res in self.resources else None
+        payload["kind"] = f"{kind or res.plural.capitalize()}List"
+        payload["apiVersion"] = f"{res.group}/{res.version}" if res.group else res.version
+        payload["metadata"]["resourceVersion"] = str(next(self._versions))
+        return payload
+
+    async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
+        """Like kmock's watch, but events between the snapshot and the stream are not lost
+        (the bus position is marked under the lock), and objects the client has already
+        listed (`resourceVersion` parameter) are not announced again."""
+        yield b""
+        bus = self._buses[request.resource]
+        since = int(request.params.get("resourceVersion") or 0)
+        async with self._lock:
+            mark = await bus.mark()
+            snapshot = [obj.raw for (res, ns, name), obj in self.objects.items()
+                        if not obj.deleted and self._matches(request, res, ns, name)]
+        for raw in snapshot:
+            if int(raw.get("metadata", {}).get("resourceVersion", 0)) > since:
+                yield {"type": "ADDED", "object": raw}
+        async for event in bus.stream(since=mark):
+            meta = event.get("object", {}).get("metadata", {})
+            if self._matches(request, request.resource, meta.get("namespace"), meta.get("name")):
+                yield event
+
+    @staticmethod
+    def _matches(request: kmock.Request, resource: Any, namespace: str | None, name: str) -> bool:
+        return (resource == request.resource
+                and (request.namespace is None or namespace == request.namespace)
+                and (request.name is None or name == request.name))
+
+    def _stamp_new(self, request: kmock.Request) -> None:
+        meta = request.data.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+        if request.namespace:
+            meta.setdefault("namespace", request.namespace)
+        meta["uid"] = str(uuid.uuid4())
+        meta["resourceVersion"] = str(next(self._versions))
+        meta["creationTimestamp"] = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        meta["generation"] = 1
+
+    def _stamp_patch(self, request: kmock.Request) -> None:
+        version = str(next(self._versions))
+        key = (request.resource, request.namespace, request.name)
+        current = self.objects[key] if key in self.objects else None
+        touches_spec = False
+        if isinstance(request.data, list):  # JSON patch: the tests go first, so they see the old version
+            touches_spec = any(op.get("path", "").startswith("/spec") for op in request.data)
+            request.data.append({"op": "add", "path": "/metadata/resourceVersion", "value": version})
+        elif isinstance(request.data, dict):  # merge patch or server-side apply
+            touches_spec = "spec" in request.data
+            request.data.setdefault("metadata", {})["resourceVersion"] = version
+        if touches_spec and request.subresource is None and current is not None and not current.deleted:
+            generation = current.get("metadata", {}).get("generation", 1) + 1
+            if isinstance(request.data, list):
+                request.data.append({"op": "add", "path": "/metadata/generation", "value": generation})
+            else:
+                request.data["metadata"]["generation"] = generation
+
+    # -- helpers for tests ------------------------------------------------------------------
+
+    def add_namespace(self, name: str) -> None:
+        self.namespaces.add(name)
+
+    def _read(self, fn: Any) -> Any:
+        """Run `fn` on the server's event loop: tests read from another thread, and the
+        emulator's dicts must not change under an iteration."""
+        loop = getattr(self, "loop", None)
+        if loop is None or threading.current_thread() is getattr(self, "thread", None):
+            return fn()
+
+        async def call() -> Any:
+            return fn()
+        return asyncio.run_coroutine_threadsafe(call(), loop).result(10)
+
+    def stored(self, resource: str, namespace: str, name: str) -> dict[str, Any] | None:
+        def read() -> dict[str, Any] | None:
+            key = (kmock.resource(resource), namespace, name)
+            if key not in self.objects or self.objects[key].deleted:
+                return None
+            return copy.deepcopy(self.objects[key].raw)
+        return self._read(read)
+
+    def names(self, resource: str, namespace: str) -> set[str]:
+        wanted = kmock.resource(resource)
+        return self._read(lambda: {name for (res, ns, name), obj in self.objects.items()
+                                   if ns == namespace and not obj.deleted and res == wanted})
+
+    def events(self, namespace: str, involved: str) -> list[dict[str, Any]]:
+        wanted = kmock.resource("v1/events")
+        return self._read(lambda: [
+            copy.deepcopy(obj.raw) for (res, ns, _), obj in self.objects.items()
+            if res == wanted and ns == namespace and not obj.deleted
+            and obj.raw.get("involvedObject", {}).get("name") == involved])
+
+
+def write_kubeconfig(path: Path, url: str, namespace: str) -> Path:
+    """A kubeconfig whose only context points at the fake server (no credentials)."""
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "fake", "cluster": {"server": url}}],
+        "users": [{"name": "fake", "user": {"token": "fake"}}],
+        "contexts": [{"name": "test-fake", "context": {"cluster": "fake", "user": "fake",
+                                                       "namespace": namespace}}],
+        "current-context": "test-fake",
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@contextmanager
+def running_fake_api() -> Iterator[tuple[KubeApiFake, str]]:
+    """Serve a `KubeApiFake` on 127.0.0.1 from a background thread; yields (fake, url)."""
+    loop = asyncio.new_event_loop()
+    started: dict[str, Any] = {}
+    ready = threading.Event()
+    stop = asyncio.Event()
+
+    async def serve() -> None:
+        async with KubeApiFake() as fake, kmock.Server(fake) as server:
+            fake.loop, fake.thread = loop, threading.current_thread()
+            started["fake"], started["url"] = fake, str(server.url).rstrip("/")
+            ready.set()
+            await stop.wait()
+
+    def target() -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(serve())
+        except BaseException as exc:  # surfaced to the test below
+            started["error"] = exc
+            ready.set()
+        finally:
+            loop.close()
+
+    thread = threading.Thread(target=target, name="fake-kube-api", daemon=True)
+    thread.start()
+    ready.wait(10)
+    if "error" in started or "fake" not in started:
+        raise RuntimeError(f"fake Kubernetes API did not start: {started.get('error')!r}")
+    try:
+        yield started["fake"], started["url"]
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(10)

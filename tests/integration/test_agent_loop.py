@@ -1,0 +1,136 @@
+"""The agent loop end to end in one process: a real (tiny, random) model through the torch
+engine, real chain episodes whose tool calls run in bubblewrap sandboxes, the real tokenizer.
+
+The environment is used in-process (`EpisodeManager`) instead of over gRPC; its gRPC servicer is
+a thin translation tested by the `kiln run` integration test.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from kiln.api.validate import load_job
+from kiln.services.common.tiny_model import make_tiny_model, train_tokenizer
+from kiln.services.rollout.agent import (Demonstration, EpisodeInfo, Limits, StepInfo,
+                                         demonstration_trajectory, run_episode)
+from kiln.services.rollout.engine import EngineSettings, SamplingOptions
+from kiln.services.rollout.torch_engine import TorchEngine
+from kiln.services.sandbox.environments import chain
+from kiln.services.sandbox.episodes import EpisodeManager
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class LocalEnv:
+    """EnvClient over an in-process EpisodeManager."""
+
+    def __init__(self, manager: EpisodeManager) -> None:
+        self.m = manager
+
+    async def open(self, task_set, index, max_actions):
+        eid, task = self.m.open(task_set, index, max_actions=max_actions)
+        return EpisodeInfo(eid, task.id, "chain", task.prompt, self.m.stop_strings())
+
+    async def step(self, episode_id, action):
+        o = await self.m.step(episode_id, action)
+        return StepInfo(o.observation, o.done, o.reward, o.reward_parts, o.verifier_output, o.flags)
+
+    async def close(self, episode_id):
+        await self.m.close(episode_id)
+
+    async def demonstrate(self, task_set, index, seed):
+        task, segments, reward, output = self.m.demonstrate(task_set, index, seed)
+        return Demonstration(task.id, segments, reward, output)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("agent")
+    tok_dir = train_tokenizer(chain.corpus_for_tokenizer(300), root / "tok", vocab_size=320,
+                              special_tokens=list(chain.SPECIAL_TOKENS))
+    model = make_tiny_model(root / "model", tok_dir, hidden_size=64, num_layers=1, num_heads=2,
+                            num_kv_heads=1, intermediate_size=128, seed=0)
+    job = load_job(REPO / "deploy" / "examples" / "quickstart.yaml")
+    return model, AutoTokenizer.from_pretrained(str(model)), job
+
+
+def test_episode_records_versions_masks_and_reward(setup):
+    model, tok, job = setup
+
+    async def main():
+        engine = await TorchEngine.start(EngineSettings(model=str(model), dtype="float32", seed=1))
+        env = LocalEnv(EpisodeManager(job, base_dir=REPO, owner="test-agent"))
+        sampling = SamplingOptions(temperature=1.0, max_tokens=16)
+        trajs = await asyncio.gather(*[
+            run_episode(engine, env, tok, task_set="chain-train", index=i, sampling=sampling,
+                        limits=Limits(max_turns=3, max_tokens_per_turn=16, max_total_tokens=128),
+                        group_id="g") for i in range(4)])
+        demo = await env.demonstrate("chain-train", 0, seed=0)
+        return trajs, demonstration_trajectory(demo, tok, version=engine.version)
+
+    trajs, demo = asyncio.run(main())
+    for t in trajs:
+        t.check()  # spans cover every generated token, in order
+        assert t.prompt_len > 0 and not any(t.loss_mask[: t.prompt_len])
+        assert t.reward in (0.0, 1.0)
+        assert t.group_id == "g"
+        assert all(v == 0 for v in t.versions_per_token() if v >= 0)
+        generated = [i for i, m in enumerate(t.loss_mask) if m]
+        assert generated and all(t.logp_infer[i] <= 0 for i in generated)
+        assert len(t.tokens) <= 128 + 16
+    # The demonstration: actions trained on, observations (computed by the real tool) not.
+    text_by_mask = {0: [], 1: []}
+    for tokid, m in zip(demo.tokens, demo.loss_mask):
+        text_by_mask[m].append(tokid)
+    trained = tok.decode(text_by_mask[1], skip_special_tokens=False)
+    untrained = tok.decode(text_by_mask[0], skip_special_tokens=False)
+    assert "<call>" in trained and "<answer>" in trained and "<obs>" not in trained
+    assert "<obs>" in untrained and "<task>" in untrained
+
+
+def test_episode_steps_through_the_sandboxed_tool(setup):
+    """Drive an episode with the solver's own actions: observations come from the sandbox."""
+    _, _, job = setup
+
+    async def main():
+        m = EpisodeManager(job, base_dir=REPO, owner="test-agent2")
+        eid, task = m.open("chain-train", 5)
+        observations, out = [], None
+        current = str(task.start)
+        for step in task.steps:
+            out = await m.step(eid, f"<call>calc {current}{step}</call>")
+            assert not out.done
+            observations.append(out.observation)
+            current = out.observation[len("<obs>"):-len("</obs>")]
+        out = await m.step(eid, f"<answer>{current}</answer>")
+        await m.close(eid)
+        return task, observations, out
+
+    task, observations, out = asyncio.run(main())
+    assert observations[-1] == f"<obs>{task.answer}</obs>"
+    assert out.done and out.reward == 1.0
+
+
+def test_invalid_action_and_turn_budget_end_with_zero_reward(setup):
+    _, _, job = setup
+
+    async def main():
+        m = EpisodeManager(job, base_dir=REPO, owner="test-agent3")
+        eid, _ = m.open("chain-train", 1)
+        bad = await m.step(eid, "hello</call>")
+        eid2, _ = m.open("chain-train", 1, max_actions=2)
+        first = await m.step(eid2, "<call>calc 1+1</call>")
+        second = await m.step(eid2, "<call>calc 2+2</call>")
+        with pytest.raises(ValueError):
+            await m.step(eid2, "<call>calc 3+3</call>")
+        await m.close_all()
+        return bad, first, second
+
+    bad, first, second = asyncio.run(main())
+    assert bad.done and bad.reward == 0.0 and "invalid_action" in bad.flags
+    assert first.observation == "<obs>2</obs>" and not first.done
+    assert second.done and second.reward == 0.0 and "max_actions" in second.flags

@@ -1,0 +1,79 @@
+"""The transformers implementation of EngineProtocol: log-probs and versions are exact."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from kiln.services.common.tiny_model import make_tiny_model, train_tokenizer
+from kiln.services.rollout.engine import EngineSettings, SamplingOptions
+from kiln.services.rollout.torch_engine import TorchEngine
+
+TEXTS = [f"call add({i}, {i * 3}) -> {i * 4}; answer {i % 7}" for i in range(200)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("engine_torch")
+    tok = train_tokenizer(TEXTS, root / "tok", vocab_size=320)
+    return (make_tiny_model(root / "v0", tok, seed=0), make_tiny_model(root / "v1", tok, seed=1))
+
+
+def reference_logprobs(model_dir: Path, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    seq = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=seq).logits[0].float(), -1)
+    pos = torch.arange(len(prompt) - 1, len(prompt) + len(tokens) - 1)
+    return logp[pos, torch.tensor(tokens)]
+
+
+def test_weights_change_mid_generation_with_exact_versions(models) -> None:
+    v0, v1 = models
+
+    async def main():
+        engine = await TorchEngine.start(EngineSettings(model=str(v0), dtype="float32", seed=3))
+        prompts = [[1, 5 + i, 9, 12] for i in range(3)]
+        sampling = SamplingOptions(temperature=1.0, max_tokens=40, stop_token_ids=())
+        tasks = [asyncio.create_task(engine.generate(p, sampling)) for p in prompts]
+        await asyncio.sleep(0.2)
+        await engine.apply_weights(1, load_file(str(v1 / "model.safetensors")).items())
+        gens = await asyncio.gather(*tasks)
+        with pytest.raises(ValueError):
+            await engine.apply_weights(1, [])
+        return engine, prompts, gens
+
+    engine, prompts, gens = asyncio.run(main())
+    assert engine.version == 1
+    assert any(0 in g.versions and 1 in g.versions for g in gens), [g.versions for g in gens]
+    for prompt, g in zip(prompts, gens):
+        assert g.versions == sorted(g.versions)
+        for version, mdir in ((0, v0), (1, v1)):
+            idx = [i for i, v in enumerate(g.versions) if v == version]
+            if not idx:
+                continue
+            ref = reference_logprobs(mdir, prompt, g.token_ids)
+            got = torch.tensor(g.logprobs)
+            assert torch.allclose(got[idx], ref[idx], atol=1e-4), (version, got[idx] - ref[idx])
+
+
+def test_greedy_is_deterministic_and_stops(models) -> None:
+    v0, _ = models
+
+    async def main():
+        engine = await TorchEngine.start(EngineSettings(model=str(v0), dtype="float32"))
+        a = await engine.generate([1, 7, 8], SamplingOptions(temperature=0, max_tokens=12))
+        b = await engine.generate([1, 7, 8], SamplingOptions(temperature=0, max_tokens=12))
+        stop = a.token_ids[3]
+        c = await engine.generate([1, 7, 8], SamplingOptions(temperature=0, max_tokens=12,
+                                                             stop_token_ids=(stop,)))
+        return a, b, c, stop
+
+    a, b, c, stop = asyncio.run(main())
+    assert a == b and a.finish_reason in ("length", "stop")
+    assert c.finish_reason == "stop" and c.token_ids[-1] == stop
+    assert c.token_ids == a.token_ids[:a.token_ids.index(stop) + 1]

@@ -1,0 +1,320 @@
+"""End-to-end: the real operator (kopf, in-process via KopfRunner) against a fake API server.
+
+The API server is `kube_fakes.KubeApiFake` (no real one can run here). Each test creates its
+own RLJob through the Kubernetes client, as `kubectl apply` would, and waits for the operator
+to act. Status comes over real gRPC: a real `kiln-buffer` process and a trainer health server,
+both on unix sockets named after the job (`KILN_OPERATOR_ADDRESS_TEMPLATE`).
+"""
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from tests.integration.kube_fakes import RLJOBS, running_fake_api, write_kubeconfig
+
+NS = "kiln-e2e"
+GROUP, VERSION, PLURAL = "kiln.dev", "v1alpha1", "rljobs"
+WORKLOADS = ("apps/v1/statefulsets", "apps/v1/deployments")
+
+BASE_SPEC: dict[str, Any] = {
+    "model": {"path": "models/tiny", "init": {"hiddenSize": 32, "numLayers": 1}},
+    "tasks": [{"name": "train", "env": "chain", "generate": {"count": 16}}],
+    "stages": [{"name": "rl", "type": "rl", "tasks": ["train"], "maxSteps": 4, "batchSize": 8,
+                "microBatchSize": 8, "rl": {"groupSize": 8, "tau": 2}}],
+    "rollout": {"replicas": 1},
+}
+
+
+def manifest(name: str, **spec_changes: Any) -> dict[str, Any]:
+    spec = copy.deepcopy(BASE_SPEC)
+    spec.update(spec_changes)
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "RLJob", "metadata": {"name": name},
+            "spec": spec}
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 15.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.1)
+
+
+class Cluster:
+    """The fake API server seen through a Kubernetes client, plus gRPC stand-ins per job."""
+
+    def __init__(self, fake: Any, api: Any, sockets: Path) -> None:
+        self.fake, self.api, self.sockets = fake, api, sockets
+        self._cleanup: list[Callable[[], None]] = []
+
+    def create(self, body: dict[str, Any]) -> None:
+        self.api.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, body)
+
+    def patch_spec(self, name: str, spec: dict[str, Any]) -> None:
+        self.api.patch_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, name, {"spec": spec},
+                                                _content_type="application/merge-patch+json")
+
+    def delete(self, name: str) -> None:
+        self.api.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, name)
+
+    def job(self, name: str) -> dict[str, Any] | None:
+        return self.fake.stored(RLJOBS, NS, name)
+
+    def status(self, name: str) -> dict[str, Any]:
+        return (self.job(name) or {}).get("status") or {}
+
+    def obj(self, resource: str, name: str) -> dict[str, Any] | None:
+        return self.fake.stored(resource, NS, name)
+
+    def workload(self, job: str, component: str) -> dict[str, Any]:
+        res = "apps/v1/statefulsets" if component == "trainer" else "apps/v1/deployments"
+        found = self.obj(res, f"{job}-{component}")
+        assert found is not None, f"{res} {job}-{component} missing"
+        return found
+
+    def children(self, job: str) -> dict[str, dict[str, Any]]:
+        out = {}
+        for res in ("v1/configmaps", "v1/services", "v1/persistentvolumeclaims", *WORKLOADS):
+            for name in self.fake.names(res, NS):
+                if name.startswith(f"{job}-"):
+                    out[f"{res}/{name}"] = self.obj(res, name)
+        return out
+
+    def events(self, job: str) -> list[tuple[str, str, str]]:
+        return [(e.get("type"), e.get("reason"), e.get("message", ""))
+                for e in self.fake.events(NS, job)]
+
+    def condition(self, job: str, type_: str) -> dict[str, Any]:
+        return next((c for c in self.status(job).get("conditions", []) if c["type"] == type_), {})
+
+    def serve_trainer_health(self, job: str) -> health.HealthServicer:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        servicer = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        server.add_insecure_port(f"unix:{self.sockets}/{job}-trainer.sock")
+        server.start()
+        self._cleanup.append(lambda: server.stop(0))
+        return servicer
+
+    def start_buffer(self, job: str, spec: dict[str, Any], run_dir: Path) -> str:
+        job_file = run_dir / "job.yaml"
+        job_file.write_text(yaml.safe_dump(manifest(job, **spec)))
+        address = f"unix:{self.sockets}/{job}-buffer.sock"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kiln.services.buffer.main", "--job", str(job_file),
+             "--address", address, "--metrics-port", "0", "--run-dir", str(run_dir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+        def stop() -> None:
+            proc.terminate()
+            proc.wait(10)
+        self._cleanup.append(stop)
+        return address
+
+    def close(self) -> None:
+        for fn in reversed(self._cleanup):
+            fn()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    import kubernetes
+    from kopf.testing import KopfRunner
+
+    tmp = tmp_path_factory.mktemp("operator-e2e")
+    sockets = Path("/tmp") / f"kiln-e2e-{os.getpid()}"  # unix socket paths must stay short
+    sockets.mkdir(exist_ok=True)
+    settings = {
+        "KILN_OPERATOR_STATUS_INTERVAL": "0.3",
+        "KILN_OPERATOR_GRPC_TIMEOUT": "0.5",
+        "KILN_OPERATOR_ADDRESS_TEMPLATE": f"unix:{sockets}/{{name}}-{{component}}.sock",
+    }
+    saved = {k: os.environ.get(k) for k in [*settings, "KUBECONFIG"]}
+    with running_fake_api() as (fake, url):
+        fake.add_namespace(NS)
+        kubeconfig = write_kubeconfig(tmp / "kubeconfig", url, NS)
+        os.environ.update(settings, KUBECONFIG=str(kubeconfig))
+        api_client = kubernetes.config.new_client_from_config(str(kubeconfig))
+        c = Cluster(fake, kubernetes.client.CustomObjectsApi(api_client), sockets)
+        args = ["run", "--standalone", "--namespace", NS, "-m", "kiln.operator.handlers"]
+        try:
+            with KopfRunner(args, timeout=30) as runner:
+                yield c
+        finally:
+            c.close()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            for sock in sockets.glob("*.sock"):
+                sock.unlink()
+            sockets.rmdir()
+    assert runner.exception is None, runner.output[-3000:]
+
+
+def _hashes(c: Cluster, job: str) -> dict[str, str]:
+    return {comp: c.workload(job, comp)["spec"]["template"]["metadata"]["annotations"]
+            ["kiln.dev/config-hash"] for comp in ("trainer", "rollout", "sandbox",
+                                                  "weight-sync", "buffer")}
+
+
+def test_create_applies_owned_children_and_status_follows_services(cluster: Cluster,
+                                                                  tmp_path: Path) -> None:
+    c = cluster
+    c.create(manifest("alpha"))
+    kids = wait_for("13 children", lambda: len(c.children("alpha")) == 13 and c.children("alpha"))
+    uid = c.job("alpha")["metadata"]["uid"]
+    for key, obj in kids.items():
+        refs = obj["metadata"].get("ownerReferences", [])
+        assert [r["uid"] for r in refs] == [uid], key
+        assert refs[0]["kind"] == "RLJob" and refs[0]["controller"] is True
+        assert obj["metadata"]["labels"]["app.kubernetes.io/instance"] == "alpha"
+    job_file = yaml.safe_load(c.obj("v1/configmaps", "alpha-config")["data"]["job.yaml"])
+    assert job_file["spec"]["stages"][0]["rl"]["tau"] == 2
+    assert job_file["spec"]["sandbox"]["backend"] == "bubblewrap"  # defaults resolved
+    wait_for("phase Pending", lambda: c.status("alpha").get("phase") == "Pending")
+    assert c.condition("alpha", "Valid")["status"] == "True"
+    assert c.job("alpha")["metadata"]["finalizers"] == ["kiln.dev/pvc-retention"]
+
+    # Nothing answers yet: Pending, and Ready says why.
+    ready = wait_for("Ready=False", lambda: c.condition("alpha", "Ready").get("status") == "False"
+                     and c.condition("alpha", "Ready"))
+    assert "alpha-trainer.sock" in ready["message"]
+
+    # A real buffer process and a trainer health endpoint come up: Running, policy version from
+    # the buffer (the trainer's version it was told), staleness once something was served.
+    trainer = c.serve_trainer_health("alpha")
+    trainer.set("", health_pb2.HealthCheckResponse.SERVING)
+    address = c.start_buffer("alpha", {}, tmp_path)
+    from kiln.protos.kiln.v1 import buffer_pb2, buffer_pb2_grpc
+
+    channel = grpc.insecure_channel(address)
+    grpc.channel_ready_future(channel).result(timeout=20)
+    buffer_pb2_grpc.BufferStub(channel).SetTrainerVersion(
+        buffer_pb2.SetTrainerVersionRequest(version=7), timeout=5)
+    wait_for("Running with version 7", lambda: c.status("alpha").get("phase") == "Running"
+             and c.status("alpha").get("policyVersion") == 7, timeout=20)
+    assert c.condition("alpha", "Ready")["status"] == "True"
+    reasons = [(t, r) for t, r, _ in c.events("alpha")]
+    assert ("Normal", "Pending") in reasons and ("Normal", "Running") in reasons
+
+    # The trainer goes away: the job stays Running, Ready turns False.
+    trainer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    wait_for("Ready=False again", lambda: c.condition("alpha", "Ready").get("status") == "False")
+    assert c.status("alpha")["phase"] == "Running"
+    channel.close()
+
+
+def test_scaling_rollout_is_live_and_spec_change_restarts_only_affected(cluster: Cluster) -> None:
+    c = cluster
+    c.create(manifest("beta"))
+    wait_for("children", lambda: len(c.children("beta")) == 13)
+    before = _hashes(c, "beta")
+    trainer_rv = c.workload("beta", "trainer")["metadata"]["resourceVersion"]
+
+    c.patch_spec("beta", {"rollout": {"replicas": 3}})
+    wait_for("3 rollout replicas", lambda: c.workload("beta", "rollout")["spec"]["replicas"] == 3)
+    assert _hashes(c, "beta") == before  # no pod restarts anywhere
+    assert c.workload("beta", "trainer")["metadata"]["resourceVersion"] == trainer_rv
+
+    c.patch_spec("beta", {"sandbox": {"timeoutSeconds": 7}})
+    wait_for("sandbox restarted", lambda: _hashes(c, "beta")["sandbox"] != before["sandbox"])
+    after = _hashes(c, "beta")
+    assert {k for k in after if after[k] != before[k]} == {"sandbox"}
+    cm = yaml.safe_load(c.obj("v1/configmaps", "beta-config")["data"]["job.yaml"])
+    assert cm["spec"]["sandbox"]["timeoutSeconds"] == 7
+    assert c.workload("beta", "rollout")["spec"]["replicas"] == 3
+
+
+def test_immutable_field_change_is_refused_until_reverted(cluster: Cluster) -> None:
+    c = cluster
+    c.create(manifest("gamma"))
+    wait_for("Pending", lambda: c.status("gamma").get("phase") == "Pending")
+    c.patch_spec("gamma", {"trainer": {"tensorParallel": 2}})
+    valid = wait_for("refusal", lambda: c.condition("gamma", "Valid").get("status") == "False"
+                     and c.condition("gamma", "Valid"))
+    assert valid["reason"] == "ImmutableFieldChanged"
+    assert "spec.trainer.tensorParallel" in valid["message"]
+    assert "spec.trainer.tensorParallel" in c.status("gamma")["message"]
+    assert any(t == "Warning" and r == "ImmutableFieldChanged" for t, r, _ in c.events("gamma"))
+    cm = yaml.safe_load(c.obj("v1/configmaps", "gamma-config")["data"]["job.yaml"])
+    assert cm["spec"]["trainer"]["tensorParallel"] == 1  # children keep the accepted spec
+
+    c.patch_spec("gamma", {"trainer": {"tensorParallel": 1}})
+    wait_for("accepted again", lambda: c.condition("gamma", "Valid").get("status") == "True")
+    assert "spec.trainer.tensorParallel" not in c.status("gamma")["message"]
+
+
+def test_suspend_scales_to_zero_and_back_keeping_volumes(cluster: Cluster) -> None:
+    c = cluster
+    c.create(manifest("delta", rollout={"replicas": 2}))
+    wait_for("children", lambda: len(c.children("delta")) == 13)
+    c.patch_spec("delta", {"suspend": True})
+    wait_for("Suspended", lambda: c.status("delta").get("phase") == "Suspended")
+    for comp in ("trainer", "rollout", "sandbox", "weight-sync", "buffer"):
+        assert c.workload("delta", comp)["spec"]["replicas"] == 0, comp
+    assert c.obj("v1/persistentvolumeclaims", "delta-checkpoints") is not None
+    assert c.obj("v1/persistentvolumeclaims", "delta-buffer") is not None
+
+    c.patch_spec("delta", {"suspend": False})
+    wait_for("resumed", lambda: c.status("delta").get("phase") == "Pending")
+    assert c.workload("delta", "rollout")["spec"]["replicas"] == 2
+    assert c.workload("delta", "trainer")["spec"]["replicas"] == 1
+    reasons = [r for _, r, _ in c.events("delta")]
+    assert "Suspended" in reasons
+
+
+def test_delete_applies_pvc_retention(cluster: Cluster) -> None:
+    c = cluster
+    c.create(manifest("eps", buffer={"storage": {"retain": False}},
+                      checkpoints={"storage": {"retain": True, "size": "1Gi"}}))
+    wait_for("children", lambda: len(c.children("eps")) == 13)
+    c.delete("eps")
+    wait_for("RLJob gone", lambda: c.job("eps") is None)
+    assert c.obj("v1/persistentvolumeclaims", "eps-buffer") is None
+    kept = c.obj("v1/persistentvolumeclaims", "eps-checkpoints")
+    assert kept is not None
+    assert "ownerReferences" not in kept["metadata"]
+    assert kept["metadata"]["labels"]["kiln.dev/retained-from"] == "eps"
+    # Everything else carries an owner reference; a real cluster's garbage collector removes it.
+    owned = [o for o in c.children("eps").values() if o["metadata"].get("ownerReferences")]
+    assert len(owned) == 11
+
+
+def test_bad_spec_is_refused_with_reason_and_event(cluster: Cluster) -> None:
+    c = cluster
+    bad = manifest("zeta")
+    bad["spec"]["stages"][0]["tasks"] = ["nope"]
+    bad["spec"]["rollout"]["replicas"] = -1
+    c.create(bad)
+    wait_for("Failed", lambda: c.status("zeta").get("phase") == "Failed")
+    valid = c.condition("zeta", "Valid")
+    assert valid["status"] == "False" and valid["reason"] == "InvalidSpec"
+    assert "spec.rollout.replicas" in valid["message"]
+    assert "spec.rollout.replicas" in c.status("zeta")["message"]
+    warnings = wait_for("warning event", lambda: [m for t, r, m in c.events("zeta")
+                                                  if t == "Warning" and r == "InvalidSpec"])
+    assert "spec.rollout.replicas" in warnings[0]
+    assert c.children("zeta") == {}
+
+    # Fixing the spec makes it a normal job.
+    c.patch_spec("zeta", {"rollout": {"replicas": 1},
+                          "stages": BASE_SPEC["stages"]})
+    wait_for("accepted", lambda: c.status("zeta").get("phase") == "Pending")
+    assert len(c.children("zeta")) == 13

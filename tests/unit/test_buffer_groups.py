@@ -1,0 +1,161 @@
+"""Groups, group-relative advantages and freshness control, in the pure helpers and end to end
+through a real TrajectoryBuffer on a temporary directory."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kiln.services.buffer import groups as G
+from kiln.services.buffer.buffer import BufferConfig, InvalidTrajectory, TrajectoryBuffer
+from kiln.services.buffer.synthetic import synthetic_group, synthetic_trajectory
+from kiln.services.common import metrics
+from kiln.trajectory import VersionSpan
+
+
+def _open(path: Path, **kw) -> TrajectoryBuffer:
+    return TrajectoryBuffer.open(path, BufferConfig(**kw))
+
+
+def test_group_advantages() -> None:
+    assert G.group_advantages([1.0, 0.0, 0.0, 1.0]) == [0.5, -0.5, -0.5, 0.5]
+    assert G.group_advantages([0.25, 0.25]) == [0.0, 0.0]
+    assert G.group_advantages([3.0]) == [0.0]
+    adv = G.group_advantages([0.1, 0.7, 0.4])
+    assert sum(adv) == pytest.approx(0.0, abs=1e-12)
+    assert adv[1] == pytest.approx(0.7 - 0.4)
+
+
+def test_freshness_rule_boundary() -> None:
+    assert not G.is_stale(10, 8, tau=2)   # exactly tau behind: kept
+    assert G.is_stale(10, 7, tau=2)       # tau + 1 behind: dropped
+    assert not G.is_stale(10, 0, tau=None)
+    assert not G.is_stale(3, 3, tau=0) and G.is_stale(4, 3, tau=0)
+
+
+def test_pick_groups_oldest_first_and_whole() -> None:
+    def grp(key: str, n: int, version: int, seq: int) -> G.Group:
+        g = G.Group(key, n, seq)
+        g.members = [G.Entry(f"{key}{i}", key, version, 0.0, b"") for i in range(n)]
+        return g
+
+    a, b, c = grp("a", 4, 5, 1), grp("b", 4, 3, 2), grp("c", 2, 5, 0)
+    assert [g.key for g in G.pick_groups([a, b, c], 8)] == ["b", "c"]  # b oldest; a does not fit
+    assert [g.key for g in G.pick_groups([a, b, c], 10)] == ["b", "c", "a"]
+    assert G.pick_groups([a], 3) == []
+
+
+def test_complete_group_gets_advantages(tmp_path: Path) -> None:
+    buf = _open(tmp_path, group_size=4)
+    trajs = synthetic_group("g", 4, rewards=[1.0, 0.0, 1.0, 1.0])
+    buf.put(trajs[:3])
+    assert buf.status().groups_pending == 1 and buf.status().ready == 0
+    assert buf.try_get_batch(4, 0).trajectories == []
+    buf.put(trajs[3:])
+    batch = buf.try_get_batch(4, 0)
+    assert [t.id for t in batch.trajectories] == [t.id for t in trajs]
+    assert [t.advantage for t in batch.trajectories] == [0.25, -0.75, 0.25, 0.25]
+    # Everything but the advantage is what was put.
+    for got, sent in zip(batch.trajectories, trajs):
+        sent.advantage = got.advantage
+        assert got == sent
+    buf.close()
+
+
+def test_sft_trajectories_are_groups_of_one(tmp_path: Path) -> None:
+    buf = _open(tmp_path)  # group size 1, no tau
+    buf.put([synthetic_trajectory(f"s{i}", reward=float(i), version=0) for i in range(3)])
+    buf.set_trainer_version(1000)  # no tau: nothing is ever stale
+    batch = buf.try_get_batch(3, 1000)
+    assert [t.advantage for t in batch.trajectories] == [0.0, 0.0, 0.0]
+    assert batch.staleness == [1000, 1000, 1000]
+    buf.close()
+
+
+def test_stale_on_arrival_is_dropped(tmp_path: Path) -> None:
+    buf = _open(tmp_path, group_size=2, tau=1)
+    buf.set_trainer_version(5)
+    before = metrics.DROPPED_STALE._value.get()
+    r = buf.put(synthetic_group("old", 2, version=3) + synthetic_group("ok", 2, version=4))
+    assert (r.accepted, r.dropped_stale, r.depth) == (4, 2, 2)
+    assert metrics.DROPPED_STALE._value.get() - before == 2
+    assert [t.group_id for t in buf.try_get_batch(2, 5).trajectories] == ["ok", "ok"]
+    buf.close()
+
+
+def test_partly_stale_group_is_dropped_whole(tmp_path: Path) -> None:
+    buf = _open(tmp_path, group_size=3, tau=2)
+    buf.set_trainer_version(4)
+    fresh = synthetic_group("g", 3, version=4)
+    buf.put(fresh[:2])  # two fresh members wait for the third
+    late = synthetic_trajectory("g/2", "g", version=1)  # 4 - 1 > 2
+    r = buf.put([late])
+    assert r.dropped_stale == 3 and r.depth == 0
+    st = buf.status()
+    assert st.dropped_stale == 3 and st.groups_pending == 0
+    # The group stays closed: a fourth member is accepted and dropped, never served.
+    r = buf.put([synthetic_trajectory("g/3", "g", version=4)])
+    assert (r.accepted, r.dropped_stale, r.depth) == (1, 1, 0)
+    buf.close()
+
+
+def test_version_advance_drops_ready_and_pending(tmp_path: Path) -> None:
+    buf = _open(tmp_path, group_size=2, tau=1)
+    buf.put(synthetic_group("v0", 2, version=0))
+    buf.put(synthetic_group("v1", 2, version=1)[:1])  # pending
+    buf.put(synthetic_group("v2", 2, version=2))
+    st = buf.set_trainer_version(2)  # v0 is 2 behind
+    assert (st.dropped_stale, st.depth, st.groups_pending) == (2, 3, 1)
+    st = buf.set_trainer_version(3)  # v1 is 2 behind too, even though incomplete
+    assert (st.dropped_stale, st.depth, st.groups_pending) == (3, 2, 0)
+    assert metrics.POLICY_VERSION.labels("buffer")._value.get() == 3
+    buf.close()
+
+
+def test_get_batch_applies_freshness_with_its_version(tmp_path: Path) -> None:
+    buf = _open(tmp_path, group_size=2, tau=2)
+    buf.put(synthetic_group("a", 2, version=0) + synthetic_group("b", 2, version=3))
+    batch = buf.try_get_batch(2, 3)  # a is 3 behind
+    assert [t.group_id for t in batch.trajectories] == ["b", "b"]
+    assert batch.staleness == [0, 0]
+    assert buf.status().dropped_stale == 2
+    buf.close()
+
+
+def test_mixed_versions_use_the_oldest(tmp_path: Path) -> None:
+    buf = _open(tmp_path, group_size=1, tau=1)
+    t = synthetic_trajectory("x", tokens=40, version=5)
+    t.version_spans = [VersionSpan(s.start, s.end, 3 if i == 0 else 5)
+                       for i, s in enumerate(t.version_spans)]
+    assert t.oldest_version == 3
+    buf.put([t])
+    batch = buf.try_get_batch(1, 5)  # 5 - 3 > 1
+    assert batch.trajectories == [] and buf.status().dropped_stale == 1
+    buf.close()
+
+
+def test_group_membership_errors(tmp_path: Path) -> None:
+    buf = _open(tmp_path, group_size=2)
+    g = synthetic_group("g", 2)
+    buf.put(g[:1])
+    with pytest.raises(InvalidTrajectory, match="started with group size 2"):
+        buf.put(g[1:], group_size=3)
+    buf.put(g[1:])
+    with pytest.raises(InvalidTrajectory, match="already has all its members"):
+        buf.put([synthetic_trajectory("g/9", "g")])
+    with pytest.raises(InvalidTrajectory, match="more than its 2 members"):
+        buf.put(synthetic_group("h", 3))
+    with pytest.raises(InvalidTrajectory, match="group_id is empty"):
+        buf.put([synthetic_trajectory("lonely")])
+    assert buf.status().accepted == 2
+    buf.close()
+
+
+def test_per_put_group_size(tmp_path: Path) -> None:
+    buf = _open(tmp_path, group_size=4)
+    buf.put(synthetic_group("pair", 2), group_size=2)
+    assert len(buf.try_get_batch(2, 0).trajectories) == 2
+    with pytest.raises(ValueError, match="whole groups"):
+        buf.put(synthetic_group("quad", 4))
+        buf.try_get_batch(2, 0)
+    buf.close()

@@ -1,0 +1,178 @@
+"""The buffer's durable store: record framing, torn-tail recovery, consumption, compaction."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kiln.protos.kiln.v1 import buffer_pb2
+from kiln.services.buffer import records
+from kiln.services.buffer.store import StoreLocked, TrajectoryStore
+from kiln.services.buffer.synthetic import synthetic_trajectory
+from kiln.services.common import codec
+
+
+def _rec(tid: str, group_size: int = 1) -> buffer_pb2.BufferRecord:
+    return buffer_pb2.BufferRecord(trajectory=codec.to_proto(synthetic_trajectory(tid, tokens=40)),
+                                   group_size=group_size)
+
+
+def _ids(recs: list[buffer_pb2.BufferRecord]) -> list[str]:
+    return [r.trajectory.id for r in recs]
+
+
+# ------------------------------------------------------------------------------------ framing
+
+
+def test_records_parse_back() -> None:
+    data = records.encode_many([(1, b"abc"), (2, b""), (1, b"x" * 1000)])
+    result = records.parse(data)
+    assert [(k, p) for _, k, p in result.records] == [(1, b"abc"), (2, b""), (1, b"x" * 1000)]
+    assert result.valid_end == len(data) and not result.torn
+
+
+@pytest.mark.parametrize("cut", [1, 5, 12, 13, 20])
+def test_truncated_last_record_is_torn(cut: int) -> None:
+    good = records.encode(1, b"first")
+    last = records.encode(1, b"second record payload")
+    result = records.parse(good + last[:cut])
+    assert [p for _, _, p in result.records] == [b"first"]
+    assert result.torn and result.valid_end == len(good)
+
+
+def test_zero_filled_tail_is_torn() -> None:
+    good = records.encode(1, b"first")
+    result = records.parse(good + b"\0" * 64)
+    assert result.torn and result.valid_end == len(good)
+
+
+def test_bad_checksum_at_the_end_is_torn() -> None:
+    good = records.encode(1, b"first")
+    last = bytearray(records.encode(1, b"second"))
+    last[-1] ^= 0xFF
+    result = records.parse(good + bytes(last))
+    assert result.torn and result.valid_end == len(good)
+
+
+def test_damage_in_the_middle_is_an_error() -> None:
+    first = bytearray(records.encode(1, b"first"))
+    first[-1] ^= 0xFF
+    with pytest.raises(records.CorruptLog, match="checksum mismatch at offset 0"):
+        records.parse(bytes(first) + records.encode(1, b"second"))
+
+
+# -------------------------------------------------------------------------------------- store
+
+
+def test_append_and_reopen(tmp_path: Path) -> None:
+    store, rec = TrajectoryStore.open(tmp_path)
+    assert rec.records == [] and rec.consumed == set()
+    store.append([_rec("a", 2), _rec("b", 2)])
+    store.append([_rec("c")])
+    store.close()
+    store, rec = TrajectoryStore.open(tmp_path)
+    assert _ids(rec.records) == ["a", "b", "c"]
+    assert [r.group_size for r in rec.records] == [2, 2, 1]
+    assert codec.from_proto(rec.records[0].trajectory) == synthetic_trajectory("a", tokens=40)
+    store.close()
+
+
+def test_consumed_ids_are_not_recovered(tmp_path: Path) -> None:
+    store, _ = TrajectoryStore.open(tmp_path)
+    store.append([_rec("a"), _rec("b"), _rec("c")])
+    store.log_event({"t": "acked", "consumed": ["a", "c"]})
+    store.close()
+    store, rec = TrajectoryStore.open(tmp_path)
+    assert _ids(rec.records) == ["b"]
+    assert rec.consumed == {"a", "c"}
+    assert rec.events == [{"t": "acked", "consumed": ["a", "c"]}]
+    store.close()
+
+
+def test_torn_segment_tail_is_truncated(tmp_path: Path) -> None:
+    store, _ = TrajectoryStore.open(tmp_path)
+    store.append([_rec("a"), _rec("b")])
+    seg = store.segment_files()[-1]
+    store.close()
+    size = seg.stat().st_size
+    partial = records.encode(1, _rec("c").SerializeToString())[:-7]
+    with open(seg, "ab") as f:  # a crash in the middle of writing "c"
+        f.write(partial)
+    store, rec = TrajectoryStore.open(tmp_path)
+    assert _ids(rec.records) == ["a", "b"]
+    assert rec.truncated_bytes == len(partial)
+    assert seg.stat().st_size == size
+    store.append([_rec("d")])  # appends land after the cut, and read back
+    store.close()
+    store, rec = TrajectoryStore.open(tmp_path)
+    assert _ids(rec.records) == ["a", "b", "d"]
+    store.close()
+
+
+def test_torn_side_log_tail_is_truncated(tmp_path: Path) -> None:
+    store, _ = TrajectoryStore.open(tmp_path)
+    store.append([_rec("a"), _rec("b")])
+    store.log_event({"t": "acked", "consumed": ["a"]})
+    store.close()
+    with open(tmp_path / "side.log", "ab") as f:
+        f.write(records.encode(2, b'{"t":"acked","consumed":["b"]}')[:-3])
+    store, rec = TrajectoryStore.open(tmp_path)
+    assert _ids(rec.records) == ["b"]  # the torn event never happened
+    store.close()
+
+
+def test_corrupt_segment_refuses_to_open(tmp_path: Path) -> None:
+    store, _ = TrajectoryStore.open(tmp_path)
+    store.append([_rec("a")])
+    store.append([_rec("b")])
+    seg = store.segment_files()[-1]
+    store.close()
+    data = bytearray(seg.read_bytes())
+    data[20] ^= 0xFF  # inside the first record's payload
+    seg.write_bytes(bytes(data))
+    with pytest.raises(records.CorruptLog):
+        TrajectoryStore.open(tmp_path)
+
+
+def test_fully_consumed_segments_are_deleted(tmp_path: Path) -> None:
+    store, _ = TrajectoryStore.open(tmp_path, segment_bytes=1)  # one Put per segment
+    for i in range(4):
+        store.append([_rec(f"{i}a"), _rec(f"{i}b")])
+    assert len(store.segment_files()) == 4
+    store.log_event({"t": "acked", "consumed": ["0a", "0b", "1a"]})
+    names = [p.name for p in store.segment_files()]
+    assert len(names) == 3 and "seg-0000000001.log" not in names
+    store.log_event({"t": "acked", "consumed": ["1b", "2a", "2b", "3a", "3b"]})
+    # The active segment is fully consumed too, so it rolled over to a fresh, empty one.
+    assert [p.stat().st_size for p in store.segment_files()] == [0]
+    store.append([_rec("e")])
+    store.close()
+    store, rec = TrajectoryStore.open(tmp_path)
+    assert _ids(rec.records) == ["e"]
+    assert {"0a", "3b"} <= rec.consumed
+    store.close()
+
+
+def test_side_log_snapshot_keeps_consumed_ids(tmp_path: Path) -> None:
+    store, _ = TrajectoryStore.open(tmp_path, side_log_bytes=200)
+    store.append([_rec(str(i)) for i in range(10)])
+    for i in range(6):
+        store.log_event({"t": "acked", "consumed": [str(i)]})
+    assert store.needs_snapshot()
+    store.snapshot({"version": 3})
+    assert not store.needs_snapshot()
+    store.log_event({"t": "acked", "consumed": ["6"]})
+    store.close()
+    store, rec = TrajectoryStore.open(tmp_path)
+    assert _ids(rec.records) == ["7", "8", "9"]
+    assert rec.events[0]["t"] == "snapshot" and rec.events[0]["version"] == 3
+    assert len(rec.events) == 2
+    store.close()
+
+
+def test_one_process_per_directory(tmp_path: Path) -> None:
+    store, _ = TrajectoryStore.open(tmp_path)
+    with pytest.raises(StoreLocked):
+        TrajectoryStore.open(tmp_path)
+    store.close()
+    TrajectoryStore.open(tmp_path)[0].close()

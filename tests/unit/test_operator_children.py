@@ -1,0 +1,223 @@
+"""The operator's pure functions: child manifests, config hashes, immutable fields, spec parsing."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from kiln.api.spec import RLJobSpec
+from kiln.api.validate import load_job
+from kiln.operator import children
+from kiln.operator.naming import COMPONENTS, JobRef
+from kiln.operator.reconcile import parse_spec
+from kiln.operator.workloads import quantity_value
+
+JOB = JobRef(name="demo", namespace="team-a", uid="0f5c2b9e-1111-2222-3333-444455556666")
+K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
+
+SMALL: dict[str, Any] = {
+    "model": {"path": "models/tiny"},
+    "tasks": [{"name": "train", "env": "chain", "generate": {"count": 8}}],
+    "stages": [{"name": "rl", "type": "rl", "tasks": ["train"], "batchSize": 8,
+                "microBatchSize": 8, "rl": {"groupSize": 8}}],
+}
+# Everything optional switched on: GPUs, a model PVC, docker sandboxes, storage classes.
+FULL: dict[str, Any] = {
+    **SMALL,
+    "model": {"path": "qwen/7b", "pvc": "models"},
+    "rollout": {"replicas": 4, "resources": {"cpu": "8", "memory": "64Gi", "gpu": 1}},
+    "trainer": {"tensorParallel": 2, "resources": {"cpu": "16", "memory": "128Gi", "gpu": 2}},
+    "sandbox": {"backend": "docker", "image": "python:3.12-slim", "cpu": 0.5, "memory": "1Gi",
+                "maxConcurrent": 16, "replicas": 2},
+    "buffer": {"storage": {"size": "20Gi", "storageClass": "fast", "retain": False}},
+    "checkpoints": {"storage": {"size": "200Gi", "storageClass": "fast"}},
+    "image": "registry.example.com/kiln:0.1.0",
+}
+
+
+def spec(data: dict[str, Any], **changes: Any) -> RLJobSpec:
+    data = copy.deepcopy(data)
+    for path, value in changes.items():
+        node = data
+        keys = path.split("__")
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = value
+    return RLJobSpec.model_validate(data)
+
+
+def by_name(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {f"{o['kind']}/{o['metadata']['name']}": o for o in objs}
+
+
+def workload(objs: list[dict[str, Any]], component: str) -> dict[str, Any]:
+    kind = "StatefulSet" if component == "trainer" else "Deployment"
+    return by_name(objs)[f"{kind}/demo-{component}"]
+
+
+@pytest.mark.parametrize("data", [SMALL, FULL], ids=["small", "full"])
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_children_pass_kubernetes_schema_validation(data: dict[str, Any], version: str) -> None:
+    objs = children.desired_children(JOB, spec(data))
+    assert len(objs) == 13
+    for obj in objs:
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_schema_validation_catches_a_bad_manifest() -> None:
+    # Guards the test above: the validator rejects what a cluster would.
+    obj = copy.deepcopy(workload(children.desired_children(JOB, spec(SMALL)), "rollout"))
+    obj["spec"]["template"]["spec"]["containers"][0]["resourcez"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(obj, "1.30.0", strict=True)
+
+
+def test_every_child_is_owned_and_labelled() -> None:
+    for obj in children.desired_children(JOB, spec(FULL)):
+        meta = obj["metadata"]
+        assert meta["namespace"] == "team-a"
+        assert meta["ownerReferences"] == [{
+            "apiVersion": "kiln.dev/v1alpha1", "kind": "RLJob", "name": "demo", "uid": JOB.uid,
+            "controller": True, "blockOwnerDeletion": True}]
+        labels = meta["labels"]
+        assert labels["app.kubernetes.io/name"] == "kiln"
+        assert labels["app.kubernetes.io/instance"] == "demo"
+        assert labels["app.kubernetes.io/managed-by"] == "kiln-operator"
+        assert labels["app.kubernetes.io/version"] == "0.1.0"
+        if obj["kind"] in ("Deployment", "StatefulSet"):
+            selector = obj["spec"]["selector"]["matchLabels"]
+            template_labels = obj["spec"]["template"]["metadata"]["labels"]
+            assert selector.items() <= template_labels.items()
+
+
+def test_service_containers_run_the_component_with_spec_resources_and_grpc_probes() -> None:
+    objs = children.desired_children(JOB, spec(FULL))
+    expected = {"trainer": FULL["trainer"]["resources"], "rollout": FULL["rollout"]["resources"],
+                "sandbox": {"cpu": "1", "memory": "4Gi", "gpu": 0}}
+    for component in COMPONENTS:
+        pod = workload(objs, component)["spec"]["template"]["spec"]
+        main = next(c for c in pod["containers"] if c["name"] == component)
+        assert main["image"] == "registry.example.com/kiln:0.1.0"
+        assert main["command"] == [f"kiln-{component}"]
+        assert main["args"] == ["--job", "/etc/kiln/job.yaml", "--address", "0.0.0.0:50051",
+                                "--metrics-port", "9090", "--run-dir", "/var/lib/kiln"]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert main[probe]["grpc"] == {"port": 50051}
+        env = {e["name"]: e.get("value") for e in main["env"]}
+        assert env["KILN_BUFFER_ADDR"] == "demo-buffer:50051"
+        assert env["KILN_WEIGHT_SYNC_ADDR"] == "demo-weight-sync:50051"
+        assert env["KILN_TRAINER_ADDR"] == "demo-trainer:50051"
+        if component in expected:
+            res = expected[component]
+            assert main["resources"]["requests"] == {"cpu": res["cpu"], "memory": res["memory"]}
+            assert main["resources"]["limits"].get("nvidia.com/gpu", 0) == res["gpu"]
+    trainer_pod = workload(objs, "trainer")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in trainer_pod["volumes"]}
+    assert volumes["run"]["persistentVolumeClaim"]["claimName"] == "demo-checkpoints"
+    assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    buffer_volumes = {v["name"]: v for v in workload(objs, "buffer")["spec"]["template"]["spec"]["volumes"]}
+    assert buffer_volumes["run"]["persistentVolumeClaim"]["claimName"] == "demo-buffer"
+    assert workload(objs, "buffer")["spec"]["strategy"] == {"type": "Recreate"}
+    assert workload(objs, "rollout")["spec"]["replicas"] == 4
+    assert workload(objs, "sandbox")["spec"]["replicas"] == 2
+    pvcs = {k: v for k, v in by_name(objs).items() if k.startswith("PersistentVolumeClaim/")}
+    assert pvcs["PersistentVolumeClaim/demo-buffer"]["spec"]["storageClassName"] == "fast"
+    assert pvcs["PersistentVolumeClaim/demo-checkpoints"]["spec"]["resources"]["requests"] == {"storage": "200Gi"}
+
+
+def test_docker_sandbox_gets_a_privileged_dind_sidecar_sized_from_the_spec() -> None:
+    pod = workload(children.desired_children(JOB, spec(FULL)), "sandbox")["spec"]["template"]["spec"]
+    (dind,) = pod["initContainers"]
+    assert dind["image"].startswith("docker:") and "dind" in dind["image"]
+    assert dind["restartPolicy"] == "Always" and dind["securityContext"] == {"privileged": True}
+    # 16 sandboxes of 0.5 CPU and 1 GiB at most; one guaranteed.
+    assert dind["resources"]["limits"] == {"cpu": "8000m", "memory": "16384Mi"}
+    assert dind["resources"]["requests"] == {"cpu": "500m", "memory": "1024Mi"}
+    main = pod["containers"][0]
+    assert {"name": "DOCKER_HOST", "value": "unix:///run/dind/docker.sock"} in main["env"]
+    plain = workload(children.desired_children(JOB, spec(SMALL)), "sandbox")["spec"]["template"]["spec"]
+    assert "initContainers" not in plain
+    assert plain["containers"][0]["securityContext"]["seccompProfile"]["type"] == "Unconfined"
+
+
+def test_job_file_round_trips_through_the_services_loader(tmp_path: Path) -> None:
+    s = spec(FULL, stages=[{**FULL["stages"][0], "rl": {"groupSize": 8, "icepopBeta": None}}])
+    cm = children.config_map(JOB, s)
+    path = tmp_path / "job.yaml"
+    path.write_text(cm["data"]["job.yaml"])
+    job = load_job(path)
+    assert job.metadata.name == "demo"
+    assert job.spec == s
+    assert job.spec.stages[0].rl.icepop_beta is None  # an explicit null is not lost to the default
+
+
+def test_config_hashes_restart_only_the_components_that_read_a_change() -> None:
+    base = children.component_hashes(spec(SMALL))
+    assert set(base) == set(COMPONENTS)
+
+    def changed(**kw: Any) -> set[str]:
+        new = children.component_hashes(spec(SMALL, **kw))
+        return {c for c in base if new[c] != base[c]}
+
+    assert changed(rollout__replicas=5) == set()
+    assert changed(sandbox__replicas=3) == set()
+    assert changed(suspend=True) == set()
+    assert changed(sandbox__timeoutSeconds=9) == {"sandbox"}
+    assert changed(rollout__maxTurns=3) == {"rollout"}
+    assert changed(trainer__checkpointInterval=7) == {"trainer"}
+    assert changed(weightSync__bucketBytes=8192) == {"weight-sync"}
+    assert changed(buffer__capacity=10) == {"buffer"}
+    stages = copy.deepcopy(SMALL["stages"])
+    stages[0]["rl"]["tau"] = 1
+    assert changed(stages=stages) == {"trainer", "rollout", "buffer"}
+
+
+def test_suspend_scales_every_workload_to_zero_with_the_same_templates() -> None:
+    running = children.desired_children(JOB, spec(FULL))
+    stopped = children.desired_children(JOB, spec(FULL, suspend=True), active=False)
+    for component in COMPONENTS:
+        assert workload(stopped, component)["spec"]["replicas"] == 0
+        assert (workload(stopped, component)["spec"]["template"]
+                == workload(running, component)["spec"]["template"])
+    kinds = [o["kind"] for o in stopped]
+    assert kinds.count("PersistentVolumeClaim") == 2
+
+
+def test_immutable_changes_name_the_field() -> None:
+    old = spec(FULL)
+    assert children.immutable_changes(old, spec(FULL, rollout__replicas=1)) == []
+    msgs = children.immutable_changes(old, spec(FULL, model__path="other", trainer__tensorParallel=4))
+    assert len(msgs) == 2
+    assert any(m.startswith("spec.model.path cannot change") and "'other'" in m for m in msgs)
+    assert any(m.startswith("spec.trainer.tensorParallel cannot change") for m in msgs)
+
+
+def test_parse_spec_reports_field_paths() -> None:
+    ok, problems = parse_spec("demo", copy.deepcopy(SMALL))
+    assert ok is not None and problems == []
+    bad = copy.deepcopy(SMALL)
+    bad["rollout"] = {"replicas": -1, "engine": "tgi"}
+    parsed, problems = parse_spec("demo", bad)
+    assert parsed is None
+    assert any(p.startswith("spec.rollout.replicas:") for p in problems)
+    assert any(p.startswith("spec.rollout.engine:") and "tgi" in p for p in problems)
+
+
+@pytest.mark.parametrize("text,value", [("512Mi", 512 * 2**20), ("1.5", 1.5), ("250m", 0.25),
+                                        ("2G", 2e9), ("4Gi", 4 * 2**30)])
+def test_quantity_value(text: str, value: float) -> None:
+    assert quantity_value(text) == pytest.approx(value)
+
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "deploy" / "examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_manifests_become_valid_children(path: Path) -> None:
+    job = load_job(path)
+    ref = JobRef(job.metadata.name, "default", "uid")
+    for obj in children.desired_children(ref, job.spec):
+        kubernetes_validate.validate(obj, "1.30.0", strict=True)

@@ -1,0 +1,51 @@
+"""Trainer configuration derived from an RLJob."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kiln.api.spec import RLJob
+from kiln.services.trainer.config import config_from_job
+
+
+def _job(**trainer) -> RLJob:
+    return RLJob.model_validate({
+        "apiVersion": "kiln.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "t"},
+        "spec": {
+            "model": {"path": "models/m", "dtype": "float32"},
+            "tasks": [{"name": "c", "env": "chain", "generate": {"count": 4}}],
+            "stages": [
+                {"name": "warm", "type": "sft", "tasks": ["c"], "learningRate": 1e-3, "batchSize": 8,
+                 "microBatchSize": 4},
+                {"name": "rl", "type": "rl", "tasks": ["c"], "learningRate": 5e-4, "batchSize": 8,
+                 "microBatchSize": 2, "rl": {"epsLow": 0.1, "epsHigh": 0.3, "icepopBeta": 3.0,
+                                             "resetOptimizerOnSync": False,
+                                             "lossAggregation": "sequence-mean"}},
+            ],
+            "trainer": {"checkpointInterval": 7, "keepCheckpoints": 4, "gradClip": 0.5, **trainer},
+            "seed": 3,
+        },
+    })
+
+
+def test_rl_stage_settings_reach_the_trainer(tmp_path: Path) -> None:
+    cfg = config_from_job(_job(), run_dir=tmp_path, stage="rl")
+    assert cfg.model_dir == Path("models/m") and cfg.params_dtype == "float32" and cfg.seed == 3
+    assert (cfg.loss.eps_low, cfg.loss.eps_high, cfg.loss.icepop_beta, cfg.loss.aggregation) == (0.1, 0.3, 3.0, "seq_mean")
+    assert cfg.optimizer.lr == 5e-4 and cfg.optimizer.grad_clip == 0.5
+    assert cfg.optimizer.reset_moments_on_publish is False
+    assert cfg.micro_batch_size == 2
+    assert (cfg.checkpoint_dir, cfg.checkpoint_interval, cfg.keep_checkpoints) == (tmp_path / "checkpoints", 7, 4)
+
+
+def test_default_stage_is_the_first(tmp_path: Path) -> None:
+    cfg = config_from_job(_job(), run_dir=tmp_path, model_dir=tmp_path / "other")
+    assert cfg.optimizer.lr == 1e-3 and cfg.micro_batch_size == 4 and cfg.model_dir == tmp_path / "other"
+
+
+def test_unknown_stage_and_unsupported_parallelism_are_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="stage 'nope'"):
+        config_from_job(_job(), run_dir=tmp_path, stage="nope")
+    with pytest.raises(ValueError, match="pipelineParallel"):
+        config_from_job(_job(pipelineParallel=2), run_dir=tmp_path)

@@ -1,0 +1,195 @@
+"""The trainer engine on a tiny model: learning, masking, version/moment reset, checkpoints."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client import REGISTRY
+
+from kiln.services.common.tiny_model import make_tiny_checkpoint
+from kiln.services.trainer.checkpoint import list_checkpoints
+from kiln.services.trainer.config import OptimizerConfig, TrainerConfig
+from kiln.services.trainer.engine import TrainerEngine
+from kiln.services.trainer.loss import PolicyLossConfig
+from kiln.trajectory import Trajectory, VersionSpan
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("engine") / "m", hidden_size=64, num_layers=2, intermediate_size=128, seed=0
+    )
+
+
+def _config(model_dir: Path, **kw) -> TrainerConfig:
+    base = dict(
+        model_dir=model_dir,
+        micro_batch_size=2,
+        optimizer=OptimizerConfig(lr=3e-3, grad_clip=1.0),
+        loss=PolicyLossConfig(eps_low=0.2, eps_high=0.28, icepop_beta=2.0),
+    )
+    base.update(kw)
+    return TrainerConfig(**base)
+
+
+def _trajectories(engine: TrainerEngine | None, n: int = 4, seed: int = 0, prompt: int = 3) -> list[Trajectory]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        length = rng.randint(8, 14)
+        tokens = [rng.randrange(4, 300) for _ in range(length)]
+        mask = [0] * prompt + [1] * (length - prompt)
+        out.append(
+            Trajectory(
+                id=f"t{i}", task_id="task", group_id="g", tokens=tokens, loss_mask=mask,
+                logp_infer=[0.0] * length, version_spans=[VersionSpan(prompt, length, 0)],
+                advantage=1.0 if i % 2 == 0 else -1.0,
+            )
+        )
+    if engine is not None:  # on-policy: the inference log-probs are the current ones
+        for t, lp in zip(out, engine.logprobs([t.tokens for t in out])):
+            t.logp_infer = [x if m else 0.0 for x, m in zip(lp, t.loss_mask)]
+    return out
+
+
+def _mean_logp(engine: TrainerEngine, trajs: list[Trajectory]) -> list[float]:
+    out = []
+    for t, lp in zip(trajs, engine.logprobs([t.tokens for t in trajs])):
+        vals = [x for x, m in zip(lp, t.loss_mask) if m]
+        out.append(sum(vals) / len(vals))
+    return out
+
+
+def test_sft_steps_reduce_loss(model_dir: Path) -> None:
+    engine = TrainerEngine(_config(model_dir))
+    batch = _trajectories(None, n=4)
+    losses = [engine.sft_step(batch)["loss"] for _ in range(6)]
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert engine.step_count == 6
+
+
+def test_rl_steps_follow_the_advantage(model_dir: Path) -> None:
+    engine = TrainerEngine(_config(model_dir, loss=PolicyLossConfig(eps_low=0.9, eps_high=10.0, icepop_beta=None)))
+    batch = _trajectories(engine, n=4)
+    before = _mean_logp(engine, batch)
+    first = engine.step(batch)
+    for _ in range(3):
+        last = engine.step(batch)
+    after = _mean_logp(engine, batch)
+    # Positive advantage (even ids) pushes log-probs up, negative pulls them down.
+    assert after[0] > before[0] and after[2] > before[2]
+    assert after[1] < before[1] and after[3] < before[3]
+    assert last["loss"] < first["loss"]
+    # On-policy first step: no mismatch, nothing masked, ratio 1.
+    assert first["ratio_mask_frac"] == 0.0 and first["mismatch_abs"] < 1e-5 and first["kept_frac"] == 1.0
+    assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert first["tokens"] == sum(sum(t.loss_mask) for t in batch)
+
+
+def test_off_policy_tokens_are_masked_and_reported(model_dir: Path) -> None:
+    engine = TrainerEngine(_config(model_dir))
+    engine.stage = "reasoning"
+    batch = _trajectories(engine, n=2)
+    # The inference engine claims much higher probabilities than the trainer computes: every
+    # ratio is ~e^-3, outside [0.8, 1.28], and rho is outside [1/2, 2].
+    for t in batch:
+        t.logp_infer = [x + 3.0 if m else 0.0 for x, m in zip(t.logp_infer, t.loss_mask)]
+    before = [p.detach().clone() for p in engine.model.parameters()]
+    tokens_before = REGISTRY.get_sample_value("kiln_train_tokens_total") or 0.0
+    m = engine.step(batch)
+    assert m["ratio_mask_frac"] == 1.0 and m["icepop_mask_frac"] == 1.0 and m["kept_frac"] == 0.0
+    assert m["grad_norm"] == 0.0
+    assert m["mismatch_abs"] == pytest.approx(3.0, abs=1e-4)
+    assert m["mismatch_kl"] == pytest.approx(torch.expm1(torch.tensor(-3.0)).item() + 3.0, abs=1e-3)
+    assert all(torch.equal(a, b) for a, b in zip(before, engine.model.parameters()))
+    assert REGISTRY.get_sample_value("kiln_ratio_mask_fraction") == 1.0
+    assert REGISTRY.get_sample_value("kiln_icepop_mask_fraction") == 1.0
+    assert REGISTRY.get_sample_value("kiln_logprob_mismatch_abs_mean") == pytest.approx(3.0, abs=1e-4)
+    assert REGISTRY.get_sample_value("kiln_logprob_mismatch_kl") == pytest.approx(m["mismatch_kl"])
+    assert REGISTRY.get_sample_value("kiln_train_step", {"stage": "reasoning"}) == 1.0
+    assert REGISTRY.get_sample_value("kiln_train_loss", {"stage": "reasoning"}) == m["loss"]
+    assert REGISTRY.get_sample_value("kiln_train_tokens_total") - tokens_before == m["tokens"]
+    assert REGISTRY.get_sample_value("kiln_trainer_tokens_per_second") == m["tokens_per_s"] > 0
+
+
+def test_new_version_resets_moments(model_dir: Path) -> None:
+    engine = TrainerEngine(_config(model_dir))
+    engine.sft_step(_trajectories(None, n=2))
+    states = list(engine.optimizer.state.values())
+    assert states and any(s["exp_avg"].abs().sum() > 0 for s in states)
+    assert engine.new_version() == 1
+    for s in engine.optimizer.state.values():
+        assert torch.count_nonzero(s["exp_avg"]) == 0 and torch.count_nonzero(s["exp_avg_sq"]) == 0
+        assert s["step"].item() == 0
+    assert REGISTRY.get_sample_value("kiln_policy_version", {"component": "trainer"}) == 1.0
+    keep = TrainerEngine(_config(model_dir, optimizer=OptimizerConfig(lr=3e-3, reset_moments_on_publish=False)))
+    keep.sft_step(_trajectories(None, n=2))
+    keep.new_version()
+    assert any(s["exp_avg"].abs().sum() > 0 for s in keep.optimizer.state.values())
+
+
+def test_checkpoint_resume_gives_identical_next_step(model_dir: Path, tmp_path: Path) -> None:
+    cfg = _config(
+        model_dir, checkpoint_dir=tmp_path / "ckpt", checkpoint_interval=2, keep_checkpoints=2,
+        optimizer=OptimizerConfig(lr=3e-3, warmup_steps=5),
+        loss=PolicyLossConfig(eps_low=0.9, eps_high=10.0, icepop_beta=10.0),
+    )
+    a = TrainerEngine(cfg)
+    batch = _trajectories(a, n=4, seed=1)
+    a.step(batch)
+    a.new_version()
+    a.step(batch)  # step 2: checkpoint by interval
+    assert [p.name for p in list_checkpoints(tmp_path / "ckpt")] == ["step_00000002"]
+    # A half-written checkpoint is ignored on resume.
+    (tmp_path / "ckpt" / ".tmp-step_00000003").mkdir()
+    expected = a.step(batch)
+    b = TrainerEngine(cfg)
+    assert b.resumed_from == tmp_path / "ckpt" / "step_00000002"
+    assert (b.step_count, b.version) == (2, 1)
+    got = b.step(batch)
+    assert expected["grad_norm"] > 0 and expected["kept_frac"] == 1.0
+    for key in ("loss", "grad_norm", "kept_frac", "mismatch_abs", "lr"):
+        assert got[key] == expected[key], key
+    assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
+    a.step(batch)  # step 4 checkpoints; only the two newest stay
+    assert [p.name for p in list_checkpoints(tmp_path / "ckpt")] == ["step_00000002", "step_00000004"]
+
+
+def test_two_updates_per_step_use_start_of_step_logprobs(model_dir: Path) -> None:
+    engine = TrainerEngine(_config(model_dir, minibatches_per_step=2, micro_batch_size=1))
+    batch = _trajectories(engine, n=4)
+    m = engine.step(batch)
+    assert next(iter(engine.optimizer.state.values()))["step"].item() == 2
+    # The first half trains on-policy (ratio 1), the second half after one update: ratio != 1.
+    assert m["ratio_mean"] != pytest.approx(1.0, abs=1e-7)
+    assert m["mismatch_abs"] < 1e-5
+
+
+def test_opd_trajectories_use_teacher_advantage(model_dir: Path) -> None:
+    engine = TrainerEngine(_config(model_dir, loss=PolicyLossConfig(eps_low=0.9, eps_high=10.0, icepop_beta=None)))
+    batch = _trajectories(engine, n=2)
+    for t in batch:
+        t.advantage = 0.0
+        # The teacher prefers every generated token far more than the student does.
+        t.teacher_logp = [x + 2.0 for x in t.logp_infer]
+    before = _mean_logp(engine, batch)
+    engine.step(batch)
+    after = _mean_logp(engine, batch)
+    assert after[0] > before[0] and after[1] > before[1]
+
+
+def test_bad_inputs_are_rejected(model_dir: Path) -> None:
+    engine = TrainerEngine(_config(model_dir))
+    batch = _trajectories(None, n=1)
+    batch[0].tokens[-1] = 10_000
+    with pytest.raises(ValueError, match="token ids"):
+        engine.sft_step(batch)
+    batch = _trajectories(None, n=1)
+    batch[0].loss_mask = [0] * len(batch[0].tokens)
+    batch[0].version_spans = []
+    with pytest.raises(ValueError, match="no trainable tokens"):
+        engine.sft_step(batch)
+    with pytest.raises(ValueError, match="checkpoint_dir"):
+        engine.save_checkpoint()
