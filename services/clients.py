@@ -66,7 +66,7 @@ class RolloutClient:
         return {"mode": s.mode, "stage": s.stage, "policy_version": s.policy_version,
                 "episodes": s.episodes, "tokens": s.tokens_generated,
                 "tokens_per_second": s.tokens_per_second, "mean_reward": s.mean_reward,
-                "in_flight": s.in_flight}
+                "in_flight": s.in_flight, "shipped": s.shipped}
 
 
 class BufferStatusClient:

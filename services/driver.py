@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from kiln.api.spec import RLJob, RLStage, SFTStage
 
@@ -64,13 +64,19 @@ class RunState:
 
 class Driver:
     def __init__(self, job: RLJob, run_dir: Path, trainer: TrainerControl, rollout: RolloutControl,
-                 buffer: BufferControl, *, poll_seconds: float = 1.0, out=sys.stdout) -> None:
+                 buffer: BufferControl, *, poll_seconds: float = 1.0, out=sys.stdout,
+                 supervise: Callable[[], list[str]] = lambda: []) -> None:
         self.job, self.run_dir = job, run_dir
         self.trainer, self.rollout, self.buffer = trainer, rollout, buffer
         self.poll_seconds = poll_seconds
         self.out = out
+        # Called every poll; returns the services it found dead and restarted, which then get
+        # their orders again (both calls are idempotent and resume where the stage was).
+        self.supervise = supervise
         self.state = RunState.load(run_dir / "state.json")
         self.metrics_file = run_dir / "metrics.jsonl"
+        self._last_step: int | None = None
+        self._last_print = 0.0
 
     # ------------------------------------------------------------------ stages
     def run(self) -> RunState:
@@ -103,14 +109,28 @@ class Driver:
         self._evaluate(stage, "before")
         rl = isinstance(stage, RLStage)
         self._say(f"stage {stage.name} ({stage.type}): {stage.max_steps} steps")
-        self.trainer.start_stage(stage.name)
-        self.rollout.set_mode(
-            EXPLORE if rl else DEMONSTRATE, stage=stage.name, task_sets=list(stage.tasks),
-            group_size=stage.rl.group_size if rl else 1,
-            synchronous=rl and not stage.rl.asynchronous, batch_size=stage.batch_size,
-            seed=self.job.spec.seed)
+        def order_trainer() -> None:
+            self.trainer.start_stage(stage.name)
+
+        def order_rollout() -> None:
+            self.rollout.set_mode(
+                EXPLORE if rl else DEMONSTRATE, stage=stage.name, task_sets=list(stage.tasks),
+                group_size=stage.rl.group_size if rl else 1,
+                synchronous=rl and not stage.rl.asynchronous, batch_size=stage.batch_size,
+                seed=self.job.spec.seed)
+
+        order_trainer()
+        order_rollout()
         start = time.monotonic()
         while True:
+            restarted = self.supervise()
+            if restarted:
+                self._say(f"\nrestarted {', '.join(restarted)}; resuming stage {stage.name}")
+                self._record({"event": "restart", "services": restarted, "stage": stage.name})
+            if "trainer" in restarted:
+                order_trainer()
+            if "rollout" in restarted:
+                order_rollout()
             t = self.trainer.status()
             if t.get("failed"):
                 raise RuntimeError(f"trainer failed in stage {stage.name}: {t.get('message', '')}")
@@ -123,6 +143,7 @@ class Driver:
         self.rollout.set_mode(IDLE, stage="", task_sets=[], group_size=1, synchronous=False,
                               batch_size=0, seed=0)
         self._wait_for_version(t["version"])
+        self._wait_idle()
         self._line_done()
         self._evaluate(stage, "after")
 
@@ -131,6 +152,14 @@ class Driver:
         while self.rollout.status()["policy_version"] < version:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"rollout did not receive policy version {version} in {timeout:.0f} s")
+            time.sleep(0.1)
+
+    def _wait_idle(self, timeout: float = 120.0) -> None:
+        """Episodes of the finished stage drain (their puts are abandoned) before the next."""
+        deadline = time.monotonic() + timeout
+        while self.rollout.status()["in_flight"] > 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rollout still has episodes in flight after {timeout:.0f} s")
             time.sleep(0.1)
 
     # ------------------------------------------------------------------ output
@@ -149,9 +178,12 @@ class Driver:
         if self.out.isatty():
             self.out.write(line)
             self.out.flush()
-        elif step and step != getattr(self, "_last_step", None):
-            self.out.write(line.lstrip("\r") + "\n")
-            self._last_step = step
+        elif step and step != self._last_step and (
+                step == stage.max_steps or time.monotonic() - self._last_print >= 10):
+            # Logs (CI, `| tee`) get a line every 10 s rather than a redrawn one.
+            self.out.write(line.lstrip("\r").rstrip() + "\n")
+            self.out.flush()
+            self._last_step, self._last_print = step, time.monotonic()
 
     def _line_done(self) -> None:
         if self.out.isatty():

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from kiln.api.spec import RLJob, RLStage
+from kiln.api.spec import RLJob
 from kiln.api.validate import ManifestError, load_job
 
 
@@ -115,7 +115,7 @@ def main(args: argparse.Namespace) -> int:
     prepare_model(job, out)
 
     services: dict[str, processes.ServiceProcess] = {}
-    interrupted = False
+    interrupted = failed = False
 
     def _interrupt(signum, frame):  # noqa: ARG001
         raise KeyboardInterrupt
@@ -132,20 +132,30 @@ def main(args: argparse.Namespace) -> int:
             processes.wait_ready(services[name])
         out.write(f"all services healthy after {time.time() - started:.1f} s\n")
         trainer, rollout, buffer = connect({n: s.address for n, s in services.items()})
-        driver = Driver(job, run_dir, trainer, rollout, buffer)
+
+        def supervise() -> list[str]:
+            """Restart any service that died, on its old port; it resumes from its state."""
+            dead = [n for n, s in services.items() if s.proc.poll() is not None]
+            addrs = {n: s.address for n, s in services.items()}
+            for name in dead:
+                out.write(f"\n{name} exited with code {services[name].proc.returncode}; restarting\n")
+                services[name] = processes.restart(services[name], job_file, run_dir, addrs)
+            return dead
+
+        driver = Driver(job, run_dir, trainer, rollout, buffer, supervise=supervise)
         state = driver.run()
     except KeyboardInterrupt:
         interrupted = True
         out.write(f"\ninterrupted: stopping services (the trainer checkpoints); continue with\n"
                   f"  kiln run --resume {run_dir}\n")
-    except processes.ServiceFailed as exc:
-        out.write(f"\nkiln run: {exc}\n")
-        return 1
+    except (processes.ServiceFailed, RuntimeError) as exc:
+        # The services' logs hold the details; the run directory keeps everything done so far.
+        out.write(f"\nkiln run: {exc}\nlogs: {run_dir / 'logs'}; continue with kiln run --resume {run_dir}\n")
+        failed = True
     finally:
-        # The trainer first, so its checkpoint is written while everything else still runs.
-        for name in ("rollout", "trainer", "weight_sync", "sandbox", "buffer"):
-            if name in services:
-                processes.stop(services[name])
+        _stop_all(services)
+    if failed:
+        return 1
     if interrupted:
         return 130
     summary = write_summary(job, run_dir, state, wall_seconds=time.time() - started)
@@ -154,5 +164,17 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def rl_stages(job: RLJob) -> list[RLStage]:
-    return [s for s in job.spec.stages if isinstance(s, RLStage)]
+def _stop_all(services) -> None:
+    """Stop every service: rollout first, then the trainer (its checkpoint is written while the
+    rest still runs), then the others. A second Ctrl-C kills whatever is left, never orphans it."""
+    from kiln.services import processes
+
+    order = [n for n in ("rollout", "trainer", "weight_sync", "sandbox", "buffer") if n in services]
+    try:
+        for name in order:
+            processes.stop(services[name])
+    except KeyboardInterrupt:
+        for name in order:
+            if services[name].proc.poll() is None:
+                services[name].proc.kill()
+        raise

@@ -54,7 +54,9 @@ def env_var(name: str) -> str:
 
 
 def start(name: str, job_file: Path, run_dir: Path, addresses: dict[str, str],
-          extra_env: dict[str, str] | None = None) -> ServiceProcess:
+          extra_env: dict[str, str] | None = None, port: int = 0) -> ServiceProcess:
+    """Start service `name`; `port` 0 picks a free one (a restart passes the old one, so the
+    other services' channels reconnect to the same address)."""
     state = run_dir / name
     state.mkdir(parents=True, exist_ok=True)
     port_file = state / "ports.json"
@@ -64,14 +66,14 @@ def start(name: str, job_file: Path, run_dir: Path, addresses: dict[str, str],
     env = {**os.environ, **{env_var(k): v for k, v in addresses.items()}, **(extra_env or {})}
     env.setdefault("KILN_LOG_FORMAT", "json")
     cmd = [sys.executable, "-m", f"kiln.services.{name}.main", "--job", str(job_file),
-           "--address", "127.0.0.1:0", "--metrics-port", "0", "--run-dir", str(state),
+           "--address", f"127.0.0.1:{port}", "--metrics-port", "0", "--run-dir", str(state),
            "--port-file", str(port_file)]
     with open(log_path, "ab") as log:
         # A new session: Ctrl-C in the terminal reaches the launcher only, which then stops
         # each service in order (the trainer must checkpoint before the others go).
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 cwd=run_dir, start_new_session=True)
-    return ServiceProcess(name, proc, state, log_path)
+    return ServiceProcess(name, proc, state, log_path, port=port)
 
 
 def wait_ready(svc: ServiceProcess, timeout: float = 180.0) -> None:
@@ -104,6 +106,14 @@ def _check_alive(svc: ServiceProcess) -> None:
     code = svc.proc.poll()
     if code is not None:
         raise ServiceFailed(f"{svc.name} exited with code {code}; last log lines:\n{svc.log_tail()}")
+
+
+def restart(svc: ServiceProcess, job_file: Path, run_dir: Path, addresses: dict[str, str]) -> ServiceProcess:
+    """Start a dead service again on its old port and wait until it is healthy."""
+    new = start(svc.name, job_file, run_dir, {k: v for k, v in addresses.items() if k != svc.name},
+                port=svc.port)
+    wait_ready(new)
+    return new
 
 
 def stop(svc: ServiceProcess, timeout: float = 60.0) -> int | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from dataclasses import dataclass
@@ -181,7 +182,8 @@ async def _serve(service: str, build: BuildFn, job: RLJob | None, args: argparse
         loop.add_signal_handler(sig, stop.set)
     if args.port_file:
         tmp = args.port_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"port": served.port, "metrics_port": metrics_port}))
+        tmp.write_text(json.dumps({"port": served.port, "metrics_port": metrics_port,
+                                   "pid": os.getpid()}))
         tmp.replace(args.port_file)
     log.info("%s listening on port %d, metrics on %d; building", service, served.port, metrics_port)
 

@@ -34,27 +34,17 @@ def _addr(name: str) -> str:
     return value
 
 
-class BufferSink:
-    """The producer's sink: the buffer's (blocking, retrying) client, off the event loop."""
-
-    def __init__(self, client) -> None:
-        self.client = client
-
-    async def put(self, trajectories) -> None:
-        await asyncio.to_thread(self.client.put, trajectories, len(trajectories))
-
-
 async def build(job: RLJob | None, args: argparse.Namespace):
     import grpc
     from transformers import AutoTokenizer
 
     from kiln.protos.kiln.v1 import rollout_pb2_grpc
-    from kiln.services.buffer.client import GrpcBufferClient
     from kiln.services.rollout.agent import Limits
     from kiln.services.rollout.engine import EngineSettings, RolloutEngine, SamplingOptions
     from kiln.services.rollout.env_client import GrpcEnvClient
     from kiln.services.rollout.producer import Producer
     from kiln.services.rollout.servicer import RolloutServicer
+    from kiln.services.rollout.sink import BufferSink
     from kiln.services.weight_sync.client import subscribe_and_apply
 
     if job is None:
@@ -67,8 +57,9 @@ async def build(job: RLJob | None, args: argparse.Namespace):
     env = GrpcEnvClient(env_channel, owner=socket.gethostname())
     task_sets = await env.task_sets()
     s = spec.rollout.sampling
+    buffer_channel = grpc.aio.insecure_channel(buffer_addr, options=CHANNEL_OPTIONS)
     producer = Producer(
-        engine, env, tokenizer, BufferSink(GrpcBufferClient(buffer_addr)),
+        engine, env, tokenizer, BufferSink(buffer_channel),
         sampling=SamplingOptions(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens_per_turn,
                                  seed=None),
         limits=Limits(spec.rollout.max_turns, s.max_tokens_per_turn, s.max_total_tokens),
@@ -93,6 +84,7 @@ async def build(job: RLJob | None, args: argparse.Namespace):
         await engine.close()
         await env_channel.close()
         await sync_channel.close()
+        await buffer_channel.close()
 
     return [Registration(rollout_pb2_grpc.add_RolloutServicer_to_server, servicer, "kiln.v1.Rollout")], on_stop
 

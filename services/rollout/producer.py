@@ -25,7 +25,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 from kiln.services.common import metrics
 from kiln.trajectory import Trajectory
@@ -39,7 +39,10 @@ IDLE, DEMONSTRATE, EXPLORE = 0, 1, 2
 
 
 class TrajectorySink(Protocol):
-    async def put(self, trajectories: list[Trajectory]) -> None: ...
+    async def put(self, trajectories: list[Trajectory], *,
+                  still_wanted: Callable[[], bool] = ...) -> bool:
+        """True once stored; False if abandoned because `still_wanted()` turned false."""
+        ...
 
 
 @dataclass
@@ -66,6 +69,8 @@ class Producer:
         self._slots = asyncio.Semaphore(max_concurrent)
         self._tasks: set[asyncio.Task] = set()
         self.episodes = 0
+        self.shipped = 0
+        """Trajectories whose Put the buffer acknowledged."""
         self.tokens = 0
         self.in_flight = 0
         self.recent_rewards: collections.deque[float] = collections.deque(maxlen=256)
@@ -87,6 +92,8 @@ class Producer:
         self.set_mode(Mode())
         if self._main:
             self._main.cancel()
+        for task in list(self._tasks):
+            task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
@@ -171,8 +178,8 @@ class Producer:
                 self.recent_rewards.append(t.reward)
             self._keep_samples(mode, trajs)
             self.episodes += len(trajs)
-            if self.mode is mode:
-                await self.sink.put(trajs)
+            if await self.sink.put(trajs, still_wanted=lambda: self.mode is mode):
+                self.shipped += len(trajs)
         except asyncio.CancelledError:
             raise
         except Exception:

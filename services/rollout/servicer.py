@@ -22,7 +22,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             mode=p.mode.mode, stage=p.mode.stage, policy_version=p.engine.version, episodes=p.episodes,
             tokens_generated=p.tokens, tokens_per_second=p.tokens_per_second(),
             mean_reward=sum(rewards) / len(rewards) if rewards else 0.0, in_flight=p.in_flight,
-            engine_fingerprint=p.engine.fingerprint)
+            engine_fingerprint=p.engine.fingerprint, shipped=p.shipped)
 
     async def SetMode(self, request, context):
         unknown = [t for t in request.task_sets if t not in self.task_sets]

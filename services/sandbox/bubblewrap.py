@@ -139,10 +139,18 @@ class BubblewrapSandbox(Sandbox):
         out, err = CappedBuffer(self.limits.output_limit_bytes), \
             CappedBuffer(self.limits.output_limit_bytes)
         t0 = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(
+        # Spawning is shielded: a cancelled spawn would leave a process we hold no handle to.
+        spawn = asyncio.ensure_future(asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            start_new_session=True)
+            start_new_session=True))
+        try:
+            proc = await asyncio.shield(spawn)
+        except asyncio.CancelledError:
+            await asyncio.wait([spawn])
+            if not spawn.cancelled() and spawn.exception() is None:
+                await self._kill_and_reap(spawn.result())
+            raise
         readers = asyncio.gather(drain(proc.stdout, out), drain(proc.stderr, err))
         feeder = asyncio.ensure_future(_feed(proc, stdin)) if stdin is not None else None
         timed_out = False
@@ -151,7 +159,8 @@ class BubblewrapSandbox(Sandbox):
         except asyncio.TimeoutError:
             timed_out = True
         except asyncio.CancelledError:
-            await asyncio.to_thread(self.cgroup.kill)
+            readers.cancel()
+            await self._kill_and_reap(proc)
             raise
         # Either way nothing may outlive the exec: after a timeout this is what stops the
         # command; after a normal exit it catches anything that slipped out of the PID
@@ -172,6 +181,10 @@ class BubblewrapSandbox(Sandbox):
         return ExecResult(exit_code=code, stdout=out.text(), stderr=err.text(), timed_out=timed_out,
                           oom_killed=oom and not timed_out, truncated=out.truncated or err.truncated,
                           duration_s=duration)
+
+    async def _kill_and_reap(self, proc: asyncio.subprocess.Process) -> None:
+        await asyncio.to_thread(self.cgroup.kill)
+        await proc.wait()
 
     # -- files ----------------------------------------------------------------------------
     async def read_file(self, path: str, max_bytes: int | None = None) -> bytes:

@@ -31,7 +31,8 @@ from kiln.services.trainer.batch import TensorBatch, collate, collate_tokens
 from kiln.services.trainer.config import TrainerConfig
 from kiln.services.common.modeling.hf_io import iter_hf_tensors, load_hf_checkpoint, save_hf_checkpoint
 from kiln.services.trainer.loss import LossStats, policy_loss, sft_loss
-from kiln.services.common.modeling.megatron_model import token_logprobs
+from kiln.services.common.modeling import dsa
+from kiln.services.common.modeling.megatron_model import forward_logits, token_logprobs
 from kiln.services.trainer import metrics
 from kiln.trajectory import Trajectory
 
@@ -46,8 +47,10 @@ class TrainerEngine:
         dtype = getattr(torch, config.params_dtype)
         self.model, self.spec = load_hf_checkpoint(config.model_dir, config.tensor_parallel, dtype, config.attention)
         opt = config.optimizer
+        # Frozen parameters (a DSA model's indexer) stay out of the optimizer.
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
         )
         warmup = opt.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -89,6 +92,24 @@ class TrainerEngine:
             n = max(lengths[i : i + mbs])
             logp = token_logprobs(self.model, tokens[i : i + mbs, :n].to(self.device)).cpu()
             out.extend(row[:length].tolist() for row, length in zip(logp, lengths[i : i + mbs]))
+        return out
+
+    @torch.no_grad()
+    def index_hashes(self, sequences: list[list[int]]) -> list[list[int]]:
+        """DSA models: per sequence, one hash per attention layer of the top-k indices selected
+        for its tokens but the last (as `Generation.index_hashes`); empty lists for a dense model.
+        Compare with `dsa.count_mismatches`."""
+        tokens, lengths = collate_tokens(sequences)
+        self._check_vocab(tokens)
+        self.model.eval()
+        out: list[list[int]] = []
+        mbs = self.config.micro_batch_size
+        for i in range(0, len(sequences), mbs):
+            n = max(lengths[i : i + mbs])
+            with dsa.record_indices(self.model) as indices:
+                forward_logits(self.model, tokens[i : i + mbs, :n].to(self.device))
+            out.extend(dsa.sequence_hashes(indices, r, length) if indices else []
+                       for r, length in enumerate(lengths[i : i + mbs]))
         return out
 
     # --- training steps --------------------------------------------------------------------

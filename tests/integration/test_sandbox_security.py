@@ -235,7 +235,7 @@ def test_200_sandboxes_leave_nothing_behind(make_config):
             async with make_sandbox(cfg) as sb:
                 await sb.write_file("n.txt", str(i).encode())
                 r = await sb.exec("cat n.txt; sleep 0.05 & setsid sleep 60 &")
-                assert r.stdout == str(i)
+                assert r.stdout == str(i), r
 
     async def go():
         sem = asyncio.Semaphore(width)
@@ -267,5 +267,8 @@ def test_cancelled_starts_and_execs_leave_nothing(make_config):
             t.cancel()
         await asyncio.gather(*later, return_exceptions=True)
 
+    t0 = time.monotonic()
     run(go())
+    # Cancelling must stop the commands, not wait for `sleep 30` to end.
+    assert time.monotonic() - t0 < 20
     assert leftovers(cfg) == []

@@ -39,7 +39,7 @@ class RolloutStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("mode", "stage", "policy_version", "episodes", "tokens_generated", "tokens_per_second", "mean_reward", "in_flight", "engine_fingerprint")
+    __slots__ = ("mode", "stage", "policy_version", "episodes", "tokens_generated", "tokens_per_second", "mean_reward", "in_flight", "engine_fingerprint", "shipped")
     MODE_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class RolloutStatus(_message.Message):
     MEAN_REWARD_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SHIPPED_FIELD_NUMBER: _ClassVar[int]
     mode: RolloutMode
     stage: str
     policy_version: int
@@ -58,7 +59,8 @@ class RolloutStatus(_message.Message):
     mean_reward: float
     in_flight: int
     engine_fingerprint: str
-    def __init__(self, mode: _Optional[_Union[RolloutMode, str]] = ..., stage: _Optional[str] = ..., policy_version: _Optional[int] = ..., episodes: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., mean_reward: _Optional[float] = ..., in_flight: _Optional[int] = ..., engine_fingerprint: _Optional[str] = ...) -> None: ...
+    shipped: int
+    def __init__(self, mode: _Optional[_Union[RolloutMode, str]] = ..., stage: _Optional[str] = ..., policy_version: _Optional[int] = ..., episodes: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., mean_reward: _Optional[float] = ..., in_flight: _Optional[int] = ..., engine_fingerprint: _Optional[str] = ..., shipped: _Optional[int] = ...) -> None: ...
 
 class EvaluateRequest(_message.Message):
     __slots__ = ("task_set", "max_tasks", "samples", "greedy")

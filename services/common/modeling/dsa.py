@@ -189,6 +189,15 @@ def dsa_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return sorted(layers, key=lambda m: m.layer_number)
 
 
+def set_backend(model: torch.nn.Module, backend: str) -> None:
+    """Run the model's DSA kernels on `backend` ("auto", "triton" or "torch") from now on."""
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"dsa backend={backend!r} is not 'auto', 'triton' or 'torch'")
+    for m in dsa_layers(model):
+        m.dsa_backend = backend
+        m.core_attention.backend = backend
+
+
 def indexer_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     """(name, parameter) of every indexer weight (frozen)."""
     return [(n, p) for n, p in model.named_parameters() if ".indexer." in n]

@@ -1,0 +1,157 @@
+"""`EngineProtocol` on the trainer's own model code: engine `megatron`, for DSA models and for
+checking that rollout and training compute the same numbers.
+
+The model is the Megatron-core GPTModel of `kiln.services.common.modeling`, built and loaded
+exactly as the trainer builds it (tensor parallel size 1), DeepSeek sparse attention included
+when the checkpoint's config.json has `kiln_dsa`. There is no KV cache: every decoding step runs
+the full forward pass over prompt + tokens so far and samples from the last row. That costs
+O(length^2) per request, which is fine for the small models this engine is for, and it makes
+each step's numbers the trainer's numbers: the same code and the same kernels; for DSA models
+also the same per-row arithmetic (see `dsa.ROW_MULTIPLE`), so on the CPU in float32 a recorded
+log-prob equals the trainer's log-prob of that token bit for bit (dense models agree to ~1e-6:
+PyTorch's fused attention rounds differently at different lengths).
+
+Per token: the log-prob of the raw distribution (before temperature and top-p), computed with
+the trainer's vocab-parallel cross entropy (`next_token_logprob`), and the version of the
+weights that produced it. Weights change only between decoding steps (a lock serialises steps
+and updates), and since nothing is cached, a step after an update sees only the new weights.
+For DSA models each generation also carries per-layer hashes of the top-k indices of its last
+step (`Generation.index_hashes`), which `TrainerEngine.index_hashes` recomputes.
+
+Sampling (temperature, top-p, seeds, stop tokens) follows `torch_engine`. Not covered: tensor
+parallelism, batching across requests, long sequences (no cache), and vLLM's random streams.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from kiln.services.common.modeling import dsa, parallel
+from kiln.services.common.modeling.hf_io import (
+    hf_to_megatron_shard, iter_hf_tensors, load_hf_checkpoint, load_state_into)
+from kiln.services.common.modeling.megatron_model import DSABackend, forward_logits, next_token_logprob
+from kiln.services.rollout.engine import (
+    EngineSettings, Generation, NamedTensors, SamplingOptions, check_new_version)
+from kiln.services.rollout.torch_engine import _sample
+
+ENGINE_NAME = "megatron"
+
+
+class MegatronEngine:
+    def __init__(self, model: Any, spec: Any, settings: EngineSettings, eos_token_ids: set[int],
+                 dsa_backend: DSABackend) -> None:
+        self.model = model
+        self.spec = spec
+        self.settings = settings
+        self.eos_token_ids = eos_token_ids
+        self.max_len = settings.max_model_len or spec.max_position_embeddings
+        self._version = settings.initial_version
+        self._lock = asyncio.Lock()  # one decoding step or one weight update at a time
+        self._seeds = random.Random(settings.seed)
+        self._params = dict(model.named_parameters())
+        self._hf_names = {name for name, _ in iter_hf_tensors(model, spec)}
+        import megatron.core
+
+        dsa_desc = (f"dsa=topk{spec.dsa.index_topk}/h{spec.dsa.index_heads}/d{spec.dsa.index_dim}"
+                    f"/{dsa_backend}" if spec.dsa else "dsa=off")
+        self._fingerprint = (f"megatron-core-{megatron.core.__version__}+torch-{torch.__version__};"
+                             f"dtype={settings.dtype};seed={settings.seed};{dsa_desc};logprobs=raw")
+
+    @classmethod
+    async def start(cls, settings: EngineSettings, dsa_backend: DSABackend = "auto") -> "MegatronEngine":
+        """Load `settings.model`. Joins (or creates) this process's Megatron process group at
+        tensor-parallel size 1, so it can share a process with a TP=1 trainer."""
+        parallel.init_parallel(1, seed=settings.seed)
+        model, spec = await asyncio.to_thread(
+            load_hf_checkpoint, Path(settings.model), 1, getattr(torch, settings.dtype), "sdpa", dsa_backend)
+        model.eval()
+        return cls(model, spec, settings, _eos_token_ids(Path(settings.model)), dsa_backend)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    @torch.no_grad()
+    def _step(self, tokens: list[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Last-row logits of a full forward pass over `tokens`, and each DSA layer's indices."""
+        ids = torch.tensor([tokens], dtype=torch.long, device=next(self.model.parameters()).device)
+        with dsa.record_indices(self.model) as indices:
+            logits = forward_logits(self.model, ids)
+        return logits[0, -1], dict(indices)
+
+    async def generate(self, prompt_token_ids: Sequence[int], sampling: SamplingOptions) -> Generation:
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        if len(prompt_token_ids) >= self.max_len:
+            raise ValueError(f"prompt of {len(prompt_token_ids)} tokens leaves no room under "
+                             f"max_model_len={self.max_len}")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside [0, {self.spec.vocab_size})")
+        seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(63)
+        gen = torch.Generator().manual_seed(seed)
+        stops = self.eos_token_ids | set(sampling.stop_token_ids)
+        tokens = list(prompt_token_ids)
+        out, logps, versions = [], [], []
+        indices: dict[int, torch.Tensor] = {}
+        finish = "length"
+        for _ in range(min(sampling.max_tokens, self.max_len - len(tokens))):
+            async with self._lock:
+                version = self._version
+                logits, indices = await asyncio.to_thread(self._step, tokens)
+            logits = logits.float()
+            token, _ = _sample(logits, sampling, gen)
+            logps.append(next_token_logprob(logits, token))
+            tokens.append(token)
+            out.append(token)
+            versions.append(version)
+            if token in stops:
+                finish = "stop"
+                break
+        # The last step covered prompt + out[:-1], i.e. every row that predicted a token.
+        hashes = dsa.sequence_hashes(indices, 0, len(tokens)) if indices else []
+        return Generation(out, logps, versions, finish, index_hashes=hashes)
+
+    async def apply_weights(self, version: int, named_tensors: NamedTensors) -> None:
+        """Load a complete set of HF-named weights as `version` (all or nothing)."""
+        async with self._lock:
+            check_new_version(self._version, version)
+            hf = dict(named_tensors)
+            unknown = sorted(set(hf) - self._hf_names)
+            if unknown:
+                raise ValueError(f"weights {unknown[:5]} are not weights of the model; old weights kept")
+            try:
+                mstate = hf_to_megatron_shard(hf, self.spec, 0, 1)
+            except KeyError as e:
+                raise ValueError(f"weights for version {version} lack {e.args[0]}; the megatron engine "
+                                 "takes complete weight sets only; old weights kept") from None
+            for name, t in mstate.items():
+                p = self._params.get(name)
+                if p is None or t.shape != p.shape:
+                    raise ValueError(f"weight {name} has shape {tuple(t.shape)}, expected "
+                                     f"{None if p is None else tuple(p.shape)}; old weights kept")
+            await asyncio.to_thread(load_state_into, self.model, mstate)
+            self._version = version
+
+    async def close(self) -> None:
+        self.model = None
+
+
+def _eos_token_ids(model_dir: Path) -> set[int]:
+    """End-of-sequence ids from generation_config.json, else config.json."""
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if path.exists():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return set(eos if isinstance(eos, list) else [eos])
+    return set()
