@@ -92,6 +92,16 @@ class TaskGenerator(_Model):
     split: Literal["train", "heldout"] = "train"
     """Which side of the environment's fixed train/held-out partition to draw from; held-out
     tasks never coincide with training tasks, whatever the seeds."""
+    num_steps: int = Field(4, ge=1, le=32)
+    """Dependent tool calls per task. Without lengthTail every task takes exactly this many;
+    with it, this sets the range of the drawn counts (1 to 4 * numSteps). The environment may
+    hold fewer calls per task than 32 (`chain`: at most 9), which it reports when loading."""
+    length_tail: float | None = Field(None, ge=0, le=10)
+    """Long-tailed episode lengths: each task's call count k is drawn, independently and
+    reproducibly from `seed`, from a Zipf law truncated to [1, K] with K = 4 * numSteps:
+    P(k) = k^-lengthTail / sum_{j=1..K} j^-lengthTail. Larger values give shorter episodes
+    (1.0: about 37% take one call and 5% take K for numSteps 2); 0 is uniform on [1, K]. Unset:
+    every task takes numSteps calls."""
 
 
 class TaskSetSpec(_Model):

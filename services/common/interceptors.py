@@ -90,7 +90,9 @@ def _leave(context: grpc.aio.ServicerContext, method: str, token: Any, start: fl
     name = code.name if isinstance(code, grpc.StatusCode) else str(code)
     RPC_TOTAL.labels(method, name).inc()
     RPC_SECONDS.labels(method).observe(elapsed)
-    level = logging.INFO if name == "OK" else logging.WARNING
+    # Successful calls are routine (DEBUG); RESOURCE_EXHAUSTED is the buffer's backpressure,
+    # expected flow control (INFO); anything else deserves attention.
+    level = {"OK": logging.DEBUG, "RESOURCE_EXHAUSTED": logging.INFO}.get(name, logging.WARNING)
     log.log(level, "%s %s %.1f ms", method, name, elapsed * 1e3,
             extra={"fields": {"method": method, "code": name, "ms": round(elapsed * 1e3, 2)}})
     request_id_var.reset(token)

@@ -107,6 +107,7 @@ async def run_episode(engine: Engine, env: EnvClient, tokenizer: Tokenizer, *, t
         versions = [-1] * prompt_len
         result = StepInfo()
         flags: list[str] = []
+        index_hashes: list[int] = []
         for _turn in range(limits.max_turns):
             budget = min(limits.max_tokens_per_turn, limits.max_total_tokens - len(tokens))
             if budget <= 0:
@@ -118,6 +119,8 @@ async def run_episode(engine: Engine, env: EnvClient, tokenizer: Tokenizer, *, t
             mask += [1] * len(gen.token_ids)
             logp += gen.logprobs
             versions += gen.versions
+            # Each generation's hashes cover the whole sequence so far; the last one's win.
+            index_hashes = list(gen.index_hashes) or index_hashes
             action = tokenizer.decode(gen.token_ids, skip_special_tokens=False)
             result = await env.step(ep.episode_id, action)
             if result.done:
@@ -140,7 +143,8 @@ async def run_episode(engine: Engine, env: EnvClient, tokenizer: Tokenizer, *, t
             reward=result.reward, reward_parts=dict(result.reward_parts),
             verifier_output=result.verifier_output, flags=flags + list(result.flags),
             sandbox_image_digest=result.sandbox_image_digest,
-            engine_fingerprint=engine.fingerprint, created_at=time.time())
+            engine_fingerprint=engine.fingerprint, index_hashes=index_hashes,
+            created_at=time.time())
         traj.check()
         return traj
     finally:

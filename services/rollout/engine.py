@@ -131,6 +131,25 @@ def _reload_in_worker(worker: Any, path: str) -> None:
     with safe_open(path, framework="pt") as f:
         worker.model_runner.reload_weights(
             weights_iterator=((name, f.get_tensor(name)) for name in f.keys()))
+    _refresh_cpu_embedding_gemm(worker.model_runner.get_model())
+
+
+def _refresh_cpu_embedding_gemm(model: Any) -> None:
+    """On CPUs vLLM computes logits with a prepacked copy of the (LM-head) embedding weight,
+    made when the model was loaded. An in-place reload updates the weight, but for a model with
+    tied embeddings the LM head is the input embedding, whose prepacked copy the reload does not
+    redo: logits would come from the old weights. Repack every embedding from its current weight
+    (cheap: one matrix per embedding)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
 def _write_weights(named_tensors: NamedTensors) -> str:

@@ -34,6 +34,14 @@ def _addr(name: str) -> str:
     return value
 
 
+def _is_dsa(model_dir: str) -> bool:
+    import json
+    from pathlib import Path
+
+    config = Path(model_dir) / "config.json"
+    return config.exists() and "kiln_dsa" in json.loads(config.read_text())
+
+
 async def build(job: RLJob | None, args: argparse.Namespace):
     import grpc
     from transformers import AutoTokenizer
@@ -52,7 +60,13 @@ async def build(job: RLJob | None, args: argparse.Namespace):
     spec = job.spec
     sandbox, buffer_addr, sync_addr = _addr("SANDBOX"), _addr("BUFFER"), _addr("WEIGHT_SYNC")
     tokenizer = AutoTokenizer.from_pretrained(spec.model.tokenizer or spec.model.path)
-    engine = await RolloutEngine.start(EngineSettings.from_job(job))
+    settings = EngineSettings.from_job(job)
+    if spec.rollout.engine == "megatron" or _is_dsa(spec.model.path):
+        # vLLM has no CPU path for DSA; the trainer's own model code generates instead.
+        from kiln.services.rollout.megatron_engine import MegatronEngine
+        engine = await MegatronEngine.start(settings)
+    else:
+        engine = await RolloutEngine.start(settings)
     env_channel = grpc.aio.insecure_channel(sandbox, options=CHANNEL_OPTIONS)
     env = GrpcEnvClient(env_channel, owner=socket.gethostname())
     task_sets = await env.task_sets()

@@ -71,7 +71,14 @@ def load_task_set(spec: TaskSetSpec, base_dir: Path) -> list[chain.ChainTask]:
             f"spec.tasks[{spec.name}]: env {spec.env!r} is verified by `kiln sandbox verify` but "
             "not yet served as episodes; only 'chain' is")
     if spec.generate is not None:
-        return chain.generate_tasks(spec.generate.count, spec.generate.seed, split=spec.generate.split)
+        gen = spec.generate
+        try:
+            sampler = None if gen.length_tail is None else chain.ZipfRepeats(gen.num_steps, gen.length_tail)
+            return chain.generate_tasks(gen.count, gen.seed, split=gen.split, num_steps=gen.num_steps,
+                                        sample_repeats=sampler)
+        except ValueError as exc:
+            # A setting the environment cannot hold; retrying will not help.
+            raise EpisodeError(f"spec.tasks[{spec.name}].generate: {exc}") from exc
     path = Path(spec.path)
     return chain.read_tasks(path if path.is_absolute() else base_dir / path)
 

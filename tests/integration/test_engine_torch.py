@@ -37,10 +37,23 @@ def test_weights_change_mid_generation_with_exact_versions(models) -> None:
 
     async def main():
         engine = await TorchEngine.start(EngineSettings(model=str(v0), dtype="float32", seed=3))
+        # Every request runs its full 40 tokens (no end-of-sequence), and the new weights land
+        # once each request has decoded a few tokens, however slow the machine is.
+        engine.eos_token_ids = set()
+        forwards = 0
+        inner = engine._forward
+
+        def counting_forward(*args):
+            nonlocal forwards
+            forwards += 1
+            return inner(*args)
+
+        engine._forward = counting_forward
         prompts = [[1, 5 + i, 9, 12] for i in range(3)]
         sampling = SamplingOptions(temperature=1.0, max_tokens=40, stop_token_ids=())
         tasks = [asyncio.create_task(engine.generate(p, sampling)) for p in prompts]
-        await asyncio.sleep(0.2)
+        while forwards < 3 * len(prompts):
+            await asyncio.sleep(0.01)
         await engine.apply_weights(1, load_file(str(v1 / "model.safetensors")).items())
         gens = await asyncio.gather(*tasks)
         with pytest.raises(ValueError):

@@ -41,7 +41,7 @@ def echo_process(tmp_path):
         [sys.executable, str(HERE / "echo_service.py"), "--address", "127.0.0.1:0",
          "--metrics-port", "0", "--port-file", str(ports), "--run-dir", str(tmp_path),
          "--build-seconds", "1.5"],
-        stderr=subprocess.PIPE, text=True, env={**os.environ, "KILN_LOG_FORMAT": "json"})
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "KILN_LOG_FORMAT": "json", "KILN_LOG_LEVEL": "DEBUG"})
     try:
         info = _wait_for(ports)
         yield proc, info, tmp_path

@@ -258,3 +258,71 @@ def test_chain_environment_scores_the_answer():
     assert (result.reward, result.parts["correct"]) == (1.0, 1.0)
     assert asyncio.run(env.verify(None, task, "7")).reward == 0.0
     assert asyncio.run(env.apply_solution(None, task, b"70\n")) == "70"
+
+
+def test_zipf_repeats_follows_the_documented_law():
+    sampler = chain.ZipfRepeats(num_steps=2, tail=1.0)
+    assert sampler.high == 8
+    harmonic = sum(1 / j for j in range(1, 9))
+    assert sampler.probabilities == pytest.approx([1 / k / harmonic for k in range(1, 9)])
+    rng = random.Random(0)
+    n = 20000
+    draws = [sampler(rng) for _ in range(n)]
+    assert set(draws) == set(range(1, 9))
+    for k, p in enumerate(sampler.probabilities, 1):
+        # Within 4 standard errors of the binomial count.
+        assert abs(draws.count(k) / n - p) < 4 * (p * (1 - p) / n) ** 0.5, k
+    assert [sampler(random.Random(7)) for _ in range(3)] == [sampler(random.Random(7))] * 3
+    uniform = chain.ZipfRepeats(num_steps=1, tail=0.0)
+    assert uniform.probabilities == pytest.approx([0.25] * 4)
+    steep = chain.ZipfRepeats(num_steps=2, tail=3.0)
+    assert steep.probabilities[0] > 0.8 > sampler.probabilities[0]
+
+
+def test_zipf_repeats_rejects_counts_a_task_cannot_hold():
+    assert chain.MAX_REPEATS == 9
+    with pytest.raises(ValueError, match=r"num_steps: .*12 calls"):
+        chain.ZipfRepeats(num_steps=3, tail=1.0)
+    with pytest.raises(ValueError, match="length_tail"):
+        chain.ZipfRepeats(num_steps=2, tail=-1.0)
+    with pytest.raises(ValueError, match="sample_repeats"):
+        chain.generate_tasks(1, seed=0, sample_repeats=lambda rng: 10)
+
+
+def test_generate_tasks_with_long_tailed_lengths():
+    sampler = chain.ZipfRepeats(num_steps=2, tail=1.0)
+    tasks = chain.generate_tasks(3000, seed=4, num_steps=2, sample_repeats=sampler)
+    again = chain.generate_tasks(3000, seed=4, num_steps=2, sample_repeats=sampler)
+    assert [t.model_dump() for t in tasks] == [t.model_dump() for t in again]
+    counts = [t.repeats for t in tasks]
+    assert min(counts) == 1 and max(counts) == 8
+    # The split and de-duplication filters ignore the count, so kept tasks follow the law too.
+    assert counts.count(1) / len(counts) == pytest.approx(sampler.probabilities[0], abs=0.04)
+    assert sum(counts) / len(counts) == pytest.approx(
+        sum(k * p for k, p in enumerate(sampler.probabilities, 1)), abs=0.2)
+    for t in tasks[:50]:
+        assert t.prompt == chain.render_prompt(t.start, t.step, t.repeats)
+        assert t.answer == chain.chain_values(t.start, t.step, t.repeats)[-1]
+    held = chain.generate_tasks(500, seed=4, split="heldout", num_steps=2, sample_repeats=sampler)
+    assert not {(t.start, t.step, t.repeats) for t in tasks} & {(t.start, t.step, t.repeats) for t in held}
+    # The default (no sampler) stream is untouched: every task takes num_steps calls.
+    assert {t.repeats for t in chain.generate_tasks(50, seed=4, num_steps=2)} == {2}
+
+
+def test_load_task_set_wires_the_spec_fields(tmp_path):
+    from kiln.api.spec import TaskSetSpec
+    from kiln.services.sandbox.episodes import EpisodeError, load_task_set
+
+    fixed = TaskSetSpec.model_validate({"name": "a", "env": "chain", "generate": {"count": 20, "seed": 1}})
+    assert [t.model_dump() for t in load_task_set(fixed, tmp_path)] == [
+        t.model_dump() for t in chain.generate_tasks(20, 1)]
+    tailed = TaskSetSpec.model_validate({"name": "b", "env": "chain", "generate": {
+        "count": 400, "seed": 1, "numSteps": 2, "lengthTail": 1.0}})
+    counts = [t.repeats for t in load_task_set(tailed, tmp_path)]
+    assert max(counts) == 8 and counts.count(1) > counts.count(2) > counts.count(8) > 0
+    too_long = TaskSetSpec.model_validate({"name": "c", "env": "chain", "generate": {
+        "count": 5, "numSteps": 4, "lengthTail": 1.0}})
+    with pytest.raises(EpisodeError, match=r"spec.tasks\[c\].generate: num_steps"):
+        load_task_set(too_long, tmp_path)
+    with pytest.raises(ValueError, match="lengthTail"):
+        TaskSetSpec.model_validate({"name": "d", "env": "chain", "generate": {"count": 5, "lengthTail": -1}})

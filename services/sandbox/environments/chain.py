@@ -42,7 +42,7 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Iterable, Literal
+from typing import Callable, ClassVar, Iterable, Literal
 
 from pydantic import Field, model_validator
 
@@ -123,15 +123,51 @@ def task_split(start: int, step: str, repeats: int) -> Split:
     return "heldout" if _content_hash(start, step, repeats) % HELDOUT_EVERY == 0 else "train"
 
 
-def generate_tasks(count: int, seed: int, *, split: Split = "train", num_steps: int = 4
+#: Most calls one chain task holds (`ChainTask.repeats`' upper bound).
+MAX_REPEATS = next(m.le for m in ChainTask.model_fields["repeats"].metadata if hasattr(m, "le"))
+
+
+class ZipfRepeats:
+    """Long-tailed call counts: k in [1, K], K = 4 * `num_steps`, with P(k) proportional to
+    k^-`tail` (a Zipf law truncated to [1, K]; `tail` 0 is uniform). Called with a
+    `random.Random`, it draws one count by inverting the cumulative distribution with a single
+    `rng.random()`, so a seeded stream gives the same counts every time."""
+
+    def __init__(self, num_steps: int, tail: float) -> None:
+        if num_steps < 1:
+            raise ValueError(f"num_steps: must be >= 1, got {num_steps}")
+        if not 0 <= tail <= 10:
+            raise ValueError(f"length_tail: must be in [0, 10], got {tail}")
+        self.high = 4 * num_steps
+        if self.high > MAX_REPEATS:
+            raise ValueError(
+                f"num_steps: long-tailed lengths draw up to 4 * num_steps = {self.high} calls, "
+                f"more than a chain task holds ({MAX_REPEATS}); use num_steps <= {MAX_REPEATS // 4}")
+        weights = [k ** -tail for k in range(1, self.high + 1)]
+        total = sum(weights)
+        self.probabilities = [w / total for w in weights]
+        """P(k) for k = 1..high."""
+
+    def __call__(self, rng: random.Random) -> int:
+        u = rng.random()
+        for k, p in enumerate(self.probabilities, 1):
+            u -= p
+            if u < 0:
+                return k
+        return self.high  # the probabilities' sum rounded to just under 1.0
+
+
+def generate_tasks(count: int, seed: int, *, split: Split = "train", num_steps: int = 4,
+                   sample_repeats: Callable[[random.Random], int] | None = None
                    ) -> list[ChainTask]:
     """`count` distinct tasks of `split` with `num_steps` calls each, the same for the same
     arguments. Train and held-out tasks never coincide (whatever the seeds); different seeds
-    give different streams."""
+    give different streams. `sample_repeats` (e.g. a `ZipfRepeats`) draws each task's call
+    count from the same seeded stream instead, so the counts are reproducible too."""
     if count < 0:
         raise ValueError(f"count: must be >= 0, got {count}")
-    if not 1 <= num_steps <= 9:
-        raise ValueError(f"num_steps: must be in 1..9, got {num_steps}")
+    if not 1 <= num_steps <= MAX_REPEATS:
+        raise ValueError(f"num_steps: must be in 1..{MAX_REPEATS}, got {num_steps}")
     if split not in ("train", "heldout"):
         raise ValueError(f"split: must be 'train' or 'heldout', got {split!r}")
     rng = random.Random(f"chain/{seed}/{num_steps}")
@@ -140,13 +176,16 @@ def generate_tasks(count: int, seed: int, *, split: Split = "train", num_steps: 
     while len(tasks) < count:
         start = rng.randint(10, 99)
         step = f"*{rng.randint(2, 9)}%{rng.randint(11, 199)}+{rng.randint(1, 99)}"
-        if (start, step) in seen or task_split(start, step, num_steps) != split:
+        repeats = num_steps if sample_repeats is None else sample_repeats(rng)
+        if not 1 <= repeats <= MAX_REPEATS:
+            raise ValueError(f"sample_repeats: drew {repeats} calls; a chain task holds 1..{MAX_REPEATS}")
+        if (start, step) in seen or task_split(start, step, repeats) != split:
             continue
         seen.add((start, step))
         tasks.append(ChainTask(
             id=f"chain-{split}-{seed}-{len(tasks)}",
-            prompt=render_prompt(start, step, num_steps), start=start, step=step,
-            repeats=num_steps, answer=chain_values(start, step, num_steps)[-1],
+            prompt=render_prompt(start, step, repeats), start=start, step=step,
+            repeats=repeats, answer=chain_values(start, step, repeats)[-1],
         ))
     return tasks
 

@@ -1,0 +1,370 @@
+"""Asynchronous vs synchronous RL with long-tailed episode lengths, through the real `kiln run`.
+
+    python benchmarks/async_rl/bench.py [--rl-steps 8] [--sft-steps 200] [--model DIR]
+                                        [--work-dir DIR] [--num-steps 2] [--length-tail 1.0]
+
+Three jobs cut down from deploy/examples/quickstart.yaml, each a `kiln run` subprocess with every
+service a process and a fresh run directory under the work directory (a temporary one unless
+--work-dir is given):
+1. `bench-sft`: the quickstart's tiny model (created from `spec.model.init`) is fine-tuned for
+   --sft-steps on the scripted solver, so that it follows the call/answer protocol and an episode
+   lasts as many calls as its task asks (from random weights every episode would end at its
+   first, malformed action, and all lengths would be equal). The last checkpoint is exported as
+   a HF directory and shared by both RL jobs. --model DIR skips this and uses DIR.
+2. `bench-sync` and `bench-async`: the same RL stage from the same model, identical except
+   `rl.async`. Task lengths are long-tailed: each task's call count is drawn from a truncated
+   Zipf law on [1, 4 * numSteps] (`generate.lengthTail`; 1..8 calls by default, mean ~2.9).
+
+Measured per RL job, from its run directory and live from the trainer's /metrics endpoint:
+- RL wall time: the stage driver's elapsed time from ordering the stage to seeing it done;
+- trajectories trained per minute: steps x batchSize / RL wall time (and the same from the end
+  of the first step on, which leaves out start-up and the first batch's generation);
+- trainer idle fraction: kiln_trainer_idle_seconds_total (time blocked waiting for a batch; the
+  trainer process is fresh, so the counter covers this stage only) / RL wall time;
+- CPU time of the trainer and of the rollout process tree (vLLM's engine processes included)
+  over the RL stage, and the 1-minute load average, since other work shares the cores.
+Prints a side-by-side table, the ratio async/sync of trajectories trained per minute, the most
+that overlapping generation and training could give at sync's own speeds (1 / max(idle, 1 -
+idle) of the sync trainer: with rollout the bottleneck, async cannot beat rollout's rate), and a
+JSON summary as the last line (also written to WORK_DIR/results.json).
+
+Not measured: learning (no evaluation runs; the RL jobs train on throughput alone), several
+rollout replicas, a GPU. The two RL jobs run one after the other, so a change in machine load
+between them shows up in the ratio; the load averages printed beside it say how much.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "deploy" / "examples" / "quickstart.yaml"
+IDLE_METRIC = "kiln_trainer_idle_seconds_total"
+
+
+# ----------------------------------------------------------------------------- jobs
+
+
+def _job(base: dict, name: str, model: dict, tasks: dict, stage: dict, max_turns: int) -> dict:
+    job = copy.deepcopy(base)
+    job["metadata"]["name"] = name
+    spec = job["spec"]
+    spec["model"] = model
+    spec["tasks"] = [{"name": "chain-train", "env": "chain", "generate": tasks}]
+    spec["stages"] = [stage]
+    # An episode of k calls takes k + 1 actions; ~22 tokens per call leaves the longest
+    # (8 calls, ~175 tokens) inside the budget, so only the task decides an episode's length.
+    spec["rollout"]["maxTurns"] = max_turns
+    spec["rollout"]["sampling"]["maxTotalTokens"] = 240
+    spec["trainer"]["checkpointInterval"] = 10_000  # only the final checkpoint on exit
+    return job
+
+
+def sft_job(base: dict, model_dir: Path, tasks: dict, steps: int, max_turns: int) -> dict:
+    model = {**base["spec"]["model"], "path": str(model_dir)}
+    sft = next(s for s in base["spec"]["stages"] if s["type"] == "sft")
+    stage = {**sft, "maxSteps": steps, "warmupSteps": min(sft.get("warmupSteps", 0), steps // 5)}
+    stage.pop("eval", None)
+    return _job(base, "bench-sft", model, tasks, stage, max_turns)
+
+
+def rl_job(base: dict, model_dir: Path, tasks: dict, steps: int, max_turns: int,
+           asynchronous: bool) -> dict:
+    model = {"path": str(model_dir), "dtype": base["spec"]["model"].get("dtype", "float32")}
+    rl = next(s for s in base["spec"]["stages"] if s["type"] == "rl")
+    stage = {**rl, "maxSteps": steps, "rl": {**rl["rl"], "async": asynchronous}}
+    stage.pop("eval", None)
+    name = "bench-async" if asynchronous else "bench-sync"
+    return _job(base, name, model, tasks, stage, max_turns)
+
+
+# ----------------------------------------------------------------------------- running
+
+
+@dataclass
+class RunTrace:
+    """What was sampled while one `kiln run` ran."""
+
+    run_dir: Path
+    seconds: float = 0.0
+    idle: list[tuple[float, float]] = field(default_factory=list)
+    """(time, kiln_trainer_idle_seconds_total) scrapes."""
+    cpu: list[tuple[float, dict[str, float]]] = field(default_factory=list)
+    """(time, CPU seconds per service process tree)."""
+    load: list[tuple[float, float]] = field(default_factory=list)
+    """(time, 1-minute load average)."""
+
+
+def _ports(run_dir: Path, service: str) -> dict | None:
+    try:
+        return json.loads((run_dir / service / "ports.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _scrape_idle(port: int) -> float | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return None  # not serving yet, or already stopped
+    for line in text.splitlines():
+        if line.startswith(IDLE_METRIC + " "):
+            return float(line.split()[1])
+    raise RuntimeError(f"the trainer's /metrics has no {IDLE_METRIC}")
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _process_table() -> dict[int, tuple[int, float]]:
+    """pid -> (parent pid, CPU seconds used so far)."""
+    table = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        table[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK)
+    return table
+
+
+def _tree_cpu(table: dict[int, tuple[int, float]], root: int) -> float:
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in table:
+            total += table[pid][1]
+        todo += children.get(pid, [])
+    return total
+
+
+def run_kiln(job: dict, work_dir: Path, timeout: float, out) -> RunTrace:
+    name = job["metadata"]["name"]
+    job_file = work_dir / f"{name}.yaml"
+    job_file.write_text(yaml.safe_dump(job, sort_keys=False))
+    run_dir = work_dir / name
+    log_path = work_dir / f"{name}.log"
+    trace = RunTrace(run_dir)
+    out.write(f"[{name}] kiln run {job_file.name} (log: {log_path})\n")
+    out.flush()
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kiln.services.cli", "run", str(job_file), "--run-dir", str(run_dir)],
+            stdout=log, stderr=subprocess.STDOUT, cwd=work_dir)
+        try:
+            while proc.poll() is None:
+                now = time.time()
+                trace.load.append((now, os.getloadavg()[0]))
+                trainer = _ports(run_dir, "trainer")
+                if trainer:
+                    value = _scrape_idle(trainer["metrics_port"])
+                    if value is not None:
+                        trace.idle.append((now, value))
+                pids = {s: p["pid"] for s in ("trainer", "rollout") if (p := _ports(run_dir, s))}
+                if pids:
+                    table = _process_table()
+                    trace.cpu.append((now, {s: _tree_cpu(table, pid) for s, pid in pids.items()}))
+                if time.monotonic() - t0 > timeout:
+                    raise TimeoutError(f"{name} ran past {timeout:.0f} s")
+                time.sleep(0.5)
+        except BaseException:
+            # The launcher stops its services in order on SIGTERM; never leave them behind.
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+    trace.seconds = time.monotonic() - t0
+    if proc.returncode != 0:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
+        raise RuntimeError(f"{name}: kiln run exited with {proc.returncode}; log tail:\n{tail}")
+    out.write(f"[{name}] done in {trace.seconds:.0f} s\n")
+    out.flush()
+    return trace
+
+
+def export_model(init_dir: Path, sft_run: Path, out_dir: Path) -> None:
+    """The SFT run's last trainer checkpoint as a HF directory (config and tokenizer from init)."""
+    from kiln.services.common.modeling.hf_io import write_hf_dir
+    from kiln.services.trainer.config import TrainerConfig
+    from kiln.services.trainer.engine import TrainerEngine
+
+    ckpts = sft_run / "trainer" / "checkpoints"
+    engine = TrainerEngine(TrainerConfig(model_dir=init_dir, checkpoint_dir=ckpts))
+    if engine.resumed_from is None:
+        raise RuntimeError(f"{ckpts}: the SFT run left no checkpoint")
+    write_hf_dir(engine.named_hf_tensors(), out_dir, source_dir=init_dir)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def _nearest(samples: list[tuple[float, object]], t: float):
+    return min(samples, key=lambda s: abs(s[0] - t)) if samples else None
+
+
+def measure(trace: RunTrace, batch_size: int) -> dict:
+    recs = [json.loads(line) for line in (trace.run_dir / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in recs if r.get("event") == "progress" and r["stage"].startswith("rl")]
+    if not rl:
+        raise RuntimeError(f"{trace.run_dir}: no RL progress in metrics.jsonl")
+    done = next((r for r in rl if r["trainer"].get("stage_done")), rl[-1])
+    t_start, t_end = done["time"] - done["elapsed"], done["time"]
+    wall, steps = done["elapsed"], done["step"]
+    first = next((r for r in rl if r["step"] >= 1), done)
+    steady = ((steps - first["step"]) * batch_size / (t_end - first["time"]) * 60
+              if t_end > first["time"] else float("nan"))
+    step_times = {r["step"]: r["trainer"]["step_seconds"] for r in rl
+                  if r["step"] >= 1 and r["trainer"].get("step_seconds") is not None}
+    if not trace.idle or trace.idle[-1][0] < t_end:
+        raise RuntimeError(f"{trace.run_dir}: the trainer's idle counter was not read after the stage ended")
+    idle = trace.idle[-1][1]
+    cpu = {}
+    a, b = _nearest(trace.cpu, t_start), _nearest(trace.cpu, t_end)
+    if a and b and b[0] > a[0]:
+        cpu = {s: (b[1][s] - a[1][s]) / (b[0] - a[0]) for s in b[1] if s in a[1]}
+    loads = [v for t, v in trace.load if t_start <= t <= t_end]
+    # Rollout keeps every 10th trajectory: their lengths show the tail the policy produced.
+    lengths = sorted(len(json.loads(line)["tokens"]) for line in
+                     (trace.run_dir / "rollout" / "trajectories.jsonl").read_text().splitlines())
+    return {
+        "rl_wall_seconds": wall,
+        "steps": steps,
+        "trajectories_trained": steps * batch_size,
+        "trajectories_per_minute": steps * batch_size / wall * 60,
+        "steady_trajectories_per_minute": steady,
+        "trainer_idle_seconds": idle,
+        "trainer_idle_fraction": idle / wall,
+        "mean_step_seconds": sum(step_times.values()) / len(step_times) if step_times else float("nan"),
+        "episodes_generated": done["rollout"]["episodes"],
+        "dropped_stale": done["buffer"]["dropped_stale"],
+        "max_staleness": done["buffer"]["max_staleness"],
+        "trainer_cpu_cores": cpu.get("trainer", float("nan")),
+        "rollout_cpu_cores": cpu.get("rollout", float("nan")),
+        "tokens_p50": lengths[len(lengths) // 2],
+        "tokens_p90": lengths[len(lengths) * 9 // 10],
+        "tokens_max": lengths[-1],
+        "load_1min_mean": sum(loads) / len(loads) if loads else float("nan"),
+        "load_1min_max": max(loads, default=float("nan")),
+        "run_seconds": trace.seconds,
+    }
+
+
+ROWS = [
+    ("RL wall time (s)", "rl_wall_seconds", "{:.1f}"),
+    ("optimizer steps", "steps", "{:d}"),
+    ("trajectories trained", "trajectories_trained", "{:d}"),
+    ("trajectories trained / min", "trajectories_per_minute", "{:.1f}"),
+    ("  after the first step", "steady_trajectories_per_minute", "{:.1f}"),
+    ("trainer idle (s)", "trainer_idle_seconds", "{:.1f}"),
+    ("trainer idle fraction", "trainer_idle_fraction", "{:.2f}"),
+    ("mean trainer step (s)", "mean_step_seconds", "{:.2f}"),
+    ("episodes generated", "episodes_generated", "{:d}"),
+    ("trajectory tokens p50 (sampled)", "tokens_p50", "{:d}"),
+    ("trajectory tokens p90 (sampled)", "tokens_p90", "{:d}"),
+    ("trajectory tokens max (sampled)", "tokens_max", "{:d}"),
+    ("dropped stale", "dropped_stale", "{:d}"),
+    ("max staleness served", "max_staleness", "{:d}"),
+    ("trainer CPU (cores)", "trainer_cpu_cores", "{:.2f}"),
+    ("rollout CPU (cores, with vLLM)", "rollout_cpu_cores", "{:.2f}"),
+    ("load average 1-min, mean", "load_1min_mean", "{:.1f}"),
+    ("load average 1-min, max", "load_1min_max", "{:.1f}"),
+]
+
+
+def table(sync: dict, asyn: dict) -> str:
+    lines = [f"{'':32} {'sync':>10} {'async':>10}"]
+    for label, key, fmt in ROWS:
+        lines.append(f"{label:32} {fmt.format(sync[key]):>10} {fmt.format(asyn[key]):>10}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rl-steps", type=int, default=8, help="optimizer steps of each RL job")
+    p.add_argument("--sft-steps", type=int, default=200, help="SFT steps of the shared model")
+    p.add_argument("--model", type=Path, help="use this HF model directory instead of running SFT")
+    p.add_argument("--work-dir", type=Path, help="default: a new temporary directory")
+    p.add_argument("--num-steps", type=int, default=2, help="generate.numSteps (calls: 1..4x this)")
+    p.add_argument("--length-tail", type=float, default=1.0, help="generate.lengthTail (Zipf exponent)")
+    p.add_argument("--timeout", type=float, default=420, help="seconds allowed per kiln run")
+    args = p.parse_args(argv)
+    out = sys.stdout
+
+    work = (args.work_dir or Path(tempfile.mkdtemp(prefix="kiln-async-bench-"))).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    base = yaml.safe_load(QUICKSTART.read_text())
+    tasks = {"count": 20000, "seed": 1, "numSteps": args.num_steps, "lengthTail": args.length_tail}
+    max_turns = 4 * args.num_steps + 2
+    started = time.monotonic()
+    out.write(f"work directory: {work}\nload average at start: {os.getloadavg()[0]:.1f}\n")
+
+    if args.model is not None:
+        model = args.model.resolve()
+        how = f"given model {model}"
+    else:
+        init_dir, model = work / "model-init", work / "model-sft"
+        run_kiln(sft_job(base, init_dir, tasks, args.sft_steps, max_turns), work, args.timeout, out)
+        export_model(init_dir, work / "bench-sft", model)
+        how = f"quickstart model after {args.sft_steps} SFT steps"
+    if not (model / "config.json").exists():
+        p.error(f"--model: {model} holds no config.json")
+
+    results = {}
+    for asynchronous in (False, True):
+        job = rl_job(base, model, tasks, args.rl_steps, max_turns, asynchronous)
+        batch = job["spec"]["stages"][0]["batchSize"]
+        trace = run_kiln(job, work, args.timeout, out)
+        results["async" if asynchronous else "sync"] = measure(trace, batch)
+
+    sync, asyn = results["sync"], results["async"]
+    ratio = asyn["trajectories_per_minute"] / sync["trajectories_per_minute"]
+    steady_ratio = asyn["steady_trajectories_per_minute"] / sync["steady_trajectories_per_minute"]
+    # Overlap alone can at best turn a sync cycle (generate, then train) into the longer of
+    # the two, so with sync's own speeds the ratio cannot exceed 1 / max(idle, busy).
+    idle = sync["trainer_idle_fraction"]
+    ceiling = 1 / max(idle, 1 - idle)
+    stage = job["spec"]["stages"][0]
+    out.write(f"\nmodel: {how}; tasks: 1..{4 * args.num_steps} calls, Zipf exponent "
+              f"{args.length_tail}; RL: {args.rl_steps} steps of {stage['batchSize']} trajectories "
+              f"(groupSize {stage['rl']['groupSize']}, tau {stage['rl']['tau']})\n\n")
+    out.write(table(sync, asyn) + "\n\n")
+    out.write(f"async / sync, trajectories trained per minute: {ratio:.2f}x (target >= 1.8x); "
+              f"after the first step: {steady_ratio:.2f}x\n")
+    out.write(f"overlap ceiling at sync's speeds, 1 / max(idle, 1 - idle) of sync: {ceiling:.2f}x\n")
+    out.write(f"benchmark wall time: {time.monotonic() - started:.0f} s\n")
+    summary = {"model": how, "num_steps": args.num_steps, "length_tail": args.length_tail,
+               "rl_steps": args.rl_steps, "sync": sync, "async": asyn, "ratio": ratio,
+               "steady_ratio": steady_ratio, "overlap_ceiling": ceiling}
+    (work / "results.json").write_text(json.dumps(summary, indent=2))
+    out.write(json.dumps(summary) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
