@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import yaml
 
 from kiln.api.spec import RLJob
@@ -148,7 +149,7 @@ def main(args: argparse.Namespace) -> int:
         interrupted = True
         out.write(f"\ninterrupted: stopping services (the trainer checkpoints); continue with\n"
                   f"  kiln run --resume {run_dir}\n")
-    except (processes.ServiceFailed, RuntimeError) as exc:
+    except (processes.ServiceFailed, RuntimeError, grpc.RpcError) as exc:
         # The services' logs hold the details; the run directory keeps everything done so far.
         out.write(f"\nkiln run: {exc}\nlogs: {run_dir / 'logs'}; continue with kiln run --resume {run_dir}\n")
         failed = True

@@ -23,10 +23,11 @@ Measured per RL job, from its run directory and live from the trainer's /metrics
   trainer process is fresh, so the counter covers this stage only) / RL wall time;
 - CPU time of the trainer and of the rollout process tree (vLLM's engine processes included)
   over the RL stage, and the 1-minute load average, since other work shares the cores.
-Prints a side-by-side table, the ratio async/sync of trajectories trained per minute, the most
-that overlapping generation and training could give at sync's own speeds (1 / max(idle, 1 -
-idle) of the sync trainer: with rollout the bottleneck, async cannot beat rollout's rate), and a
-JSON summary as the last line (also written to WORK_DIR/results.json).
+Prints a side-by-side table, the ratio async/sync of trajectories trained per minute, the gain
+that overlapping generation with training alone could give at sync's own speeds (1 / max(idle,
+1 - idle) of the sync trainer; what async gains beyond it comes from rollout keeping its batch
+full instead of waiting on each batch's longest episodes), and a JSON summary as the last line
+(also written to WORK_DIR/results.json).
 
 Not measured: learning (no evaluation runs; the RL jobs train on throughput alone), several
 rollout replicas, a GPU. The two RL jobs run one after the other, so a change in machine load
@@ -346,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     ratio = asyn["trajectories_per_minute"] / sync["trajectories_per_minute"]
     steady_ratio = asyn["steady_trajectories_per_minute"] / sync["steady_trajectories_per_minute"]
     # Overlap alone can at best turn a sync cycle (generate, then train) into the longer of
-    # the two, so with sync's own speeds the ratio cannot exceed 1 / max(idle, busy).
+    # the two: at sync's own speeds, a gain of 1 / max(idle, busy). More than that means
+    # rollout itself got faster (no waiting on each batch's longest episodes).
     idle = sync["trainer_idle_fraction"]
     ceiling = 1 / max(idle, 1 - idle)
     stage = job["spec"]["stages"][0]
@@ -356,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     out.write(table(sync, asyn) + "\n\n")
     out.write(f"async / sync, trajectories trained per minute: {ratio:.2f}x (target >= 1.8x); "
               f"after the first step: {steady_ratio:.2f}x\n")
-    out.write(f"overlap ceiling at sync's speeds, 1 / max(idle, 1 - idle) of sync: {ceiling:.2f}x\n")
+    out.write(f"gain from overlap alone at sync's speeds, 1 / max(idle, 1 - idle) of sync: "
+              f"{ceiling:.2f}x\n")
     out.write(f"benchmark wall time: {time.monotonic() - started:.0f} s\n")
     summary = {"model": how, "num_steps": args.num_steps, "length_tail": args.length_tail,
                "rl_steps": args.rl_steps, "sync": sync, "async": asyn, "ratio": ratio,

@@ -48,7 +48,10 @@ class SamplingOptions:
     stop_token_ids: tuple[int, ...] = ()
     """Generation also stops at the model's end-of-sequence token(s); the stop token is kept."""
     seed: int | None = None
-    """Per-request seed; None draws from the engine's seeded stream."""
+    """Per-request seed; None draws from the engine's seeded stream. On a CPU, vLLM 0.32 kills
+    its engine ("CPU Generator does not use offset") when a seeded request's prefill is split
+    over several steps, which happens once many long prompts are in flight: rollout and
+    evaluation therefore leave it unset; short single prompts (tests, `kiln consistency`) are safe."""
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

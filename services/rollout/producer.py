@@ -134,16 +134,20 @@ class Producer:
             task.add_done_callback(self._tasks.discard)
 
     async def _one_synchronous_batch(self, mode: Mode, rng: random.Random) -> None:
+        """Ship one full batch at the current version, then wait for the next version. Groups
+        that fail (an episode error) are replaced, or the trainer would wait forever."""
         version = self.engine.version
-        groups = max(1, mode.batch_size // mode.group_size)
-        jobs = []
-        for _ in range(groups):
-            for _ in range(mode.group_size):
-                await self._slots.acquire()
-            name, size = rng.choice(mode.task_sets)
-            jobs.append(asyncio.ensure_future(
-                self._group(mode, name, rng.randrange(size), mode.group_size, rng.getrandbits(31))))
-        await asyncio.gather(*jobs, return_exceptions=True)
+        start = self.shipped
+        while self.shipped - start < mode.batch_size and self.mode is mode:
+            missing = mode.batch_size - (self.shipped - start)
+            jobs = []
+            for _ in range(-(-missing // mode.group_size)):
+                for _ in range(mode.group_size):
+                    await self._slots.acquire()
+                name, size = rng.choice(mode.task_sets)
+                jobs.append(asyncio.ensure_future(
+                    self._group(mode, name, rng.randrange(size), mode.group_size, rng.getrandbits(31))))
+            await asyncio.gather(*jobs, return_exceptions=True)
         # Rollout pauses until the trainer has trained on this batch and published.
         while self.engine.version <= version and self.mode is mode:
             await asyncio.sleep(0.05)
@@ -204,17 +208,17 @@ class Producer:
         n = min(size, max_tasks) if max_tasks else size
         sem = asyncio.Semaphore(self.max_concurrent)
 
-        async def one(index: int, temperature: float, seed: int) -> float:
+        async def one(index: int, temperature: float) -> float:
             async with sem:
                 t = await run_episode(
                     self.engine, self.env, self.tokenizer, task_set=task_set, index=index,
-                    sampling=dataclasses.replace(self.sampling, temperature=temperature, seed=seed),
+                    sampling=dataclasses.replace(self.sampling, temperature=temperature, seed=None),
                     limits=self.limits)
                 return t.reward
 
-        greedy_rewards = await asyncio.gather(*[one(i, 0.0, 0) for i in range(n)]) if greedy else []
-        sampled = await asyncio.gather(*[one(i, self.sampling.temperature, 1000 + 7 * i + s)
-                                         for i in range(n) for s in range(samples)])
+        greedy_rewards = await asyncio.gather(*[one(i, 0.0) for i in range(n)]) if greedy else []
+        sampled = await asyncio.gather(*[one(i, self.sampling.temperature)
+                                         for i in range(n) for _ in range(samples)])
         g = sum(r >= 1.0 for r in greedy_rewards) / len(greedy_rewards) if greedy_rewards else 0.0
         s = sum(r >= 1.0 for r in sampled) / len(sampled) if sampled else 0.0
         return n, g, s
