@@ -11,9 +11,10 @@ import shutil
 import pytest
 
 # Without a GPU, Triton kernels run under Triton's interpreter, which must be chosen before
-# triton is first imported (kiln.kernels.dsa passes this on to TRITON_INTERPRET).
+# triton is first imported -- by anything: vLLM imports triton too, and its tests may run first.
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("KILN_TRITON_INTERPRET", "1")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
