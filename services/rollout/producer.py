@@ -129,7 +129,7 @@ class Producer:
                     self._slots.release()
                 continue
             name, size = rng.choice(mode.task_sets)
-            task = asyncio.ensure_future(self._group(mode, name, rng.randrange(size), group, rng.getrandbits(31)))
+            task = asyncio.ensure_future(self._group(mode, name, rng.randrange(size), group))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -146,18 +146,21 @@ class Producer:
                     await self._slots.acquire()
                 name, size = rng.choice(mode.task_sets)
                 jobs.append(asyncio.ensure_future(
-                    self._group(mode, name, rng.randrange(size), mode.group_size, rng.getrandbits(31))))
+                    self._group(mode, name, rng.randrange(size), mode.group_size)))
             await asyncio.gather(*jobs, return_exceptions=True)
         # Rollout pauses until the trainer has trained on this batch and published.
         while self.engine.version <= version and self.mode is mode:
             await asyncio.sleep(0.05)
 
-    async def _group(self, mode: Mode, task_set: str, index: int, group: int, seed: int) -> None:
+    async def _group(self, mode: Mode, task_set: str, index: int, group: int) -> None:
         self.in_flight += group
         try:
             gid = uuid.uuid4().hex
             if mode.mode == DEMONSTRATE:
-                demo = await self.env.demonstrate(task_set, index, seed)
+                # One fixed demonstration per task (its seed is the task's index): SFT then sees
+                # a finite pool it revisits, which a tiny model learns from far faster than
+                # from a stream of ever-new demonstrations.
+                demo = await self.env.demonstrate(task_set, index, index)
                 trajs = [demonstration_trajectory(demo, self.tokenizer, version=self.engine.version,
                                                   group_id=gid)]
             else:
