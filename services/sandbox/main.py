@@ -11,6 +11,7 @@ owner left by an earlier, killed process.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import sys
@@ -82,7 +83,20 @@ async def build(job, args):
         registrations.append(Registration(env_pb2_grpc.add_EnvironmentServicer_to_server,
                                           EnvironmentServicer(episodes), "kiln.v1.Environment"))
 
+    reaper = None
+    if episodes is not None:
+        # Episodes whose rollout died are never closed by it: reclaim their sandboxes after
+        # the episode deadline plus grading (the manager's idle TTL).
+        async def reap_forever() -> None:
+            while True:
+                await asyncio.sleep(30)
+                await episodes.reap_idle()
+
+        reaper = asyncio.ensure_future(reap_forever())
+
     async def on_stop():
+        if reaper is not None:
+            reaper.cancel()
         if episodes is not None:
             await episodes.close_all()
         await manager.close()
