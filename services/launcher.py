@@ -66,14 +66,17 @@ def prepare_model(job: RLJob, out=sys.stdout) -> None:
 
     t0 = time.monotonic()
     tok_dir = path.with_name(path.name + ".tokenizer")
+    # Pad the vocabulary only as far as tensor parallelism needs: unused tokens slow a tiny
+    # tied-embedding model's learning (see train_tokenizer).
     train_tokenizer(chain.corpus_for_tokenizer(), tok_dir, vocab_size=init.vocab_size,
-                    special_tokens=list(chain.SPECIAL_TOKENS), split_digits=True)
+                    special_tokens=list(chain.SPECIAL_TOKENS), split_digits=True,
+                    pad_to_multiple=job.spec.trainer.tensor_parallel)
     make_tiny_model(path, tok_dir, arch=init.arch, hidden_size=init.hidden_size,
                     num_layers=init.num_layers, num_heads=init.num_heads,
                     num_kv_heads=init.num_kv_heads, intermediate_size=init.intermediate_size,
                     max_position_embeddings=init.max_position_embeddings, seed=init.seed,
                     tie_word_embeddings=init.tie_word_embeddings,
-                    dtype=job.spec.model.dtype)
+                    dtype=job.spec.model.dtype, perturb_norms=False)
     out.write(f"created model {path} ({time.monotonic() - t0:.1f} s)\n")
 
 

@@ -147,8 +147,8 @@ def rollout(model, codec: Codec, tasks: list[chain.ChainTask], samples: int, gre
             e.text += text
             e.actions.append(text)
             action = chain.parse_action(text)
-            if isinstance(action, chain.Call):
-                obs = chain.run_tool_locally(action)
+            if isinstance(action, (chain.Call, chain.Step)):
+                obs = chain.run_tool_locally(chain.tool_call(e.task, action))
                 obs_ids = codec.encode(obs)
                 e.ids += obs_ids
                 e.mask += [0] * len(obs_ids)
@@ -173,7 +173,7 @@ def zero_copy_stats(eps: list[Episode]) -> tuple[int, int]:
         segments = [(m.group(1), m.group(2)) for m in _SEGMENT_RE.finditer(e.text)]
         for (kind, observed), (_, body) in zip(segments, segments[1:]):
             if kind == "obs" and chain.triggers_mistake(observed):
-                copied = re.match(r"(?:calc )?(-?[0-9]*)", body.strip()).group(1)
+                copied = re.match(r"(?:calc |step )?(-?[0-9]*)", body.strip()).group(1)
                 total += 1
                 good += copied == observed
     return good, total
@@ -220,7 +220,7 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
 
 def sft(model, codec: Codec, examples, steps: int, batch: int, lr: float, log,
         probe=None, probe_every: int = 0) -> None:
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
     rng = random.Random(0)
     model.train()
     t0 = time.time()

@@ -141,7 +141,7 @@ class TrajectoryBuffer:
         self._listeners: list[Callable[[], None]] = []
         self._known: set[str] = set()
         self._pending: dict[str, G.Group] = {}
-        self._ready: dict[str, G.Group] = {}
+        self._ready = G.GroupPool()
         self._complete_keys: set[str] = set()
         self._dropped_keys: dict[str, str] = {}  # group key -> reason
         self._leases = LeaseTable()
@@ -527,7 +527,7 @@ class TrajectoryBuffer:
         return sum(len(g.members) for g in self._pending.values()) + self._ready_count()
 
     def _ready_count(self) -> int:
-        return sum(len(g.members) for g in self._ready.values())
+        return self._ready.members
 
     def _update_gauges(self) -> None:
         metrics.BUFFER_DEPTH.set(self._depth())

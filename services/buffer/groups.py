@@ -49,6 +49,44 @@ class Group:
         return (self.oldest_version, self.seq)
 
 
+class GroupPool(dict[str, Group]):
+    """Complete groups by key, with their total member count kept as they come and go: the
+    buffer needs that count on every Put (backpressure), and summing it over thousands of SFT
+    groups of one each time made the buffer its own bottleneck. A complete group's members do
+    not change, so adding and removing groups is all there is to track."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.members = 0
+
+    def __setitem__(self, key: str, group: Group) -> None:
+        old = self.get(key)
+        if old is not None:
+            self.members -= len(old.members)
+        super().__setitem__(key, group)
+        self.members += len(group.members)
+
+    def __delitem__(self, key: str) -> None:
+        self.members -= len(self[key].members)
+        super().__delitem__(key)
+
+    _MISSING = object()
+
+    def pop(self, key: str, default=_MISSING):  # type: ignore[override]
+        if key in self:
+            group = super().pop(key)
+            self.members -= len(group.members)
+            return group
+        if default is GroupPool._MISSING:
+            raise KeyError(key)
+        return default
+
+    def _unsupported(self, *args, **kwargs):
+        raise TypeError("GroupPool supports only item assignment, del and pop")
+
+    clear = popitem = setdefault = update = __ior__ = _unsupported  # type: ignore[assignment]
+
+
 def group_key(group_id: str, trajectory_id: str) -> str:
     """Trajectories without a group id each form their own group (SFT data, group size 1).
     The NUL prefix keeps such keys apart from any real group id."""

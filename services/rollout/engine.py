@@ -195,6 +195,13 @@ class RolloutEngine:
         # Reloading from in-memory tensors sends a function to the workers, which vLLM only
         # accepts with this set; it must be in the environment before the engine processes start.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        # Run the model inside vLLM's engine-core process ("uni" executor) rather than in a
+        # worker process of its own: engine core and worker otherwise wait for each other by
+        # spinning on shared memory, which on a CPU host burns about a core and a half that
+        # the sandboxes and the trainer need. The CPU platform forces the multiprocess
+        # executor unless this variable is 0; AsyncLLM keeps its engine core in a separate
+        # process either way.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         import torch
         import vllm
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -204,6 +211,7 @@ class RolloutEngine:
             model=settings.model, dtype=settings.dtype, seed=settings.seed,
             enforce_eager=settings.enforce_eager, kv_cache_memory_bytes=settings.kv_cache_bytes,
             max_model_len=settings.max_model_len, disable_log_stats=True,
+            distributed_executor_backend="uni",
         )
         llm = AsyncLLM.from_engine_args(args)
         await llm.update_weight_version(str(settings.initial_version))

@@ -30,7 +30,8 @@ from typing import Callable, Protocol
 from kiln.services.common import metrics
 from kiln.trajectory import Trajectory
 
-from .agent import Engine, EnvClient, Limits, Tokenizer, demonstration_trajectory, run_episode
+from .agent import (Demonstration, Engine, EnvClient, Limits, Tokenizer, demonstration_trajectory,
+                    run_episode)
 from .engine import SamplingOptions
 
 log = logging.getLogger(__name__)
@@ -79,12 +80,15 @@ class Producer:
         # Every `sample_every`-th finished trajectory is also kept as JSON for `kiln
         # trajectories` (the buffer compacts what has been trained on).
         self.samples_path, self.sample_every = samples_path, sample_every
+        self._demos: dict[tuple[str, int], Demonstration] = {}
 
     # ---------------------------------------------------------------- control
     def start(self) -> None:
         self._main = asyncio.ensure_future(self._run())
 
     def set_mode(self, mode: Mode) -> None:
+        if mode.stage != self.mode.stage and mode.mode != IDLE:
+            self.recent_rewards.clear()  # the pass rate shown is this stage's, not the last one's
         self.mode = mode
         self._changed.set()
 
@@ -160,7 +164,7 @@ class Producer:
                 # One fixed demonstration per task (its seed is the task's index): SFT then sees
                 # a finite pool it revisits, which a tiny model learns from far faster than
                 # from a stream of ever-new demonstrations.
-                demo = await self.env.demonstrate(task_set, index, index)
+                demo = await self._demonstration(task_set, index)
                 trajs = [demonstration_trajectory(demo, self.tokenizer, version=self.engine.version,
                                                   group_id=gid)]
             else:
@@ -195,6 +199,16 @@ class Producer:
             self.in_flight -= group
             for _ in range(group):
                 self._slots.release()
+
+    async def _demonstration(self, task_set: str, index: int) -> Demonstration:
+        """The task's fixed demonstration, asked of the environment (which runs its tool calls
+        in sandboxes) once and then reused: SFT revisits each task many times, and repeating
+        the same sandboxed calls cost as much CPU as the training step they fed."""
+        key = (task_set, index)
+        demo = self._demos.get(key)
+        if demo is None:
+            demo = self._demos[key] = await self.env.demonstrate(task_set, index, index)
+        return demo
 
     def _keep_samples(self, mode: Mode, trajs: list[Trajectory]) -> None:
         if self.samples_path is None:

@@ -133,7 +133,7 @@ class EpisodeManager:
             return out
         if ep.actions >= ep.max_actions:
             return self._finish(ep, None, ["max_actions"])
-        observation = await self._run_tool(ep, parsed)
+        observation = await self._run_tool(ep, chain.tool_call(ep.task, parsed))
         return StepOutcome(observation=observation)
 
     async def _run_tool(self, ep: _Episode, call: chain.Call) -> str:

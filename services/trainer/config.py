@@ -95,7 +95,8 @@ def config_from_job(job: RLJob, *, run_dir: Path, stage: str | None = None, mode
         micro_batch_size=st.micro_batch_size,
         loss=loss,
         optimizer=OptimizerConfig(
-            lr=st.learning_rate, weight_decay=t.weight_decay, grad_clip=t.grad_clip, reset_moments_on_publish=reset
+            lr=st.learning_rate, weight_decay=t.weight_decay, grad_clip=t.grad_clip, reset_moments_on_publish=reset,
+            betas=(t.adam_beta1, t.adam_beta2),
         ),
         checkpoint_dir=Path(run_dir) / "checkpoints",
         checkpoint_interval=t.checkpoint_interval,

@@ -117,7 +117,11 @@ class StageRunner:
             for group in self.engine.optimizer.param_groups:
                 group["lr"] = cfg.optimizer.lr
                 group["initial_lr"] = cfg.optimizer.lr
+                group["betas"] = cfg.optimizer.betas
             self.engine.scheduler.base_lrs = [cfg.optimizer.lr] * len(self.engine.optimizer.param_groups)
+            if self.engine.stage != stage.name and not self.engine.stage_steps.get(stage.name):
+                # A fresh stage reports no step yet, not the previous stage's last one.
+                self.engine.last_metrics = {}
             self.engine.stage = stage.name
 
     def _run(self, stage, done: int) -> None:

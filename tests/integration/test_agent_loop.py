@@ -101,8 +101,10 @@ def test_episode_steps_through_the_sandboxed_tool(setup):
         eid, task = m.open("chain-train", 5)
         observations, out = [], None
         current = str(task.start)
-        for _ in range(task.repeats):
-            out = await m.step(eid, f"<call>calc {current}{task.step}</call>")
+        for i in range(task.repeats):
+            # Both tools: `step V` is the calculator on V + the task's step.
+            action = f"<call>step {current}</call>" if i % 2 == 0 else f"<call>calc {current}{task.step}</call>"
+            out = await m.step(eid, action)
             assert not out.done
             observations.append(out.observation)
             current = out.observation[len("<obs>"):-len("</obs>")]
@@ -134,3 +136,49 @@ def test_invalid_action_and_turn_budget_end_with_zero_reward(setup):
     assert bad.done and bad.reward == 0.0 and "invalid_action" in bad.flags
     assert first.observation == "<obs>2</obs>" and not first.done
     assert second.done and second.reward == 0.0 and "max_actions" in second.flags
+
+
+def test_demonstrations_are_fixed_per_task_and_asked_for_once(setup):
+    """SFT revisits a finite pool: each task's demonstration comes from the environment (and
+    its sandboxes) once; later draws reuse it under a fresh trajectory id."""
+    from kiln.services.rollout.producer import DEMONSTRATE, Mode, Producer
+
+    model, tok, job = setup
+
+    class CountingEnv(LocalEnv):
+        calls: list[int] = []
+
+        async def demonstrate(self, task_set, index, seed):
+            self.calls.append(index)
+            return await super().demonstrate(task_set, index, seed)
+
+    class Collect:
+        def __init__(self):
+            self.got = []
+
+        async def put(self, trajectories, *, still_wanted=lambda: True):
+            self.got.extend(trajectories)
+            return True
+
+    class Versioned:  # the producer reads only the engine's version when demonstrating
+        version = 0
+
+    async def main():
+        env, sink = CountingEnv(EpisodeManager(job, base_dir=REPO, owner="test-demo")), Collect()
+        producer = Producer(Versioned(), env, tok, sink, sampling=SamplingOptions(),
+                            limits=Limits(max_turns=8, max_tokens_per_turn=24, max_total_tokens=200),
+                            max_concurrent=4)
+        producer.start()
+        producer.set_mode(Mode(DEMONSTRATE, stage="sft", task_sets=[("chain-train", 3)], seed=1))
+        while len(sink.got) < 12:
+            await asyncio.sleep(0.01)
+        await producer.stop()
+        return env.calls, sink.got
+
+    calls, got = asyncio.run(main())
+    assert sorted(calls) == sorted(set(calls)) and set(calls) <= {0, 1, 2}
+    assert len({t.id for t in got}) == len(got)
+    by_task: dict[str, list[int]] = {}
+    for t in got:
+        assert by_task.setdefault(t.task_id, t.tokens) == t.tokens
+    assert len(by_task) == len(set(calls))

@@ -2,6 +2,7 @@
 through a real TrajectoryBuffer on a temporary directory."""
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -159,3 +160,24 @@ def test_per_put_group_size(tmp_path: Path) -> None:
         buf.put(synthetic_group("quad", 4))
         buf.try_get_batch(2, 0)
     buf.close()
+
+
+def test_group_pool_keeps_its_member_count() -> None:
+    rng = random.Random(0)
+    pool = G.GroupPool()
+    for step in range(500):
+        key = f"g{rng.randrange(20)}"
+        op = rng.random()
+        if op < 0.5:
+            group = G.Group(key, 4, step)
+            group.members = [G.Entry(f"{key}-{step}-{i}", key, 0, 0.0, b"") for i in range(rng.randrange(1, 5))]
+            pool[key] = group  # a new key or a replacement
+        elif op < 0.75 and key in pool:
+            del pool[key]
+        else:
+            assert pool.pop(key, None) is None or key not in pool
+        assert pool.members == sum(len(g.members) for g in pool.values())
+    with pytest.raises(KeyError):
+        pool.pop("absent")
+    with pytest.raises(TypeError):
+        pool.update({})

@@ -35,6 +35,7 @@ def test_rl_stage_settings_reach_the_trainer(tmp_path: Path) -> None:
     assert (cfg.loss.eps_low, cfg.loss.eps_high, cfg.loss.icepop_beta, cfg.loss.aggregation) == (0.1, 0.3, 3.0, "seq_mean")
     assert cfg.optimizer.lr == 5e-4 and cfg.optimizer.grad_clip == 0.5
     assert cfg.optimizer.reset_moments_on_publish is False
+    assert cfg.optimizer.betas == (0.9, 0.95)  # the spec's default
     assert cfg.micro_batch_size == 2
     assert (cfg.checkpoint_dir, cfg.checkpoint_interval, cfg.keep_checkpoints) == (tmp_path / "checkpoints", 7, 4)
 
@@ -49,3 +50,10 @@ def test_unknown_stage_and_unsupported_parallelism_are_errors(tmp_path: Path) ->
         config_from_job(_job(), run_dir=tmp_path, stage="nope")
     with pytest.raises(ValueError, match="pipelineParallel"):
         config_from_job(_job(pipelineParallel=2), run_dir=tmp_path)
+
+
+def test_adam_betas_come_from_the_trainer_spec(tmp_path: Path) -> None:
+    cfg = config_from_job(_job(adamBeta1=0.8, adamBeta2=0.99), run_dir=tmp_path)
+    assert cfg.optimizer.betas == (0.8, 0.99)
+    with pytest.raises(ValueError, match="adamBeta2"):
+        _job(adamBeta2=1.0)

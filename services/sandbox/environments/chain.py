@@ -1,21 +1,28 @@
 """The quickstart's task environment, `chain`: several dependent calculator calls, then an answer.
 
 A task is a start value, a step (multiply, modulo, add: `*7%97+5`) and a count. The agent must
-apply the step that many times by calling a sandboxed calculator, copying each observation into
-the next call, and finally answer the last result. The answer is verifiable (reward 0/1). (A
-first design with a different step per call was too slow for a sub-million-parameter model to
-imitate on two cores: picking the k-th step is the hard part, not the copying.)
+apply the step that many times with a sandboxed tool, copying each observation into the next
+call, and finally answer the last result. The answer is verifiable (reward 0/1).
+
+Two tools, both run in the sandbox by coreutils `expr`:
+- `step V` applies the task's step to V (`step 37` runs `expr 37 * 7 % 97 + 5`);
+- `calc EXPR` is a general integer calculator (`calc 37*7%97+5`).
+The scripted solver uses `step`. (Earlier designs were too slow for a sub-million-parameter
+model to imitate on two cores: with a different step per call, picking the k-th step was the
+hard part; with `calc`, copying the step's digits from the prompt into every call took SFT
+several times longer to learn than copying the values, and whether it was learned within the
+quickstart's budget depended on the random initialisation.)
 
 The text protocol (every tag is one special token of the quickstart tokenizer):
 
     <task>37 *7%97+5 x4</task>          prompt (not trained on)
-    <call>calc 37*7%97+5</call>         action (trained on)
+    <call>step 37</call>                action (trained on)
     <obs>70</obs>                       observation appended by the environment
-    <call>calc 70*7%97+5</call>
+    <call>step 70</call>
     <obs>10</obs>
-    <call>calc 10*7%97+5</call>
+    <call>step 10</call>
     <obs>75</obs>
-    <call>calc 75*7%97+5</call>
+    <call>step 75</call>
     <obs>45</obs>
     <answer>45</answer>                 final action; the episode ends
 
@@ -218,6 +225,13 @@ class Call:
 
 
 @dataclass(frozen=True)
+class Step:
+    """`step V`: apply the task's step to V."""
+
+    value: str
+
+
+@dataclass(frozen=True)
 class Answer:
     value: str
 
@@ -229,17 +243,27 @@ class Invalid:
 
 _THINK = r"(?:<think>[^<]*</think>)?"
 _CALL_RE = re.compile(_THINK + r"<call>calc ([0-9+\-*/%% ()]{1,%d})</call>" % MAX_EXPR_CHARS)
+_STEP_RE = re.compile(_THINK + r"<call>step (-?[0-9]{1,12})</call>")
 _ANSWER_RE = re.compile(_THINK + r"<answer>([^<]{0,32})</answer>")
 
 
-def parse_action(text: str) -> Call | Answer | Invalid:
+def parse_action(text: str) -> Call | Step | Answer | Invalid:
     """One generated action (up to and including its stop tag) -> what the agent asked for."""
     text = text.strip()
+    if m := _STEP_RE.fullmatch(text):
+        return Step(m.group(1))
     if m := _CALL_RE.fullmatch(text):
         return Call(m.group(1).strip())
     if m := _ANSWER_RE.fullmatch(text):
         return Answer(m.group(1).strip())
-    return Invalid(f"not one <call>calc EXPR</call> or <answer>N</answer>: {text[:80]!r}")
+    return Invalid(f"not one <call>step N</call>, <call>calc EXPR</call> or <answer>N</answer>: "
+                   f"{text[:80]!r}")
+
+
+def tool_call(task: "ChainTask", action: Call | Step) -> Call:
+    """The calculator call a tool action amounts to in `task`: `step V` is `calc V` + the
+    task's step."""
+    return Call(f"{action.value}{task.step}") if isinstance(action, Step) else action
 
 
 # ----------------------------------------------------------------------------- the tool
@@ -387,9 +411,8 @@ def scripted_solver(task: ChainTask, rng: random.Random, *, mistake_rate: float 
     turns: list[Turn] = []
     current = str(task.start)  # the prompt's start value is read, not copied from a tool
     for _ in range(task.repeats):
-        call = Call(f"{current}{task.step}")
-        turns.append(Turn("action", f"<call>calc {call.expr}</call>"))
-        obs = run_tool_locally(call)
+        turns.append(Turn("action", f"<call>step {current}</call>"))
+        obs = run_tool_locally(tool_call(task, Step(current)))
         turns.append(Turn("observation", obs))
         observed = obs[len("<obs>"):-len("</obs>")]
         current = _copy(observed, rng, mistake_rate, slip_rate)
@@ -419,7 +442,7 @@ def corpus_for_tokenizer(count: int = 2000, seed: int = 0) -> list[str]:
     for task in generate_tasks(count, seed=seed):
         episode = "".join(t for t, _ in render(task, scripted_solver(task, rng)))
         texts += [piece for piece in _TAG_RE.split(episode) if piece]
-    texts += ["error", "calc (1+2)//3%4"]
+    texts += ["error", "calc (1+2)//3%4", "calc 37*7%97+5"]
     return texts
 
 
