@@ -42,6 +42,8 @@ class TrainerClient:
             "ratio_mask": m.get("ratio_mask_frac"), "icepop_mask": m.get("icepop_mask_frac"),
             "mismatch_abs": m.get("mismatch_abs"), "mismatch_kl": m.get("mismatch_kl"),
             "tokens_per_second": m.get("tokens_per_s"), "step_seconds": m.get("step_time_s"),
+            "staleness_counts": {k.removeprefix("staleness_"): v for k, v in m.items()
+                                 if k.startswith("staleness_")},
         }
 
 

@@ -163,7 +163,7 @@ def main(args: argparse.Namespace) -> int:
     if interrupted:
         return 130
     summary = write_summary(job, run_dir, state, wall_seconds=time.time() - started)
-    write_report(run_dir)
+    write_report(run_dir, rl_stages={s.name for s in job.spec.stages if s.type == "rl"})
     out.write(json.dumps(summary, indent=2) + "\n")
     return 0
 

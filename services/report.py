@@ -51,8 +51,32 @@ def write_summary(job: RLJob, run_dir: Path, state, *, wall_seconds: float) -> d
     return summary
 
 
-def write_report(run_dir: Path) -> list[Path]:
-    """PNG plots: reward and pass rate per step, staleness, mask fractions, mismatch."""
+def steps_seen(progress: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+    """(global step, first progress record showing it) for every optimizer step the driver
+    saw, in order. The driver polls about once a second, so a stage whose steps are faster is
+    sampled rather than complete."""
+    steps: dict[int, dict[str, Any]] = {}
+    for r in progress:
+        t = r["trainer"]
+        if r.get("step") and t.get("stage") == r["stage"] and t.get("global_step") is not None:
+            steps.setdefault(int(t["global_step"]), r)
+    return sorted(steps.items())
+
+
+def staleness_histogram(steps: list[tuple[int, dict[str, Any]]]) -> dict[int, float]:
+    """Trajectories trained on, by how many policy versions their oldest token was behind the
+    trainer, summed over `steps` (from `steps_seen`)."""
+    hist: dict[int, float] = {}
+    for _, r in steps:
+        for k, v in (r["trainer"].get("staleness_counts") or {}).items():
+            hist[int(k)] = hist.get(int(k), 0.0) + v
+    return dict(sorted(hist.items()))
+
+
+def write_report(run_dir: Path, rl_stages: set[str] | None = None) -> list[Path]:
+    """PNG plots: reward and pass rate per step, mask fractions, mismatch (per step), and a
+    staleness histogram. With `rl_stages` the per-step plots show those stages' steps only (an
+    SFT stage's "reward" is its demonstrations', and it has no masks or mismatch)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -63,25 +87,21 @@ def write_report(run_dir: Path) -> list[Path]:
     out_dir.mkdir(exist_ok=True)
     written: list[Path] = []
 
+    ordered = steps_seen(recs)
+    if rl_stages is not None:
+        ordered = [(x, r) for x, r in ordered if r["stage"] in rl_stages]
+
     def series(key_fn):
-        xs, ys, seen = [], [], set()
-        for i, r in enumerate(recs):
-            v = key_fn(r)
-            k = (r["stage"], r.get("step"))
-            if v is None or k in seen or not r.get("step"):
-                continue
-            seen.add(k)
-            xs.append(len(seen))
-            ys.append(v)
-        return xs, ys
+        pairs = [(x, key_fn(r)) for x, r in ordered]
+        pairs = [(x, v) for x, v in pairs if v is not None]
+        return [x for x, _ in pairs], [v for _, v in pairs]
+
+    boundaries = [x for (x, r), (_, prev) in zip(ordered[1:], ordered) if r["stage"] != prev["stage"]]
 
     plots = {
         "reward.png": ("Reward and rollout pass rate per step", [
             ("train batch reward", lambda r: r["trainer"].get("reward")),
             ("rollout pass rate (last 256)", lambda r: r["rollout"].get("mean_reward"))]),
-        "staleness.png": ("Staleness of trained trajectories", [
-            ("max staleness served", lambda r: r["buffer"].get("max_staleness")),
-            ("dropped stale (total)", lambda r: r["buffer"].get("dropped_stale"))]),
         "masks.png": ("Masked token fractions", [
             ("ratio mask", lambda r: r["trainer"].get("ratio_mask")),
             ("IcePop mask", lambda r: r["trainer"].get("icepop_mask"))]),
@@ -95,11 +115,27 @@ def write_report(run_dir: Path) -> list[Path]:
             xs, ys = series(fn)
             if xs:
                 ax.plot(xs, ys, label=label)
+        for x in boundaries:
+            ax.axvline(x, color="grey", linestyle=":", linewidth=1)
         ax.set_title(title)
-        ax.set_xlabel("optimizer step (all stages)")
+        ax.set_xlabel("optimizer step (dotted: a new stage)")
         ax.legend(loc="best")
         fig.tight_layout()
         fig.savefig(out_dir / name, dpi=80)
         plt.close(fig)
         written.append(out_dir / name)
+
+    hist = staleness_histogram(ordered)
+    dropped = max((r["buffer"].get("dropped_stale") or 0 for r in recs), default=0)
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    if hist:
+        ax.bar(list(hist), list(hist.values()), width=0.6)
+        ax.set_xticks(sorted(hist))
+    ax.set_title(f"Staleness of trained trajectories (dropped as stale: {dropped})")
+    ax.set_xlabel("policy versions behind the trainer (oldest token)")
+    ax.set_ylabel("trajectories (steps seen)")
+    fig.tight_layout()
+    fig.savefig(out_dir / "staleness.png", dpi=80)
+    plt.close(fig)
+    written.append(out_dir / "staleness.png")
     return written

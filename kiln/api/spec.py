@@ -231,12 +231,23 @@ class RolloutSpec(_Model):
     max_turns: int = Field(8, ge=1)
     episode_timeout_seconds: float = Field(300, gt=0)
     thinking: Literal["interleaved", "preserved", "turn-level", "off"] = "interleaved"
+    """`interleaved`: the model may open a `<think>` block before any action; `preserved`:
+    earlier turns' blocks stay in the context too. An episode is one task and its tool loop,
+    in which every block stays in the context, so the two behave the same. `turn-level` and
+    `off` are not implemented by the agent loop and are rejected."""
     max_concurrent_episodes: int = Field(64, ge=1)
     kv_cache_bytes: int = Field(1 << 30, ge=1 << 20)
     """KV cache reserved by each engine (vLLM otherwise takes most of the host's memory)."""
     enforce_eager: bool = True
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     resources: Resources = Field(default_factory=Resources)
+
+    @model_validator(mode="after")
+    def _thinking_supported(self) -> RolloutSpec:
+        if self.thinking in ("turn-level", "off"):
+            raise ValueError(f"thinking: {self.thinking!r} is not implemented by the agent loop; "
+                             "use 'interleaved' or 'preserved'")
+        return self
 
 
 class TrainerSpec(_Model):

@@ -187,6 +187,12 @@ class TrainerEngine:
             "reward_mean": sum(t.reward for t in batch) / len(batch),
             **stats.as_dict(),
         }
+        if rl:
+            # How many versions behind the weights being trained each trajectory's oldest token
+            # is, counted per value (`staleness_<k>`): the run report's staleness histogram.
+            for t in batch:
+                key = f"staleness_{max(0, self.version - t.oldest_version)}"
+                out[key] = out.get(key, 0.0) + 1.0
         self.last_metrics = out
         if self.stage:
             self.stage_steps[self.stage] = self.stage_steps.get(self.stage, 0) + 1
