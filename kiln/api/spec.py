@@ -233,8 +233,9 @@ class RolloutSpec(_Model):
     thinking: Literal["interleaved", "preserved", "turn-level", "off"] = "interleaved"
     """`interleaved`: the model may open a `<think>` block before any action; `preserved`:
     earlier turns' blocks stay in the context too. An episode is one task and its tool loop,
-    in which every block stays in the context, so the two behave the same. `turn-level` and
-    `off` are not implemented by the agent loop and are rejected."""
+    in which every block stays in the context, so the two behave the same. `off`: an empty
+    `<think></think>` is written before each action (context, not trained on). `turn-level`
+    is not implemented by the agent loop and is rejected."""
     max_concurrent_episodes: int = Field(64, ge=1)
     kv_cache_bytes: int = Field(1 << 30, ge=1 << 20)
     """KV cache reserved by each engine (vLLM otherwise takes most of the host's memory)."""
@@ -244,7 +245,7 @@ class RolloutSpec(_Model):
 
     @model_validator(mode="after")
     def _thinking_supported(self) -> RolloutSpec:
-        if self.thinking in ("turn-level", "off"):
+        if self.thinking == "turn-level":
             raise ValueError(f"thinking: {self.thinking!r} is not implemented by the agent loop; "
                              "use 'interleaved' or 'preserved'")
         return self

@@ -8,10 +8,12 @@ observations are tokenized and appended with loss mask 0 and no version. The env
 tool calls, sandboxes and verifier) lives behind `EnvClient`, which speaks text; the engine
 behind `EngineProtocol` (`engine.py`). Both are Protocols with a gRPC/vLLM implementation and in-process ones in tests.
 
-Thinking modes: `interleaved` and `preserved` keep each action's `<think>` block in the context
-(the trajectory is the literal token sequence the model saw, so nothing is rewritten between
-turns); `off` and `turn-level` are prompting choices of the environment and are passed through
-unchanged here.
+Thinking modes (`Limits.thinking`): `interleaved` and `preserved` let the model open a `<think>`
+block before any action and keep every block in the context (the trajectory is the literal
+token sequence the model saw, so nothing is rewritten between turns; within one task's tool
+loop the two modes coincide). `off` writes an empty `<think></think>` before each action, as
+chat templates do to switch reasoning off: those tokens are context (loss mask 0, no version),
+not generated. `turn-level` is not implemented (the job spec rejects it).
 
 Not covered: scheduling many episodes and shipping them (`producer.py`).
 """
@@ -72,9 +74,22 @@ class Tokenizer(Protocol):
 
 @dataclass
 class Limits:
+    """What bounds and shapes an episode."""
+
     max_turns: int = 8
     max_tokens_per_turn: int = 64
     max_total_tokens: int = 1024
+    thinking: str = "interleaved"
+    """`interleaved`, `preserved` or `off` (see the module doc)."""
+
+    def __post_init__(self) -> None:
+        if self.thinking not in THINKING_MODES:
+            raise ValueError(f"thinking={self.thinking!r} is not one of {THINKING_MODES}")
+
+
+THINKING_MODES = ("interleaved", "preserved", "off")
+#: Written before each action when thinking is off.
+EMPTY_THINK = "<think></think>"
 
 
 def encode(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -108,11 +123,16 @@ async def run_episode(engine: Engine, env: EnvClient, tokenizer: Tokenizer, *, t
         result = StepInfo()
         flags: list[str] = []
         index_hashes: list[int] = []
+        prefill = encode(tokenizer, EMPTY_THINK) if limits.thinking == "off" else []
         for _turn in range(limits.max_turns):
-            budget = min(limits.max_tokens_per_turn, limits.max_total_tokens - len(tokens))
+            budget = min(limits.max_tokens_per_turn, limits.max_total_tokens - len(tokens) - len(prefill))
             if budget <= 0:
                 flags.append("truncated")
                 break
+            tokens += prefill
+            mask += [0] * len(prefill)
+            logp += [0.0] * len(prefill)
+            versions += [-1] * len(prefill)
             gen = await engine.generate(tokens, dataclasses.replace(
                 sampling, max_tokens=budget, stop_token_ids=tuple(stops)))
             tokens += gen.token_ids
@@ -121,7 +141,7 @@ async def run_episode(engine: Engine, env: EnvClient, tokenizer: Tokenizer, *, t
             versions += gen.versions
             # Each generation's hashes cover the whole sequence so far; the last one's win.
             index_hashes = list(gen.index_hashes) or index_hashes
-            action = tokenizer.decode(gen.token_ids, skip_special_tokens=False)
+            action = tokenizer.decode(prefill + list(gen.token_ids), skip_special_tokens=False)
             result = await env.step(ep.episode_id, action)
             if result.done:
                 break

@@ -76,7 +76,8 @@ async def build(job: RLJob | None, args: argparse.Namespace):
         engine, env, tokenizer, BufferSink(buffer_channel),
         sampling=SamplingOptions(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens_per_turn,
                                  seed=None),
-        limits=Limits(spec.rollout.max_turns, s.max_tokens_per_turn, s.max_total_tokens),
+        limits=Limits(spec.rollout.max_turns, s.max_tokens_per_turn, s.max_total_tokens,
+                      thinking=spec.rollout.thinking),
         max_concurrent=spec.rollout.max_concurrent_episodes,
         samples_path=args.run_dir / "trajectories.jsonl")
     producer.start()

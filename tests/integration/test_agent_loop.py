@@ -182,3 +182,31 @@ def test_demonstrations_are_fixed_per_task_and_asked_for_once(setup):
     for t in got:
         assert by_task.setdefault(t.task_id, t.tokens) == t.tokens
     assert len(by_task) == len(set(calls))
+
+
+def test_thinking_off_writes_an_empty_block_before_each_action(setup):
+    from kiln.services.rollout.agent import EMPTY_THINK
+
+    model, tok, job = setup
+
+    async def main():
+        engine = await TorchEngine.start(EngineSettings(model=str(model), dtype="float32", seed=2))
+        env = LocalEnv(EpisodeManager(job, base_dir=REPO, owner="test-think"))
+        return await asyncio.gather(*[
+            run_episode(engine, env, tok, task_set="chain-train", index=i,
+                        sampling=SamplingOptions(temperature=1.0, max_tokens=16),
+                        limits=Limits(max_turns=3, max_tokens_per_turn=16, max_total_tokens=128,
+                                      thinking="off"))
+            for i in range(3)])
+
+    block = tok.encode(EMPTY_THINK, add_special_tokens=False)
+    for t in asyncio.run(main()):
+        t.check()
+        # Every run of generated tokens starts right after the empty block, which is context.
+        starts = [i for i in range(1, len(t.tokens)) if t.loss_mask[i] and not t.loss_mask[i - 1]]
+        assert starts
+        for i in starts:
+            assert t.tokens[i - len(block):i] == block
+            assert not any(t.loss_mask[i - len(block):i])
+    with pytest.raises(ValueError, match="thinking"):
+        Limits(thinking="turn-level")
