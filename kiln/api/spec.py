@@ -247,7 +247,7 @@ class RolloutSpec(_Model):
     def _thinking_supported(self) -> RolloutSpec:
         if self.thinking == "turn-level":
             raise ValueError(f"thinking: {self.thinking!r} is not implemented by the agent loop; "
-                             "use 'interleaved' or 'preserved'")
+                             "use 'interleaved', 'preserved' or 'off'")
         return self
 
 
