@@ -11,16 +11,17 @@ This module is the torch-free domain type. The wire format is `kiln.v1.Trajector
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class VersionSpan:
-    """Tokens `[start, end)` of a trajectory were generated under policy `version`."""
+    """Tokens `[start, end)` of a trajectory were generated under policy `policy_version`."""
 
     start: int
     end: int
-    version: int
+    policy_version: int
 
 
 @dataclass
@@ -56,37 +57,51 @@ class Trajectory:
 
     @property
     def oldest_version(self) -> int:
-        return min((s.version for s in self.version_spans), default=0)
+        return min((s.policy_version for s in self.version_spans), default=0)
 
     @property
     def newest_version(self) -> int:
-        return max((s.version for s in self.version_spans), default=0)
+        return max((s.policy_version for s in self.version_spans), default=0)
 
     def versions_per_token(self) -> list[int]:
         """The policy version of every token; -1 for tokens not generated (prompt/observation)."""
         out = [-1] * len(self.tokens)
         for span in self.version_spans:
             for i in range(span.start, span.end):
-                out[i] = span.version
+                out[i] = span.policy_version
         return out
 
     def check(self) -> None:
-        """Raise ValueError if the record is internally inconsistent (a bug upstream)."""
+        """Raise ValueError if the record cannot be trained on (a bug upstream; retrying the
+        same record does not help). The buffer calls this once, when a trajectory arrives;
+        everything downstream of the buffer relies on it."""
         n = len(self.tokens)
+        if not self.id:
+            raise ValueError("trajectory id is empty")
+        if n == 0:
+            raise ValueError(f"trajectory {self.id}: tokens is empty")
         if len(self.loss_mask) != n or len(self.logp_infer) != n:
             raise ValueError(
                 f"trajectory {self.id}: tokens ({n}), loss_mask ({len(self.loss_mask)}) and "
                 f"logp_infer ({len(self.logp_infer)}) must have the same length"
             )
+        if self.teacher_logp and len(self.teacher_logp) != n:
+            raise ValueError(f"trajectory {self.id}: teacher_logp has {len(self.teacher_logp)} "
+                             f"entries, tokens {n}")
+        if self.loss_mask[0]:
+            raise ValueError(f"trajectory {self.id}: loss_mask[0] is 1, but the first token has "
+                             "no context to be predicted from")
+        if not math.isfinite(self.reward):
+            raise ValueError(f"trajectory {self.id}: reward is {self.reward}")
         covered = [False] * n
         last_version = -1
         last_end = 0
         for span in self.version_spans:
             if not (0 <= span.start < span.end <= n) or span.start < last_end:
                 raise ValueError(f"trajectory {self.id}: version span {span} out of order or range")
-            if span.version < last_version:
+            if span.policy_version < last_version:
                 raise ValueError(f"trajectory {self.id}: version spans go backwards at {span}")
-            last_version, last_end = span.version, span.end
+            last_version, last_end = span.policy_version, span.end
             for i in range(span.start, span.end):
                 covered[i] = True
         for i, m in enumerate(self.loss_mask):

@@ -1,8 +1,8 @@
 """What a running job reports, and how it becomes the RLJob's status.
 
 A `StatusReader` observes one job: whether its trainer and buffer answer their gRPC health
-checks, and the progress the services report (policy version, largest staleness trained on,
-last weight sync; stage, step and reward from the trainer). `GrpcStatusReader` asks the
+checks, and the progress the services report (largest staleness trained on from the buffer, last
+weight sync from weight-sync; stage, step, reward and policy version from the trainer). `GrpcStatusReader` asks the
 services over gRPC: the standard health service, `kiln.v1.Buffer/GetStatus`,
 `kiln.v1.WeightSync/Status`, and `kiln.v1.Trainer/GetTrainerStatus` (stage, step, reward).
 `StaticStatusReader` is the in-process form: it returns whatever observation it was given.
@@ -83,9 +83,9 @@ class StaticStatusReader:
 
 
 class GrpcStatusReader:
-    """Reads a job's services over gRPC: trainer and buffer health, the buffer's status (trainer
-    version, largest staleness served), weight-sync's latest published version (a new one
-    stamps `lastWeightSync`), and the trainer's own progress where it serves GetStatus."""
+    """Reads a job's services over gRPC: trainer and buffer health, the buffer's status (largest
+    staleness served), weight-sync's latest committed version (a new one stamps
+    `lastWeightSync`), and the trainer's progress (stage, step, reward, policy version)."""
 
     def __init__(self, address_template: str = DEFAULT_ADDRESS, timeout: float = 2.0) -> None:
         self.address_template = address_template
@@ -137,7 +137,6 @@ class GrpcStatusReader:
         except grpc.RpcError as exc:
             obs.errors["buffer"] = f"GetStatus: {exc.code().name}"
             return
-        obs.policy_version = int(st.trainer_version)
         if st.max_staleness >= 0:
             obs.observed_staleness = int(st.max_staleness)
 
@@ -150,14 +149,12 @@ class GrpcStatusReader:
             obs.errors["weight-sync"] = f"Status: {exc.code().name}"
             return
         key = (job.namespace, job.name)
-        latest = int(st.latest_version)
+        latest = int(st.policy_version)
         with self._lock:
             seen = self._published.get(key)
             self._published[key] = latest
         if latest > 0 and seen is not None and latest != seen:
             obs.last_weight_sync = rfc3339()
-        if latest > 0:
-            obs.policy_version = latest
 
     def _read_trainer(self, job: JobRef, obs: Observation) -> None:
         stub = trainer_pb2_grpc.TrainerStub(self._channel(self.address(job, "trainer")))
@@ -167,6 +164,8 @@ class GrpcStatusReader:
             obs.errors["trainer"] = f"GetTrainerStatus: {exc.code().name}"
             return
         obs.stage = resp.stage or None
+        # The trainer owns the policy version; the buffer and weight-sync only echo it.
+        obs.policy_version = int(resp.policy_version)
         obs.step = int(resp.stage_step)
         obs.stage_done = bool(resp.stage_done)
         if "reward_mean" in resp.last_metrics:

@@ -171,7 +171,7 @@ def run_kiln(job: dict, work_dir: Path, timeout: float, out) -> RunTrace:
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kiln.services.cli", "run", str(job_file), "--run-dir", str(run_dir)],
+            [sys.executable, "-m", "kiln.cli.main", "run", str(job_file), "--run-dir", str(run_dir)],
             stdout=log, stderr=subprocess.STDOUT, cwd=work_dir)
         try:
             while proc.poll() is None:
@@ -208,7 +208,7 @@ def run_kiln(job: dict, work_dir: Path, timeout: float, out) -> RunTrace:
 
 def export_model(init_dir: Path, sft_run: Path, out_dir: Path) -> None:
     """The SFT run's last trainer checkpoint as a HF directory (config and tokenizer from init)."""
-    from kiln.services.common.modeling.hf_io import write_hf_dir
+    from kiln.models.hf_io import write_hf_dir
     from kiln.services.trainer.config import TrainerConfig
     from kiln.services.trainer.engine import TrainerEngine
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.services.common.tiny_model import make_tiny_checkpoint
+from kiln.models.tiny import make_tiny_checkpoint
 from kiln.services.trainer.config import OptimizerConfig, TrainerConfig
 from kiln.services.trainer.engine import TrainerEngine
 from kiln.services.trainer.loss import PolicyLossConfig, policy_loss

@@ -10,7 +10,7 @@ What it measures, in one run:
    checksummed buckets, for several bucket sizes and numbers of parallel streams; the time runs
    from the first byte to the service's commit (every bucket verified);
 3. subscribe: a replica joining late receives, verifies and assembles the version into tensors;
-4. vLLM: `RolloutEngine.apply_weights` for a tiny model and a ~100 M-parameter one.
+4. vLLM: `VllmEngine.apply_weights` for a tiny model and a ~100 M-parameter one.
 Packing (the trainer's one copy of its weights) is reported separately, not in the transfer.
 Random weights, bf16, shaped like a small Qwen2; nothing is downloaded.
 """
@@ -131,7 +131,7 @@ async def grpc_runs(port: int, tensors, configs, repeats: int, total: int) -> tu
             best = math.inf
             for _ in range(repeats):
                 version += 1
-                packed = pack(version, tensors, bucket_bytes) if version != packed.manifest.version else packed
+                packed = pack(version, tensors, bucket_bytes) if version != packed.manifest.policy_version else packed
                 r = await ws.publish_packed(ch, packed, streams=streams)
                 best = min(best, r.seconds)
             results.append(dict(bucket_bytes=bucket_bytes, streams=streams, seconds=best,
@@ -158,10 +158,11 @@ async def grpc_runs(port: int, tensors, configs, repeats: int, total: int) -> tu
 
 
 async def vllm_apply(model_dir: Path, tensors, dtype: str) -> tuple[float, float]:
-    from kiln.services.rollout.engine import EngineSettings, RolloutEngine, SamplingOptions
+    from kiln.services.rollout.engine import EngineSettings, SamplingOptions
+from kiln.services.rollout.vllm_engine import VllmEngine
 
     t0 = time.perf_counter()
-    engine = await RolloutEngine.start(EngineSettings(model=str(model_dir), dtype=dtype,
+    engine = await VllmEngine.start(EngineSettings(model=str(model_dir), dtype=dtype,
                                                       kv_cache_bytes=64 << 20, max_model_len=256))
     start_s = time.perf_counter() - t0
     try:
@@ -177,7 +178,7 @@ async def vllm_apply(model_dir: Path, tensors, dtype: str) -> tuple[float, float
 
 
 def make_model_dir(root: Path, hidden: int, layers: int, heads: int, inter: int, dtype: str) -> Path:
-    from kiln.services.common.tiny_model import make_tiny_model, train_tokenizer
+    from kiln.models.tiny import make_tiny_model, train_tokenizer
 
     tok = root / "tok"
     if not tok.exists():
@@ -235,7 +236,7 @@ def main() -> int:
 
     if not args.no_vllm:
         from safetensors.torch import load_file
-        print("\nvLLM RolloutEngine.apply_weights (in place, running engine):")
+        print("\nvLLM VllmEngine.apply_weights (in place, running engine):")
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
             for hidden, layers, heads, inter, dtype in ((128, 2, 4, 256, "float32"),

@@ -6,7 +6,7 @@ launcher agree on every field. Field names are camelCase on the wire (Kubernetes
 snake_case in Python. Cross-field rules live in `model_validator`s; the error messages name the
 field path as a user would write it.
 
-Not covered here: how a spec becomes pods (`kiln.operator`) or processes (`kiln.services.launcher`).
+Not covered here: how a spec becomes pods (`kiln.operator`) or processes (`kiln.cli.local.launcher`).
 """
 from __future__ import annotations
 

@@ -1,28 +1,32 @@
-"""How rollout, trainer and launcher talk to the buffer: one small protocol, two implementations.
+"""The buffer's client: the one way rollout, trainer, driver and tools talk to the buffer.
 
-- `GrpcBufferClient(target)`: a real channel to a `kiln-buffer` process. Put retries with
-  exponential backoff and jitter on RESOURCE_EXHAUSTED (the buffer is full) and UNAVAILABLE
-  (restarting, or a failed disk write); Put is idempotent by trajectory id, so a retry after a lost
-  acknowledgement stores nothing twice. GetBatch, AckBatch, SetTrainerVersion, Configure and
-  GetStatus retry on UNAVAILABLE only (AckBatch is idempotent, and a GetBatch whose answer was
-  lost leaves a lease that is served again). Other codes raise `grpc.RpcError` at once
-  (INVALID_ARGUMENT will not heal).
-- `InProcessBufferClient(buffer)`: the same calls straight on a `TrajectoryBuffer`, with the same
-  backoff on `BufferFull`, so a whole RL loop can run in one process (tests, small local runs).
+`BufferClient` is the protocol; it has two implementations:
+- `GrpcBufferClient(target)`: a channel to a `kiln-buffer` process;
+- `InProcessBufferClient(buffer)`: the same calls straight on a `TrajectoryBuffer`, so a whole
+  RL loop can run in one process (tests, small local runs).
+`make_client` picks one from a target string.
 
-`make_client` picks one from a target string. The client is synchronous; asyncio callers use
-`asyncio.to_thread`.
+Calls are synchronous, for the trainer's stage thread and the driver, except `put_async`, the
+Put of a producer running on an event loop (rollout), which also gives up once its
+trajectories are no longer wanted (`still_wanted()` turned false: the stage they belong to is
+over, and they must not land in the next stage's batches).
+
+Retries. Put retries with exponential backoff and jitter on RESOURCE_EXHAUSTED (the buffer is
+full) and UNAVAILABLE (restarting, or a failed disk write); it is idempotent by trajectory id, so
+a retry after a lost acknowledgement stores nothing twice. The other calls retry on UNAVAILABLE
+only (AckBatch is idempotent, and a GetBatch whose answer was lost leaves a lease that is served
+again). Other codes raise `grpc.RpcError` at once (INVALID_ARGUMENT will not heal).
 
 The trainer's side of the lease protocol: `get_batch`, train, `ack_batch(batch.batch_id)`. A batch
 whose ack did not arrive comes back with the same `batch_id` (and `delivery` > 1); a trainer that
-remembers the ids it trained on (say, in its checkpoint) acks such a batch again without training
-on it. One that does not trains on it a second time, which is what at-least-once delivery costs.
+remembers the ids it trained on acks such a batch again without training on it.
 
 Not covered here: batching of puts (the caller decides how many trajectories per call; 0.5-1 MiB
 messages move fastest, see PLATFORM.md).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -33,16 +37,10 @@ from typing import Any, Callable, Protocol, Sequence, TypeVar
 import grpc
 
 from kiln.protos.kiln.v1 import buffer_pb2, buffer_pb2_grpc
-from kiln.services.buffer.buffer import (
-    AckResult,
-    Batch,
-    BufferConfig,
-    BufferFull,
-    BufferStatus,
-    PutResult,
-    TrajectoryBuffer,
-)
-from kiln.services.buffer.servicer import ack_from_proto, batch_from_proto, status_from_proto
+from kiln.services.buffer import wire
+from kiln.services.buffer.buffer import TrajectoryBuffer
+from kiln.services.buffer.leases import AckResult
+from kiln.services.buffer.types import Batch, BufferConfig, BufferFull, BufferStatus, PutResult
 from kiln.services.common import codec
 from kiln.services.common.server import CHANNEL_OPTIONS
 from kiln.trajectory import Trajectory
@@ -50,16 +48,24 @@ from kiln.trajectory import Trajectory
 log = logging.getLogger("kiln.buffer.client")
 T = TypeVar("T")
 
+__all__ = ["AckResult", "Backoff", "Batch", "BufferClient", "BufferStatus", "GrpcBufferClient",
+           "InProcessBufferClient", "PutResult", "make_client"]
+
 
 class BufferClient(Protocol):
     def put(self, trajectories: Sequence[Trajectory], group_size: int | None = None) -> PutResult: ...
 
-    def get_batch(self, size: int, trainer_version: int, timeout: float = 0.0,
+    async def put_async(self, trajectories: Sequence[Trajectory], group_size: int | None = None,
+                        *, still_wanted: Callable[[], bool] = ...) -> PutResult | None:
+        """The PutResult once stored; None if abandoned because `still_wanted()` turned false."""
+        ...
+
+    def get_batch(self, size: int, policy_version: int, timeout: float = 0.0,
                   allow_partial: bool = False) -> Batch: ...
 
     def ack_batch(self, batch_id: int) -> AckResult: ...
 
-    def set_trainer_version(self, version: int) -> BufferStatus: ...
+    def set_policy_version(self, version: int) -> BufferStatus: ...
 
     def configure(self, group_size: int | None = None, tau: int | None = None,
                   drop_unserved: bool = False) -> BufferStatus: ...
@@ -77,23 +83,28 @@ class Backoff:
     maximum: float = 2.0
     max_wait: float = 600.0
 
-    def run(self, fn: Callable[[], T], retryable: Callable[[BaseException], bool], what: str) -> T:
+    def delays(self):
+        """Pauses to sleep between attempts, until `max_wait` is used up."""
         deadline = time.monotonic() + self.max_wait
         delay = self.initial
+        while (left := deadline - time.monotonic()) > 0:
+            yield min(random.uniform(0, delay), left)
+            delay = min(delay * 2, self.maximum)
+
+    def run(self, fn: Callable[[], T], retryable: Callable[[BaseException], bool], what: str) -> T:
+        pauses = self.delays()
         while True:
             try:
                 return fn()
             except Exception as exc:
                 if not retryable(exc):
                     raise
-                left = deadline - time.monotonic()
-                if left <= 0:
+                pause = next(pauses, None)
+                if pause is None:
                     log.error("%s: giving up after %.0f s: %s", what, self.max_wait, exc)
                     raise
-                pause = min(random.uniform(0, delay), left)
                 log.debug("%s: retrying in %.2f s: %s", what, pause, exc)
                 time.sleep(pause)
-                delay = min(delay * 2, self.maximum)
 
 
 def _code(exc: BaseException) -> grpc.StatusCode | None:
@@ -101,11 +112,18 @@ def _code(exc: BaseException) -> grpc.StatusCode | None:
 
 
 def _put_retryable(exc: BaseException) -> bool:
-    return _code(exc) in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+    return _code(exc) in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE,
+                          grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def _unavailable(exc: BaseException) -> bool:
     return _code(exc) == grpc.StatusCode.UNAVAILABLE
+
+
+def _put_request(trajectories: Sequence[Trajectory], group_size: int | None) -> buffer_pb2.PutRequest:
+    req = buffer_pb2.PutRequest(group_size=group_size or 0)
+    req.trajectories.extend(codec.to_bytes(t) for t in trajectories)
+    return req
 
 
 class GrpcBufferClient:
@@ -116,44 +134,63 @@ class GrpcBufferClient:
         self.rpc_timeout = rpc_timeout
         self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = buffer_pb2_grpc.BufferStub(self._channel)
+        self._aio: grpc.aio.Channel | None = None
 
     def wait_ready(self, timeout: float) -> None:
         """Block until the channel connects (raises grpc.FutureTimeoutError otherwise)."""
         grpc.channel_ready_future(self._channel).result(timeout=timeout)
 
     def put(self, trajectories: Sequence[Trajectory], group_size: int | None = None) -> PutResult:
-        req = buffer_pb2.PutRequest(group_size=group_size or 0)
-        req.trajectories.extend(codec.to_proto(t) for t in trajectories)
+        req = _put_request(trajectories, group_size)
         resp = self.backoff.run(lambda: self._stub.Put(req, timeout=self.rpc_timeout),
                                 _put_retryable, "buffer Put")
-        return PutResult(resp.accepted, resp.duplicates, resp.dropped_stale, resp.depth)
+        return wire.put_result_from_proto(resp)
 
-    def get_batch(self, size: int, trainer_version: int, timeout: float = 0.0,
+    async def put_async(self, trajectories: Sequence[Trajectory], group_size: int | None = None,
+                        *, still_wanted: Callable[[], bool] = lambda: True) -> PutResult | None:
+        if self._aio is None:
+            # Created on first use, on the caller's event loop.
+            self._aio = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        stub = buffer_pb2_grpc.BufferStub(self._aio)
+        req = _put_request(trajectories, group_size)
+        pauses = self.backoff.delays()
+        while still_wanted():
+            try:
+                return wire.put_result_from_proto(await stub.Put(req, timeout=self.rpc_timeout))
+            except grpc.aio.AioRpcError as exc:
+                pause = next(pauses, None) if _put_retryable(exc) else None
+                if pause is None:
+                    # INVALID_ARGUMENT and the like are a bug upstream; retrying cannot help.
+                    raise
+            await asyncio.sleep(pause)
+        return None
+
+    def get_batch(self, size: int, policy_version: int, timeout: float = 0.0,
                   allow_partial: bool = False) -> Batch:
-        req = buffer_pb2.GetBatchRequest(size=size, trainer_version=trainer_version,
+        req = buffer_pb2.GetBatchRequest(size=size, policy_version=policy_version,
                                          timeout_seconds=timeout, allow_partial=allow_partial)
         # The server waits up to `timeout`; the deadline leaves room for the answer to arrive.
         resp = self.backoff.run(lambda: self._stub.GetBatch(req, timeout=timeout + self.rpc_timeout),
                                 _unavailable, "buffer GetBatch")
-        return batch_from_proto(resp)
+        return wire.batch_from_proto(resp)
 
     def ack_batch(self, batch_id: int) -> AckResult:
         req = buffer_pb2.AckBatchRequest(batch_id=batch_id)
-        return ack_from_proto(self._call(self._stub.AckBatch, req, "AckBatch"))
+        return wire.ack_from_proto(self._call(self._stub.AckBatch, req, "AckBatch"))
 
-    def set_trainer_version(self, version: int) -> BufferStatus:
-        req = buffer_pb2.SetTrainerVersionRequest(version=version)
-        return status_from_proto(self._call(self._stub.SetTrainerVersion, req, "SetTrainerVersion"))
+    def set_policy_version(self, version: int) -> BufferStatus:
+        req = buffer_pb2.SetPolicyVersionRequest(policy_version=version)
+        return wire.status_from_proto(self._call(self._stub.SetPolicyVersion, req, "SetPolicyVersion"))
 
     def configure(self, group_size: int | None = None, tau: int | None = None,
                   drop_unserved: bool = False) -> BufferStatus:
         req = buffer_pb2.ConfigureRequest(group_size=group_size or 0, drop_unserved=drop_unserved)
         if tau is not None:
             req.tau = tau
-        return status_from_proto(self._call(self._stub.Configure, req, "Configure"))
+        return wire.status_from_proto(self._call(self._stub.Configure, req, "Configure"))
 
     def status(self) -> BufferStatus:
-        return status_from_proto(
+        return wire.status_from_proto(
             self._call(self._stub.GetStatus, buffer_pb2.GetStatusRequest(), "GetStatus"))
 
     def _call(self, method: Callable[..., Any], req: Any, name: str) -> Any:
@@ -162,6 +199,13 @@ class GrpcBufferClient:
 
     def close(self) -> None:
         self._channel.close()
+
+    async def aclose(self) -> None:
+        """Close the asyncio channel `put_async` opened (on its event loop), and the rest."""
+        if self._aio is not None:
+            await self._aio.close()
+            self._aio = None
+        self.close()
 
 
 class InProcessBufferClient:
@@ -175,15 +219,28 @@ class InProcessBufferClient:
         return self.backoff.run(lambda: self.buffer.put(trajectories, group_size),
                                 lambda e: isinstance(e, BufferFull), "buffer put")
 
-    def get_batch(self, size: int, trainer_version: int, timeout: float = 0.0,
+    async def put_async(self, trajectories: Sequence[Trajectory], group_size: int | None = None,
+                        *, still_wanted: Callable[[], bool] = lambda: True) -> PutResult | None:
+        pauses = self.backoff.delays()
+        while still_wanted():
+            try:
+                return await asyncio.to_thread(self.buffer.put, trajectories, group_size)
+            except BufferFull:
+                pause = next(pauses, None)
+                if pause is None:
+                    raise
+            await asyncio.sleep(pause)
+        return None
+
+    def get_batch(self, size: int, policy_version: int, timeout: float = 0.0,
                   allow_partial: bool = False) -> Batch:
-        return self.buffer.get_batch(size, trainer_version, timeout, allow_partial)
+        return self.buffer.get_batch(size, policy_version, timeout, allow_partial)
 
     def ack_batch(self, batch_id: int) -> AckResult:
         return self.buffer.ack_batch(batch_id)
 
-    def set_trainer_version(self, version: int) -> BufferStatus:
-        return self.buffer.set_trainer_version(version)
+    def set_policy_version(self, version: int) -> BufferStatus:
+        return self.buffer.set_policy_version(version)
 
     def configure(self, group_size: int | None = None, tau: int | None = None,
                   drop_unserved: bool = False) -> BufferStatus:
@@ -194,6 +251,9 @@ class InProcessBufferClient:
 
     def close(self) -> None:
         self.buffer.close()
+
+    async def aclose(self) -> None:
+        self.close()
 
 
 def make_client(target: str, config: BufferConfig | None = None) -> BufferClient:

@@ -99,13 +99,13 @@ def group_advantages(rewards: list[float]) -> list[float]:
     return [r - mean for r in rewards]
 
 
-def staleness(trainer_version: int, oldest_version: int) -> int:
-    return trainer_version - oldest_version
+def staleness(policy_version: int, oldest_version: int) -> int:
+    return policy_version - oldest_version
 
 
-def is_stale(trainer_version: int, oldest_version: int, tau: int | None) -> bool:
+def is_stale(policy_version: int, oldest_version: int, tau: int | None) -> bool:
     """True if freshness control drops a trajectory; `tau=None` disables it (SFT)."""
-    return tau is not None and staleness(trainer_version, oldest_version) > tau
+    return tau is not None and staleness(policy_version, oldest_version) > tau
 
 
 def pick_groups(ready: list[Group], size: int) -> list[Group]:

@@ -18,7 +18,8 @@ from typing import Sequence
 
 from kiln.api.spec import RLJob, RLStage
 from kiln.protos.kiln.v1 import buffer_pb2_grpc
-from kiln.services.buffer.buffer import BufferConfig, TrajectoryBuffer
+from kiln.services.buffer.buffer import TrajectoryBuffer
+from kiln.services.buffer.types import BufferConfig
 from kiln.services.buffer.servicer import BufferServicer
 from kiln.services.common.server import Registration, run_service, service_argparser
 

@@ -55,7 +55,8 @@ class Recovered:
     """What `open` found on disk."""
 
     records: list[buffer_pb2.BufferRecord] = field(default_factory=list)
-    """Unconsumed trajectory records, in append order."""
+    """Unconsumed trajectory records (id, serialized trajectory, group size), in append
+    order."""
     consumed: set[str] = field(default_factory=set)
     """Ids of every consumed trajectory (in an acked batch, or dropped)."""
     events: list[dict[str, Any]] = field(default_factory=list)
@@ -130,7 +131,7 @@ class TrajectoryStore:
                 if kind != KIND_TRAJECTORY:
                     raise records.CorruptLog(f"{path}: unexpected record kind {kind}")
                 msg = buffer_pb2.BufferRecord.FromString(payload)
-                tid = msg.trajectory.id
+                tid = msg.id
                 if tid in self._consumed or tid in self._where:
                     # Consumed, or a copy left by a crash between a write and its acknowledgement
                     # that a retried Put then stored again: the first copy counts.
@@ -176,13 +177,17 @@ class TrajectoryStore:
 
     # ------------------------------------------------------------------------------ writing
 
-    def append(self, recs: list[buffer_pb2.BufferRecord]) -> None:
-        """Store `recs` durably (one fsync). Ids must be new: the caller deduplicates."""
+    def append(self, recs: list[tuple[str, bytes, int]]) -> None:
+        """Store `recs`, (id, serialized trajectory, group size) each, durably (one fsync).
+        Ids must be new: the caller deduplicates. The trajectory bytes are stored as given."""
         if not recs:
             return
         if self._active.tell() >= self.segment_bytes:
             self._open_active(self._active_no + 1)
-        data = records.encode_many((KIND_TRAJECTORY, r.SerializeToString()) for r in recs)
+        data = records.encode_many(
+            (KIND_TRAJECTORY, buffer_pb2.BufferRecord(id=tid, trajectory=payload,
+                                                      group_size=size).SerializeToString())
+            for tid, payload, size in recs)
         start = self._active.tell()
         try:
             records.append_durably(self._active, data)
@@ -191,9 +196,9 @@ class TrajectoryStore:
             self._active.truncate(start)
             raise
         seg = self._segments[self._active_no]
-        for r in recs:
-            seg.live.add(r.trajectory.id)
-            self._where[r.trajectory.id] = self._active_no
+        for tid, _, _ in recs:
+            seg.live.add(tid)
+            self._where[tid] = self._active_no
 
     def log_event(self, event: dict[str, Any]) -> None:
         """Append one event durably; ids in `event["consumed"]` are never recovered again."""

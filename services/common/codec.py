@@ -14,16 +14,19 @@ Not covered here: validation of the record's internal consistency (that is `Traj
 """
 from __future__ import annotations
 
+from google.protobuf import message
+
 from kiln.protos.kiln.v1 import trajectory_pb2
 from kiln.trajectory import Trajectory, VersionSpan
 
 
 def span_to_proto(span: VersionSpan) -> trajectory_pb2.VersionSpan:
-    return trajectory_pb2.VersionSpan(start=span.start, end=span.end, version=span.version)
+    return trajectory_pb2.VersionSpan(start=span.start, end=span.end,
+                                     policy_version=span.policy_version)
 
 
 def span_from_proto(msg: trajectory_pb2.VersionSpan) -> VersionSpan:
-    return VersionSpan(start=msg.start, end=msg.end, version=msg.version)
+    return VersionSpan(start=msg.start, end=msg.end, policy_version=msg.policy_version)
 
 
 def to_proto(traj: Trajectory) -> trajectory_pb2.Trajectory:
@@ -83,8 +86,15 @@ def from_proto(msg: trajectory_pb2.Trajectory) -> Trajectory:
 
 
 def to_bytes(traj: Trajectory) -> bytes:
+    """The serialized wire form: what a buffer Put carries and stores for each trajectory."""
     return to_proto(traj).SerializeToString()
 
 
 def from_bytes(data: bytes) -> Trajectory:
-    return from_proto(trajectory_pb2.Trajectory.FromString(data))
+    """Decode a serialized `kiln.v1.Trajectory`; ValueError for bytes that are not one
+    (protobuf's own DecodeError is not a ValueError)."""
+    try:
+        msg = trajectory_pb2.Trajectory.FromString(data)
+    except message.DecodeError as exc:
+        raise ValueError(f"not a serialized kiln.v1.Trajectory: {exc}") from None
+    return from_proto(msg)

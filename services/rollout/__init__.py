@@ -1,5 +1,4 @@
-"""Rollout: the agent loop and the inference engines it samples from.
-
-`engine` defines `EngineProtocol` and the vLLM-backed `RolloutEngine`; `torch_engine` is the
-same protocol over a plain transformers model, for fast tests.
-"""
+"""Rollout: the agent loop (agent.py), the producer that keeps episodes in flight and ships them
+to the buffer (producer.py), the inference engines behind one protocol and factory (engine.py:
+vLLM, megatron, torch), the gRPC servicer and process entry point (servicer.py, main.py), and
+the client the stage driver uses (client.py, wire.py)."""

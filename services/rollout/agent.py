@@ -5,8 +5,9 @@
 The model's actions are the engine's own token ids (never re-tokenized), each with the log-prob
 the engine sampled it with and the policy version it was generated under; the environment's
 observations are tokenized and appended with loss mask 0 and no version. The environment (its
-tool calls, sandboxes and verifier) lives behind `EnvClient`, which speaks text; the engine
-behind `EngineProtocol` (`engine.py`). Both are Protocols with a gRPC/vLLM implementation and in-process ones in tests.
+tool calls, sandboxes and verifier) lives behind the sandbox's `EnvClient`, which speaks text;
+the engine behind `Engine` (`engine.py`). Both are Protocols with a gRPC/vLLM implementation and
+in-process ones for tests.
 
 Thinking modes (`Limits.thinking`): `interleaved` and `preserved` let the model open a `<think>`
 block before any action and keep every block in the context (the trajectory is the literal
@@ -22,48 +23,13 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
+from kiln.episode import Demonstration, StepResult
+from kiln.services.rollout.engine import Engine, SamplingOptions
+from kiln.services.sandbox.client import EnvClient
 from kiln.trajectory import Trajectory, spans_from_versions
-
-from .engine import EngineProtocol as Engine
-from .engine import SamplingOptions
-
-
-@dataclass
-class EpisodeInfo:
-    episode_id: str
-    task_id: str
-    env: str
-    prompt: str
-    stop: list[str]
-
-
-@dataclass
-class StepInfo:
-    observation: str = ""
-    done: bool = False
-    reward: float = 0.0
-    reward_parts: dict[str, float] = field(default_factory=dict)
-    verifier_output: str = ""
-    flags: list[str] = field(default_factory=list)
-    sandbox_image_digest: str = ""
-
-
-@dataclass
-class Demonstration:
-    task_id: str
-    segments: list[tuple[str, bool]]
-    reward: float
-    verifier_output: str
-
-
-class EnvClient(Protocol):
-    async def open(self, task_set: str, index: int, max_actions: int) -> EpisodeInfo: ...
-    async def step(self, episode_id: str, action: str) -> StepInfo: ...
-    async def close(self, episode_id: str) -> None: ...
-    async def demonstrate(self, task_set: str, index: int, seed: int) -> Demonstration: ...
 
 
 class Tokenizer(Protocol):
@@ -120,7 +86,7 @@ async def run_episode(engine: Engine, env: EnvClient, tokenizer: Tokenizer, *, t
         mask = [0] * prompt_len
         logp = [0.0] * prompt_len
         versions = [-1] * prompt_len
-        result = StepInfo()
+        result = StepResult()
         flags: list[str] = []
         index_hashes: list[int] = []
         prefill = encode(tokenizer, EMPTY_THINK) if limits.thinking == "off" else []
@@ -155,7 +121,7 @@ async def run_episode(engine: Engine, env: EnvClient, tokenizer: Tokenizer, *, t
         if not result.done:
             # Out of budget before the model answered: reward 0, as the verifier gives for
             # "no answer"; the flag says why.
-            result = StepInfo(reward=0.0, reward_parts={"answered": 0.0}, verifier_output="no answer")
+            result = StepResult(reward=0.0, reward_parts={"answered": 0.0}, verifier_output="no answer")
         traj = Trajectory(
             id=uuid.uuid4().hex, task_id=ep.task_id, group_id=group_id or uuid.uuid4().hex,
             env=ep.env, tokens=tokens, loss_mask=mask, logp_infer=logp,
@@ -165,7 +131,6 @@ async def run_episode(engine: Engine, env: EnvClient, tokenizer: Tokenizer, *, t
             sandbox_image_digest=result.sandbox_image_digest,
             engine_fingerprint=engine.fingerprint, index_hashes=index_hashes,
             created_at=time.time())
-        traj.check()
         return traj
     finally:
         await env.close(ep.episode_id)
@@ -193,5 +158,4 @@ def demonstration_trajectory(demo: Demonstration, tokenizer: Tokenizer, *, versi
         env="demonstration", tokens=tokens, loss_mask=mask, logp_infer=[0.0] * len(tokens),
         version_spans=spans_from_versions(versions), prompt_len=prompt_len, reward=demo.reward,
         verifier_output=demo.verifier_output, flags=["demonstration"], created_at=time.time())
-    traj.check()
     return traj

@@ -34,25 +34,17 @@ def _addr(name: str) -> str:
     return value
 
 
-def _is_dsa(model_dir: str) -> bool:
-    import json
-    from pathlib import Path
-
-    config = Path(model_dir) / "config.json"
-    return config.exists() and "kiln_dsa" in json.loads(config.read_text())
-
-
 async def build(job: RLJob | None, args: argparse.Namespace):
     import grpc
     from transformers import AutoTokenizer
 
     from kiln.protos.kiln.v1 import rollout_pb2_grpc
+    from kiln.services.buffer.client import GrpcBufferClient
     from kiln.services.rollout.agent import Limits
-    from kiln.services.rollout.engine import EngineSettings, RolloutEngine, SamplingOptions
-    from kiln.services.rollout.env_client import GrpcEnvClient
+    from kiln.services.rollout.engine import EngineSettings, SamplingOptions, engine_kind, start_engine
     from kiln.services.rollout.producer import Producer
     from kiln.services.rollout.servicer import RolloutServicer
-    from kiln.services.rollout.sink import BufferSink
+    from kiln.services.sandbox.client import GrpcEnvClient
     from kiln.services.weight_sync.client import subscribe_and_apply
 
     if job is None:
@@ -60,20 +52,16 @@ async def build(job: RLJob | None, args: argparse.Namespace):
     spec = job.spec
     sandbox, buffer_addr, sync_addr = _addr("SANDBOX"), _addr("BUFFER"), _addr("WEIGHT_SYNC")
     tokenizer = AutoTokenizer.from_pretrained(spec.model.tokenizer or spec.model.path)
-    settings = EngineSettings.from_job(job)
-    if spec.rollout.engine == "megatron" or _is_dsa(spec.model.path):
-        # vLLM has no CPU path for DSA; the trainer's own model code generates instead.
-        from kiln.services.rollout.megatron_engine import MegatronEngine
-        engine = await MegatronEngine.start(settings)
-    else:
-        engine = await RolloutEngine.start(settings)
+    # vLLM has no CPU path for DSA checkpoints; the trainer's own model code generates instead.
+    engine = await start_engine(engine_kind(spec.rollout.engine, spec.model.path),
+                                EngineSettings.from_job(job))
     env_channel = grpc.aio.insecure_channel(sandbox, options=CHANNEL_OPTIONS)
     env = GrpcEnvClient(env_channel, owner=socket.gethostname())
     task_sets = await env.task_sets()
     s = spec.rollout.sampling
-    buffer_channel = grpc.aio.insecure_channel(buffer_addr, options=CHANNEL_OPTIONS)
+    buffer = GrpcBufferClient(buffer_addr)
     producer = Producer(
-        engine, env, tokenizer, BufferSink(buffer_channel),
+        engine, env, tokenizer, buffer,
         sampling=SamplingOptions(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens_per_turn,
                                  seed=None),
         limits=Limits(spec.rollout.max_turns, s.max_tokens_per_turn, s.max_total_tokens,
@@ -90,7 +78,7 @@ async def build(job: RLJob | None, args: argparse.Namespace):
 
     subscription = asyncio.ensure_future(
         subscribe_and_apply(sync_channel, f"rollout-{socket.gethostname()}-{os.getpid()}", apply))
-    metrics.POLICY_VERSION.labels("rollout").set(engine.version)
+    metrics.POLICY_VERSION.labels("rollout").set(engine.policy_version)
     servicer = RolloutServicer(producer, task_sets)
 
     async def on_stop() -> None:
@@ -99,7 +87,7 @@ async def build(job: RLJob | None, args: argparse.Namespace):
         await engine.close()
         await env_channel.close()
         await sync_channel.close()
-        await buffer_channel.close()
+        await buffer.aclose()
 
     return [Registration(rollout_pb2_grpc.add_RolloutServicer_to_server, servicer, "kiln.v1.Rollout")], on_stop
 

@@ -1,7 +1,7 @@
-"""`EngineProtocol` on the trainer's own model code: engine `megatron`, for DSA models and for
+"""`Engine` on the trainer's own model code: engine `megatron`, for DSA models and for
 checking that rollout and training compute the same numbers.
 
-The model is the Megatron-core GPTModel of `kiln.services.common.modeling`, built and loaded
+The model is the Megatron-core GPTModel of `kiln.models`, built and loaded
 exactly as the trainer builds it (tensor parallel size 1), DeepSeek sparse attention included
 when the checkpoint's config.json has `kiln_dsa`. There is no KV cache: every decoding step runs
 the full forward pass over prompt + tokens so far and samples from the last row. That costs
@@ -31,36 +31,35 @@ from typing import Any, Sequence
 
 import torch
 
-from kiln.services.common.modeling import dsa, parallel
-from kiln.services.common.modeling.hf_io import (
+from kiln.models import dsa, parallel
+from kiln.models.hf_io import (
     hf_to_megatron_shard, iter_hf_tensors, load_hf_checkpoint, load_state_into)
-from kiln.services.common.modeling.megatron_model import DSABackend, forward_logits, next_token_logprob
+from kiln.models.megatron_model import DSABackend, forward_logits, next_token_logprob
 from kiln.services.rollout.engine import (
-    EngineSettings, Generation, NamedTensors, SamplingOptions, check_new_version)
-from kiln.services.rollout.torch_engine import _sample
+    EngineBase, EngineSettings, Generation, NamedTensors, SamplingOptions)
+from kiln.services.rollout.sampling import sample_token
 
 ENGINE_NAME = "megatron"
 
 
-class MegatronEngine:
+class MegatronEngine(EngineBase):
     def __init__(self, model: Any, spec: Any, settings: EngineSettings, eos_token_ids: set[int],
                  dsa_backend: DSABackend) -> None:
-        self.model = model
-        self.spec = spec
-        self.settings = settings
-        self.eos_token_ids = eos_token_ids
-        self.max_len = settings.max_model_len or spec.max_position_embeddings
-        self._version = settings.initial_version
-        self._lock = asyncio.Lock()  # one decoding step or one weight update at a time
-        self._seeds = random.Random(settings.seed)
-        self._params = dict(model.named_parameters())
-        self._hf_names = {name for name, _ in iter_hf_tensors(model, spec)}
         import megatron.core
 
         dsa_desc = (f"dsa=topk{spec.dsa.index_topk}/h{spec.dsa.index_heads}/d{spec.dsa.index_dim}"
                     f"/{dsa_backend}" if spec.dsa else "dsa=off")
-        self._fingerprint = (f"megatron-core-{megatron.core.__version__}+torch-{torch.__version__};"
-                             f"dtype={settings.dtype};seed={settings.seed};{dsa_desc};logprobs=raw")
+        super().__init__(settings, f"megatron-core-{megatron.core.__version__}+torch-"
+                                   f"{torch.__version__};dtype={settings.dtype};"
+                                   f"seed={settings.seed};{dsa_desc};logprobs=raw")
+        self.model = model
+        self.spec = spec
+        self.eos_token_ids = eos_token_ids
+        self.max_len = settings.max_model_len or spec.max_position_embeddings
+        self._lock = asyncio.Lock()  # one decoding step or one weight update at a time
+        self._seeds = random.Random(settings.seed)
+        self._params = dict(model.named_parameters())
+        self._hf_names = {name for name, _ in iter_hf_tensors(model, spec)}
 
     @classmethod
     async def start(cls, settings: EngineSettings, dsa_backend: DSABackend = "auto") -> "MegatronEngine":
@@ -71,14 +70,6 @@ class MegatronEngine:
             load_hf_checkpoint, Path(settings.model), 1, getattr(torch, settings.dtype), "sdpa", dsa_backend)
         model.eval()
         return cls(model, spec, settings, _eos_token_ids(Path(settings.model)), dsa_backend)
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def fingerprint(self) -> str:
-        return self._fingerprint
 
     @torch.no_grad()
     def _step(self, tokens: list[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -106,10 +97,10 @@ class MegatronEngine:
         finish = "length"
         for _ in range(min(sampling.max_tokens, self.max_len - len(tokens))):
             async with self._lock:
-                version = self._version
+                version = self.policy_version
                 logits, indices = await asyncio.to_thread(self._step, tokens)
             logits = logits.float()
-            token, _ = _sample(logits, sampling, gen)
+            token, _ = sample_token(logits, sampling, gen)
             logps.append(next_token_logprob(logits, token))
             tokens.append(token)
             out.append(token)
@@ -124,7 +115,7 @@ class MegatronEngine:
     async def apply_weights(self, version: int, named_tensors: NamedTensors) -> None:
         """Load a complete set of HF-named weights as `version` (all or nothing)."""
         async with self._lock:
-            check_new_version(self._version, version)
+            self.check_new_version(version)
             hf = dict(named_tensors)
             unknown = sorted(set(hf) - self._hf_names)
             if unknown:
@@ -140,7 +131,7 @@ class MegatronEngine:
                     raise ValueError(f"weight {name} has shape {tuple(t.shape)}, expected "
                                      f"{None if p is None else tuple(p.shape)}; old weights kept")
             await asyncio.to_thread(load_state_into, self.model, mstate)
-            self._version = version
+            self._switched_to(version)
 
     async def close(self) -> None:
         self.model = None

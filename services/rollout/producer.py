@@ -25,30 +25,26 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
 
+from kiln.episode import Demonstration
+from kiln.services.buffer.client import BufferClient
 from kiln.services.common import metrics
+from kiln.services.rollout.agent import Limits, Tokenizer, demonstration_trajectory, run_episode
+from kiln.services.rollout.engine import Engine, SamplingOptions
+from kiln.services.rollout.wire import ModeRequest, RolloutMode
+from kiln.services.sandbox.client import EnvClient
 from kiln.trajectory import Trajectory
-
-from .agent import (Demonstration, Engine, EnvClient, Limits, Tokenizer, demonstration_trajectory,
-                    run_episode)
-from .engine import SamplingOptions
 
 log = logging.getLogger(__name__)
 
-IDLE, DEMONSTRATE, EXPLORE = 0, 1, 2
-
-
-class TrajectorySink(Protocol):
-    async def put(self, trajectories: list[Trajectory], *,
-                  still_wanted: Callable[[], bool] = ...) -> bool:
-        """True once stored; False if abandoned because `still_wanted()` turned false."""
-        ...
+IDLE, DEMONSTRATE, EXPLORE = RolloutMode.IDLE, RolloutMode.DEMONSTRATE, RolloutMode.EXPLORE
 
 
 @dataclass
 class Mode:
-    mode: int = IDLE
+    """What the producer is doing: a `ModeRequest` with the task sets' sizes resolved."""
+
+    mode: RolloutMode = IDLE
     stage: str = ""
     task_sets: list[tuple[str, int]] = field(default_factory=list)
     """(name, size) of the task sets to draw from."""
@@ -57,12 +53,18 @@ class Mode:
     batch_size: int = 0
     seed: int = 0
 
+    @classmethod
+    def of(cls, request: ModeRequest, sizes: dict[str, int]) -> "Mode":
+        return cls(request.mode, request.stage, [(t, sizes[t]) for t in request.task_sets],
+                   max(1, request.group_size), request.synchronous, request.batch_size,
+                   request.seed)
+
 
 class Producer:
-    def __init__(self, engine: Engine, env: EnvClient, tokenizer: Tokenizer, sink: TrajectorySink,
+    def __init__(self, engine: Engine, env: EnvClient, tokenizer: Tokenizer, buffer: BufferClient,
                  *, sampling: SamplingOptions, limits: Limits, max_concurrent: int,
                  samples_path: Path | None = None, sample_every: int = 10) -> None:
-        self.engine, self.env, self.tokenizer, self.sink = engine, env, tokenizer, sink
+        self.engine, self.env, self.tokenizer, self.buffer = engine, env, tokenizer, buffer
         self.sampling, self.limits = sampling, limits
         self.max_concurrent = max_concurrent
         self.mode = Mode()
@@ -140,7 +142,7 @@ class Producer:
     async def _one_synchronous_batch(self, mode: Mode, rng: random.Random) -> None:
         """Ship one full batch at the current version, then wait for the next version. Groups
         that fail (an episode error) are replaced, or the trainer would wait forever."""
-        version = self.engine.version
+        version = self.engine.policy_version
         start = self.shipped
         while self.shipped - start < mode.batch_size and self.mode is mode:
             missing = mode.batch_size - (self.shipped - start)
@@ -153,7 +155,7 @@ class Producer:
                     self._group(mode, name, rng.randrange(size), mode.group_size)))
             await asyncio.gather(*jobs, return_exceptions=True)
         # Rollout pauses until the trainer has trained on this batch and published.
-        while self.engine.version <= version and self.mode is mode:
+        while self.engine.policy_version <= version and self.mode is mode:
             await asyncio.sleep(0.05)
 
     async def _group(self, mode: Mode, task_set: str, index: int, group: int) -> None:
@@ -165,7 +167,7 @@ class Producer:
                 # a finite pool it revisits, which a tiny model learns from far faster than
                 # from a stream of ever-new demonstrations.
                 demo = await self._demonstration(task_set, index)
-                trajs = [demonstration_trajectory(demo, self.tokenizer, version=self.engine.version,
+                trajs = [demonstration_trajectory(demo, self.tokenizer, version=self.engine.policy_version,
                                                   group_id=gid)]
             else:
                 results = await asyncio.gather(*[
@@ -189,7 +191,9 @@ class Producer:
                 self.recent_rewards.append(t.reward)
             self._keep_samples(mode, trajs)
             self.episodes += len(trajs)
-            if await self.sink.put(trajs, still_wanted=lambda: self.mode is mode):
+            stored = await self.buffer.put_async(trajs, len(trajs),
+                                                 still_wanted=lambda: self.mode is mode)
+            if stored is not None:
                 self.shipped += len(trajs)
         except asyncio.CancelledError:
             raise

@@ -5,9 +5,9 @@ import time
 
 import grpc
 
-from kiln.protos.kiln.v1 import rollout_pb2, rollout_pb2_grpc
-
-from .producer import Mode, Producer
+from kiln.protos.kiln.v1 import rollout_pb2_grpc
+from kiln.services.rollout import wire
+from kiln.services.rollout.producer import Mode, Producer
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
@@ -15,40 +15,38 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.producer = producer
         self.task_sets = task_sets
 
-    def _status(self) -> rollout_pb2.RolloutStatus:
+    def status(self) -> wire.RolloutStatus:
         p = self.producer
         rewards = list(p.recent_rewards)
-        return rollout_pb2.RolloutStatus(
-            mode=p.mode.mode, stage=p.mode.stage, policy_version=p.engine.version, episodes=p.episodes,
-            tokens_generated=p.tokens, tokens_per_second=p.tokens_per_second(),
+        return wire.RolloutStatus(
+            mode=p.mode.mode, stage=p.mode.stage, policy_version=p.engine.policy_version,
+            episodes=p.episodes, tokens_generated=p.tokens,
+            tokens_per_second=p.tokens_per_second(),
             mean_reward=sum(rewards) / len(rewards) if rewards else 0.0, in_flight=p.in_flight,
             engine_fingerprint=p.engine.fingerprint, shipped=p.shipped)
 
     async def SetMode(self, request, context):
-        unknown = [t for t in request.task_sets if t not in self.task_sets]
+        req = wire.mode_from_proto(request)
+        unknown = [t for t in req.task_sets if t not in self.task_sets]
         if unknown:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"task_sets: {unknown} not served (known: {sorted(self.task_sets)})")
-        if request.mode == rollout_pb2.EXPLORE and request.group_size < 2:
+        if req.mode == wire.RolloutMode.EXPLORE and req.group_size < 2:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "group_size: must be >= 2 to explore")
-        self.producer.set_mode(Mode(
-            mode=request.mode, stage=request.stage,
-            task_sets=[(t, self.task_sets[t][1]) for t in request.task_sets],
-            group_size=max(1, request.group_size), synchronous=request.synchronous,
-            batch_size=request.batch_size, seed=request.seed))
-        return self._status()
+        self.producer.set_mode(Mode.of(req, {t: size for t, (_, size) in self.task_sets.items()}))
+        return wire.status_to_proto(self.status())
 
     async def GetStatus(self, request, context):
-        return self._status()
+        return wire.status_to_proto(self.status())
 
     async def Evaluate(self, request, context):
         if request.task_set not in self.task_sets:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"task_set: {request.task_set!r} not served (known: {sorted(self.task_sets)})")
         start = time.monotonic()
-        version = self.producer.engine.version
+        version = self.producer.engine.policy_version
         n, greedy, sampled = await self.producer.evaluate(
             request.task_set, self.task_sets[request.task_set][1], max_tasks=request.max_tasks,
             samples=request.samples, greedy=request.greedy)
-        return rollout_pb2.EvaluateResponse(policy_version=version, tasks=n, greedy_success=greedy,
-                                            sampled_success=sampled, seconds=time.monotonic() - start)
+        return wire.evaluation_to_proto(wire.Evaluation(version, n, greedy, sampled,
+                                                        time.monotonic() - start))

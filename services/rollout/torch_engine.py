@@ -1,4 +1,4 @@
-"""`EngineProtocol` on a plain transformers model: the second implementation, for fast tests.
+"""`Engine` on a plain transformers model: the second implementation, for fast tests.
 
 Starts in about a second (no engine processes), samples one request at a time per decoding step
 (concurrent `generate` calls interleave token by token), and keeps the same version guarantee as
@@ -21,20 +21,19 @@ from typing import Any, Sequence
 import torch
 
 from kiln.services.rollout.engine import (
-    EngineSettings, Generation, NamedTensors, SamplingOptions, check_new_version)
+    EngineBase, EngineSettings, Generation, NamedTensors, SamplingOptions)
+from kiln.services.rollout.sampling import sample_token
 
 
-class TorchEngine:
+class TorchEngine(EngineBase):
     def __init__(self, model: Any, settings: EngineSettings, eos_token_ids: set[int]) -> None:
+        super().__init__(settings, f"torch-{torch.__version__};dtype={settings.dtype};"
+                                   f"seed={settings.seed};logprobs=raw")
         self.model = model
-        self.settings = settings
         self.eos_token_ids = eos_token_ids
-        self._version = settings.initial_version
         self._lock = asyncio.Lock()  # one decoding step or one weight update at a time
         self._seeds = random.Random(settings.seed)
         self._params = dict(model.named_parameters())
-        self._fingerprint = (f"torch-{torch.__version__};dtype={settings.dtype};"
-                             f"seed={settings.seed};logprobs=raw")
 
     @classmethod
     async def start(cls, settings: EngineSettings) -> "TorchEngine":
@@ -46,14 +45,6 @@ class TorchEngine:
         eos = GenerationConfig.from_pretrained(settings.model).eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         return cls(model, settings, eos_ids)
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def fingerprint(self) -> str:
-        return self._fingerprint
 
     @torch.no_grad()
     def _forward(self, tokens: list[int], new: int, past: Any) -> tuple[torch.Tensor, Any]:
@@ -73,12 +64,12 @@ class TorchEngine:
         finish = "length"
         for _ in range(sampling.max_tokens):
             async with self._lock:
-                version = self._version
+                version = self.policy_version
                 if past is None or past_version != version:
                     past, cached = None, 0  # recompute the whole context under these weights
                 logits, past = await asyncio.to_thread(self._forward, tokens, len(tokens) - cached, past)
                 cached, past_version = len(tokens), version
-            token, logp = _sample(logits, sampling, gen)
+            token, logp = sample_token(logits, sampling, gen)
             tokens.append(token)
             out.append(token)
             logps.append(logp)
@@ -90,7 +81,7 @@ class TorchEngine:
 
     async def apply_weights(self, version: int, named_tensors: NamedTensors) -> None:
         async with self._lock:
-            check_new_version(self._version, version)
+            self.check_new_version(version)
             tensors = list(named_tensors)
             unknown = [n for n, _ in tensors if n not in self._params]
             if unknown:
@@ -103,21 +94,7 @@ class TorchEngine:
             with torch.no_grad():
                 for name, t in tensors:
                     self._params[name].copy_(t)
-            self._version = version
+            self._switched_to(version)
 
     async def close(self) -> None:
         self.model = None
-
-
-def _sample(logits: torch.Tensor, sampling: SamplingOptions, gen: torch.Generator) -> tuple[int, float]:
-    logp = torch.log_softmax(logits, dim=-1)
-    if sampling.temperature == 0:
-        token = int(torch.argmax(logits))
-        return token, float(logp[token])
-    probs = torch.softmax(logits / sampling.temperature, dim=-1)
-    if sampling.top_p < 1:
-        sorted_p, order = torch.sort(probs, descending=True, stable=True)
-        keep = torch.cumsum(sorted_p, 0) - sorted_p < sampling.top_p  # always keeps the top one
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    token = int(torch.multinomial(probs, 1, generator=gen))
-    return token, float(logp[token])

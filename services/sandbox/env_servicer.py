@@ -4,8 +4,8 @@ from __future__ import annotations
 import grpc
 
 from kiln.protos.kiln.v1 import env_pb2, env_pb2_grpc
-
-from .episodes import EpisodeError, EpisodeManager
+from kiln.services.sandbox import wire
+from kiln.services.sandbox.episodes import EpisodeError, EpisodeManager
 
 
 class EnvironmentServicer(env_pb2_grpc.EnvironmentServicer):
@@ -14,26 +14,23 @@ class EnvironmentServicer(env_pb2_grpc.EnvironmentServicer):
 
     async def ListTaskSets(self, request, context):
         return env_pb2.ListTaskSetsResponse(task_sets=[
-            env_pb2.TaskSetInfo(name=name, env=env, size=len(tasks))
-            for name, (env, tasks) in self.manager.task_sets.items()])
+            env_pb2.TaskSetInfo(name=name, env=env, size=size)
+            for name, (env, size) in self.manager.task_set_sizes().items()])
 
     async def OpenEpisode(self, request, context):
         try:
-            eid, task = self.manager.open(request.task_set, request.index, owner=request.owner,
-                                          max_actions=request.max_actions)
+            episode = self.manager.open(request.task_set, request.index, owner=request.owner,
+                                        max_actions=request.max_actions)
         except EpisodeError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        return env_pb2.Episode(episode_id=eid, task_id=task.id, env="chain", prompt=task.prompt,
-                               stop=self.manager.stop_strings())
+        return wire.episode_to_proto(episode)
 
     async def Step(self, request, context):
         try:
             out = await self.manager.step(request.episode_id, request.action)
         except EpisodeError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        return env_pb2.StepResult(observation=out.observation, done=out.done, reward=out.reward,
-                                  reward_parts=out.reward_parts, verifier_output=out.verifier_output,
-                                  flags=out.flags)
+        return wire.step_to_proto(out)
 
     async def CloseEpisode(self, request, context):
         await self.manager.close(request.episode_id)
@@ -41,10 +38,7 @@ class EnvironmentServicer(env_pb2_grpc.EnvironmentServicer):
 
     async def Demonstrate(self, request, context):
         try:
-            task, segments, reward, output = self.manager.demonstrate(
-                request.task_set, request.index, request.seed)
+            demo = self.manager.demonstrate(request.task_set, request.index, request.seed)
         except EpisodeError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        return env_pb2.Demonstration(
-            task_id=task.id, reward=reward, verifier_output=output,
-            segments=[env_pb2.Segment(text=t, trained=tr) for t, tr in segments])
+        return wire.demonstration_to_proto(demo)

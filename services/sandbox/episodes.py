@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.api.spec import RLJob, TaskSetSpec
+from kiln.episode import Demonstration, EpisodeInfo, StepResult
 from kiln.services.common import metrics
 
 from .config import BubblewrapConfig, DockerConfig, config_from_spec
@@ -53,16 +54,6 @@ class _Episode:
     actions: int = 0
     done: bool = False
     last_used: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class StepOutcome:
-    observation: str = ""
-    done: bool = False
-    reward: float = 0.0
-    reward_parts: dict[str, float] = field(default_factory=dict)
-    verifier_output: str = ""
-    flags: list[str] = field(default_factory=list)
 
 
 def load_task_set(spec: TaskSetSpec, base_dir: Path) -> list[chain.ChainTask]:
@@ -102,7 +93,7 @@ class EpisodeManager:
         self._episodes: dict[str, _Episode] = {}
         self._slots = asyncio.Semaphore(job.spec.sandbox.max_concurrent)
 
-    def _task(self, task_set: str, index: int) -> chain.ChainTask:
+    def task(self, task_set: str, index: int) -> chain.ChainTask:
         if task_set not in self.task_sets:
             raise EpisodeError(f"task set {task_set!r} is not served (known: {sorted(self.task_sets)})")
         tasks = self.task_sets[task_set][1]
@@ -110,13 +101,17 @@ class EpisodeManager:
             raise EpisodeError(f"task set {task_set!r} has {len(tasks)} tasks; index {index} is out of range")
         return tasks[index]
 
-    def open(self, task_set: str, index: int, *, owner: str = "", max_actions: int = 0) -> tuple[str, chain.ChainTask]:
-        task = self._task(task_set, index)
+    def task_set_sizes(self) -> dict[str, tuple[str, int]]:
+        """Task set name -> (environment type, number of tasks)."""
+        return {name: (env, len(tasks)) for name, (env, tasks) in self.task_sets.items()}
+
+    def open(self, task_set: str, index: int, *, owner: str = "", max_actions: int = 0) -> EpisodeInfo:
+        task = self.task(task_set, index)
         eid = uuid.uuid4().hex
         self._episodes[eid] = _Episode(eid, task, max_actions or self.default_max_actions, owner)
-        return eid, task
+        return EpisodeInfo(eid, task.id, "chain", task.prompt, list(chain.STOP_TAGS))
 
-    async def step(self, episode_id: str, action: str) -> StepOutcome:
+    async def step(self, episode_id: str, action: str) -> StepResult:
         ep = self._episodes.get(episode_id)
         if ep is None:
             raise EpisodeError(f"episode {episode_id!r} does not exist (closed or expired)")
@@ -134,7 +129,7 @@ class EpisodeManager:
         if ep.actions >= ep.max_actions:
             return self._finish(ep, None, ["max_actions"])
         observation = await self._run_tool(ep, chain.tool_call(ep.task, parsed))
-        return StepOutcome(observation=observation)
+        return StepResult(observation=observation)
 
     async def _run_tool(self, ep: _Episode, call: chain.Call) -> str:
         async with self._slots:
@@ -154,10 +149,10 @@ class EpisodeManager:
             metrics.SANDBOX_FAILURES.labels(self.config.type, "timeout" if result.timed_out else "oom").inc()
         return chain.format_observation(result.stdout, result.exit_code)
 
-    def _finish(self, ep: _Episode, answer: str | None, flags: list[str]) -> StepOutcome:
+    def _finish(self, ep: _Episode, answer: str | None, flags: list[str]) -> StepResult:
         ep.done = True
         reward, parts, output = chain.verify(ep.task, answer)
-        return StepOutcome(done=True, reward=reward, reward_parts=parts, verifier_output=output, flags=flags)
+        return StepResult(done=True, reward=reward, reward_parts=parts, verifier_output=output, flags=flags)
 
     async def close(self, episode_id: str) -> None:
         ep = self._episodes.pop(episode_id, None)
@@ -176,12 +171,9 @@ class EpisodeManager:
         for eid in list(self._episodes):
             await self.close(eid)
 
-    def demonstrate(self, task_set: str, index: int, seed: int) -> tuple[chain.ChainTask, list[tuple[str, bool]], float, str]:
-        """The scripted solver's episode: (task, segments, reward, verifier output)."""
-        task = self._task(task_set, index)
+    def demonstrate(self, task_set: str, index: int, seed: int) -> Demonstration:
+        """The scripted solver's episode of a task."""
+        task = self.task(task_set, index)
         turns = chain.scripted_solver(task, random.Random(seed), mistake_rate=DEMONSTRATION_MISTAKE_RATE)
         reward, _, output = chain.verify(task, chain.final_answer(turns))
-        return task, chain.render(task, turns), reward, output
-
-    def stop_strings(self) -> list[str]:
-        return list(chain.STOP_TAGS)
+        return Demonstration(task.id, chain.render(task, turns), reward, output)

@@ -13,19 +13,9 @@ import grpc
 
 from kiln.protos.kiln.v1 import sandbox_pb2, sandbox_pb2_grpc
 
-from .config import SandboxLimits
-from .interface import PathEscapeError, SandboxError
-from .sessions import CapacityError, SessionManager, SessionNotFound
-
-
-def limits_from_proto(msg: sandbox_pb2.Limits, defaults: SandboxLimits) -> SandboxLimits:
-    data = defaults.model_dump()
-    for field in ("memory_bytes", "pids", "cpu", "timeout_seconds", "output_limit_bytes"):
-        value = getattr(msg, field)
-        if value:
-            data[field] = value
-    data["network"] = msg.network
-    return SandboxLimits(**data)
+from kiln.services.sandbox.interface import PathEscapeError, SandboxError
+from kiln.services.sandbox.sessions import CapacityError, SessionManager, SessionNotFound
+from kiln.services.sandbox.wire import limits_from_proto
 
 
 def _task(text: str) -> dict | None:

@@ -44,24 +44,11 @@ class TensorBatch:
         )
 
 
-def check_trajectory(traj: Trajectory) -> None:
-    """Raise ValueError for a trajectory the trainer cannot use (retrying will not help)."""
-    traj.check()
-    if not traj.tokens:
-        raise ValueError(f"trajectory {traj.id}: tokens is empty")
-    if traj.loss_mask[0]:
-        raise ValueError(f"trajectory {traj.id}: loss_mask[0] is 1, but the first token has no context")
-    if traj.teacher_logp and len(traj.teacher_logp) != len(traj.tokens):
-        raise ValueError(
-            f"trajectory {traj.id}: teacher_logp has {len(traj.teacher_logp)} entries, tokens {len(traj.tokens)}"
-        )
-
-
 def collate(trajs: list[Trajectory]) -> TensorBatch:
+    """Pad `trajs` into tensors. The trajectories were checked once, by the buffer when they
+    arrived (`Trajectory.check`); they are not checked again here."""
     if not trajs:
         raise ValueError("cannot collate an empty batch")
-    for t in trajs:
-        check_trajectory(t)
     b, s = len(trajs), max(len(t.tokens) for t in trajs)
     tokens = torch.full((b, s), PAD_ID, dtype=torch.long)
     mask = torch.zeros(b, s)

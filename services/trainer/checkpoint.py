@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kiln.services.common.modeling import parallel
-from kiln.services.common.modeling.hf_io import fsync_dir
+from kiln.models import parallel
+from kiln.models.hf_io import fsync_dir
 
 PREFIX = "step_"
 

@@ -4,7 +4,7 @@
 current process group), AdamW, the step and policy-version counters, and the Prometheus metrics.
 It knows nothing of gRPC, buffers or weight transport:
 - `logprobs(sequences)`: per-token log-probs under the current weights;
-- `step(trajectories)`: one RL step (policy loss with ratio masking and IcePop, see `loss.py`);
+- `step(trajectories, staleness)`: one RL step (policy loss with ratio masking and IcePop, see `loss.py`);
 - `sft_step(trajectories)`: one supervised step (cross-entropy on loss-masked tokens);
 - `new_version()`: declare the current weights a new policy version (on publish), resetting the
   optimizer moments if configured; `named_hf_tensors()`: the weights under HF names;
@@ -25,15 +25,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from kiln.models import cpu_shims, dsa, parallel
+from kiln.models.hf_io import iter_hf_tensors, load_hf_checkpoint, save_hf_checkpoint
+from kiln.models.megatron_model import forward_logits, token_logprobs
 from kiln.services.trainer import checkpoint as ckpt
-from kiln.services.common.modeling import cpu_shims, parallel
+from kiln.services.trainer import metrics
 from kiln.services.trainer.batch import TensorBatch, collate, collate_tokens
 from kiln.services.trainer.config import TrainerConfig
-from kiln.services.common.modeling.hf_io import iter_hf_tensors, load_hf_checkpoint, save_hf_checkpoint
 from kiln.services.trainer.loss import LossStats, policy_loss, sft_loss
-from kiln.services.common.modeling import dsa
-from kiln.services.common.modeling.megatron_model import forward_logits, token_logprobs
-from kiln.services.trainer import metrics
 from kiln.trajectory import Trajectory
 
 LossFn = Callable[[torch.Tensor, TensorBatch, torch.Tensor, float], tuple[torch.Tensor, LossStats]]
@@ -57,7 +57,7 @@ class TrainerEngine:
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
         )
         self.step_count = 0
-        self.version = 0
+        self.policy_version = 0
         self.last_metrics: dict[str, float] = {}
         self.stage: str | None = None
         """Stage name for the metrics' `stage` label; None labels steps "sft" or "rl"."""
@@ -70,7 +70,7 @@ class TrainerEngine:
             latest = ckpt.latest_checkpoint(config.checkpoint_dir)
             if latest is not None:
                 self.load_checkpoint(latest)
-        metrics.TRAINER_VERSION.set(self.version)
+        metrics.TRAINER_VERSION.set(self.policy_version)
 
     # --- log-probs -------------------------------------------------------------------------
 
@@ -114,8 +114,9 @@ class TrainerEngine:
 
     # --- training steps --------------------------------------------------------------------
 
-    def step(self, batch: list[Trajectory]) -> dict[str, float]:
-        """One RL step on `batch` (policy loss). Returns the step's metrics."""
+    def step(self, batch: list[Trajectory], staleness: list[int] | None = None) -> dict[str, float]:
+        """One RL step on `batch` (policy loss). Returns the step's metrics. `staleness` (from
+        the buffer, per trajectory) is counted into the metrics as `staleness_<k>`."""
         cfg = self.config.loss
 
         def loss_fn(logp, mb, train_old, normalizer):
@@ -126,7 +127,8 @@ class TrainerEngine:
                 logp, mb.logp_infer, mb.loss_mask, adv, cfg, logp_train_old=train_old, normalizer=normalizer
             )
 
-        return self._run(batch, loss_fn, needs_old=cfg.icepop_beta is not None, aggregation=cfg.aggregation, rl=True)
+        return self._run(batch, loss_fn, needs_old=cfg.icepop_beta is not None,
+                         aggregation=cfg.aggregation, rl=True, staleness=staleness)
 
     def sft_step(self, batch: list[Trajectory]) -> dict[str, float]:
         """One supervised step: cross-entropy on the loss-masked tokens of `batch`."""
@@ -138,7 +140,8 @@ class TrainerEngine:
         return self._run(batch, loss_fn, needs_old=False, aggregation=agg, rl=False)
 
     def _run(
-        self, batch: list[Trajectory], loss_fn: LossFn, *, needs_old: bool, aggregation: str, rl: bool
+        self, batch: list[Trajectory], loss_fn: LossFn, *, needs_old: bool, aggregation: str, rl: bool,
+        staleness: list[int] | None = None,
     ) -> dict[str, float]:
         t0 = time.perf_counter()
         tb = collate(batch)
@@ -177,7 +180,7 @@ class TrainerEngine:
         elapsed = time.perf_counter() - t0
         out = {
             "step": float(self.step_count),
-            "policy_version": float(self.version),
+            "policy_version": float(self.policy_version),
             "loss": sum(losses) / len(losses),
             "grad_norm": sum(norms) / len(norms),
             "lr": self.scheduler.get_last_lr()[0],
@@ -187,11 +190,12 @@ class TrainerEngine:
             "reward_mean": sum(t.reward for t in batch) / len(batch),
             **stats.as_dict(),
         }
-        if rl:
-            # How many versions behind the weights being trained each trajectory's oldest token
-            # is, counted per value (`staleness_<k>`): the run report's staleness histogram.
-            for t in batch:
-                key = f"staleness_{max(0, self.version - t.oldest_version)}"
+        if staleness is not None:
+            # How many versions behind the trainer each trajectory's oldest token was when the
+            # buffer served it (the buffer computes it, where freshness is enforced), counted
+            # per value: the run report's staleness histogram.
+            for k in staleness:
+                key = f"staleness_{k}"
                 out[key] = out.get(key, 0.0) + 1.0
         self.last_metrics = out
         if self.stage:
@@ -235,11 +239,11 @@ class TrainerEngine:
     def new_version(self) -> int:
         """Declare the current weights policy version `version + 1` (call when publishing
         them); resets the optimizer moments if configured. Returns the new version."""
-        self.version += 1
+        self.policy_version += 1
         if self.config.optimizer.reset_moments_on_publish:
             self.reset_optimizer_moments()
-        metrics.TRAINER_VERSION.set(self.version)
-        return self.version
+        metrics.TRAINER_VERSION.set(self.policy_version)
+        return self.policy_version
 
     def reset_optimizer_moments(self) -> None:
         """Zero AdamW's first and second moments and its step count (so bias correction starts
@@ -277,7 +281,7 @@ class TrainerEngine:
             "scheduler": self.scheduler.state_dict(),
             "rng": torch.get_rng_state(),
         }
-        meta = {"version": self.version, "model_dir": str(self.config.model_dir),
+        meta = {"policy_version": self.policy_version, "model_dir": str(self.config.model_dir),
                 "last_metrics": self.last_metrics, "stage": self.stage, "stage_steps": self.stage_steps}
         path = ckpt.write_checkpoint(
             self.config.checkpoint_dir, self.step_count, meta, state, keep=self.config.keep_checkpoints
@@ -293,7 +297,7 @@ class TrainerEngine:
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
         self.step_count = int(meta["step"])
-        self.version = int(meta["version"])
+        self.policy_version = int(meta["policy_version"])
         self.last_metrics = dict(meta.get("last_metrics") or {})
         self.stage = meta.get("stage")
         self.stage_steps = dict(meta.get("stage_steps") or {})

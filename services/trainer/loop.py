@@ -25,13 +25,23 @@ from pydantic import BaseModel, Field
 
 from kiln.services.common import metrics as common_metrics
 from kiln.services.trainer.engine import TrainerEngine
-from kiln.services.common.modeling.hf_io import write_hf_dir
+from kiln.models.hf_io import write_hf_dir
 from kiln.trajectory import Trajectory
 
 
+@dataclass
+class StepBatch:
+    """What one optimizer step trains on."""
+
+    trajectories: list[Trajectory]
+    staleness: list[int] | None = None
+    """Per trajectory, versions behind the trainer when served (the buffer's figure); None
+    for data that no policy generated (a list of demonstrations)."""
+
+
 class BatchSource(Protocol):
-    def next_batch(self, size: int) -> list[Trajectory]:
-        """Block until `size` trajectories are ready and return them. An empty list means no
+    def next_batch(self, size: int) -> StepBatch:
+        """Block until `size` trajectories are ready and return them. An empty batch means no
         more will come (the stage's data is exhausted); fewer than `size` may come last."""
         ...
 
@@ -77,16 +87,18 @@ def run_stage(
 ) -> StageResult:
     """Train one stage until `max_steps`, an exhausted source, or `should_stop()`."""
     engine.stage = settings.name or settings.kind
-    step_fn = engine.step if settings.kind == "rl" else engine.sft_step
     result = StageResult()
     published_at = -1
     while result.steps < settings.max_steps and not should_stop():
         t0 = time.perf_counter()
         batch = source.next_batch(settings.batch_size)
         common_metrics.TRAINER_IDLE_SECONDS.inc(time.perf_counter() - t0)
-        if not batch:
+        if not batch.trajectories:
             break
-        m = step_fn(batch)
+        if settings.kind == "rl":
+            m = engine.step(batch.trajectories, batch.staleness)
+        else:
+            m = engine.sft_step(batch.trajectories)
         result.steps += 1
         result.metrics.append(m)
         if on_step is not None:
@@ -112,7 +124,7 @@ class ListBatchSource:
         if cycle and not self._items:
             raise ValueError("a cycling ListBatchSource needs at least one trajectory")
 
-    def next_batch(self, size: int) -> list[Trajectory]:
+    def next_batch(self, size: int) -> StepBatch:
         out: list[Trajectory] = []
         while len(out) < size:
             if self._pos == len(self._items):
@@ -121,7 +133,7 @@ class ListBatchSource:
                 self._pos = 0
             out.append(self._items[self._pos])
             self._pos += 1
-        return out
+        return StepBatch(out)
 
 
 class InMemoryPublisher:

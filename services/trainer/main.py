@@ -62,7 +62,7 @@ async def build(job: RLJob | None, args: argparse.Namespace):
     cfg = config_from(job, args)
     engine = await asyncio.to_thread(TrainerEngine, cfg)
     log.info("trainer ready: step %d, policy version %d, resumed from %s",
-             engine.step_count, engine.version, engine.resumed_from)
+             engine.step_count, engine.policy_version, engine.resumed_from)
     engine_lock = threading.Lock()
     stages = await _stage_runner(job, engine, engine_lock, args) if job is not None else None
     servicer = TrainerServicer(engine, engine_lock, stages)
@@ -96,16 +96,16 @@ async def _stage_runner(job: RLJob, engine, engine_lock: threading.Lock, args: a
     ws = job.spec.weight_sync
     publisher = GrpcWeightPublisher(asyncio.get_running_loop(), channel, bucket_bytes=ws.bucket_bytes,
                                     timeout=ws.timeout_seconds)
-    if engine.version > 0:
+    if engine.policy_version > 0:
         # Resumed from a checkpoint: weight-sync (which keeps versions in memory) may have
         # restarted too; announce the weights rollout must serve.
         from kiln.services.weight_sync.client import PublishError, publish
         try:
-            await publish(channel, engine.version, list(engine.named_hf_tensors()), ws.bucket_bytes)
+            await publish(channel, engine.policy_version, list(engine.named_hf_tensors()), ws.bucket_bytes)
         except PublishError as exc:
             if exc.retryable:
                 raise
-            log.info("weight-sync already holds version %d or newer", engine.version)
+            log.info("weight-sync already holds version %d or newer", engine.policy_version)
     return StageRunner(job, engine, engine_lock, GrpcBufferClient(buffer_addr), publisher, args.run_dir)
 
 

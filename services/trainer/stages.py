@@ -10,7 +10,7 @@ current version, and publishing every step would make them look stale. RL stages
 `rl.syncInterval` steps. At a stage start the buffer is told the stage's group size and tau and
 drops what the previous stage left unserved.
 
-Not covered: the gRPC surface (`servicer.py`) and the clients (`clients.py`).
+Not covered: the gRPC surface (`servicer.py`) and the buffer's and weight-sync's clients.
 """
 from __future__ import annotations
 
@@ -20,14 +20,12 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from kiln.api.spec import RLJob, RLStage
-from kiln.trajectory import Trajectory
-
-from .config import config_from_job, stage_by_name
-from .engine import TrainerEngine
-from .loop import StageSettings, WeightPublisher, run_stage
+from kiln.services.buffer.client import BufferClient
+from kiln.services.trainer.config import config_from_job, stage_by_name
+from kiln.services.trainer.engine import TrainerEngine
+from kiln.services.trainer.loop import StageSettings, StepBatch, WeightPublisher, run_stage
 
 log = logging.getLogger(__name__)
 
@@ -35,37 +33,28 @@ log = logging.getLogger(__name__)
 NO_FRESHNESS_BOUND = 1 << 30
 
 
-class BufferLike(Protocol):
-    def get_batch(self, size: int, trainer_version: int, timeout: float = 0.0,
-                  allow_partial: bool = False): ...
-    def ack_batch(self, batch_id: int): ...
-    def configure(self, group_size: int | None = None, tau: int | None = None,
-                  drop_unserved: bool = False): ...
-    def set_trainer_version(self, version: int): ...
-
-
 class BufferBatchSource:
     """`BatchSource` over the buffer: waits for a full batch, acks it once it has been trained on."""
 
-    def __init__(self, buffer: BufferLike, engine: TrainerEngine, stop: threading.Event) -> None:
+    def __init__(self, buffer: BufferClient, engine: TrainerEngine, stop: threading.Event) -> None:
         self.buffer, self.engine, self.stop = buffer, engine, stop
         self._pending_ack: int | None = None
         # Batches trained on but whose ack may not have reached the buffer: one served again
         # (after a buffer restart) is acked and skipped rather than trained on twice.
         self._trained: set[int] = set()
 
-    def next_batch(self, size: int) -> list[Trajectory]:
+    def next_batch(self, size: int) -> StepBatch:
         self.ack()
         while not self.stop.is_set():
-            batch = self.buffer.get_batch(size, self.engine.version, timeout=2.0)
-            if not batch.trajectories:
+            batch = self.buffer.get_batch(size, self.engine.policy_version, timeout=2.0)
+            if not batch.payloads:
                 continue
             if batch.batch_id in self._trained:
                 self.buffer.ack_batch(batch.batch_id)
                 continue
             self._pending_ack = batch.batch_id
-            return batch.trajectories
-        return []
+            return StepBatch(batch.trajectories, batch.staleness)
+        return StepBatch([])
 
     def ack(self) -> None:
         if self._pending_ack is not None:
@@ -86,7 +75,7 @@ class StageStatus:
 
 class StageRunner:
     def __init__(self, job: RLJob, engine: TrainerEngine, engine_lock: threading.Lock,
-                 buffer: BufferLike, publisher: WeightPublisher, run_dir: Path) -> None:
+                 buffer: BufferClient, publisher: WeightPublisher, run_dir: Path) -> None:
         self.job, self.engine, self.lock = job, engine, engine_lock
         self.buffer, self.publisher, self.run_dir = buffer, publisher, run_dir
         self.status = StageStatus()
@@ -131,7 +120,7 @@ class StageRunner:
             self.buffer.configure(group_size=stage.rl.group_size if rl else 1,
                                   tau=stage.rl.tau if rl else NO_FRESHNESS_BOUND,
                                   drop_unserved=done == 0)
-            self.buffer.set_trainer_version(self.engine.version)
+            self.buffer.set_policy_version(self.engine.policy_version)
             remaining = stage.max_steps - done
             if remaining > 0:
                 source = BufferBatchSource(self.buffer, self.engine, self._stop)
@@ -145,7 +134,8 @@ class StageRunner:
                 source.ack()
             if not self._stop.is_set():
                 self.status.done = True
-                log.info("stage %s done at step %d, version %d", stage.name, self.status.step, self.engine.version)
+                log.info("stage %s done at step %d, policy version %d", stage.name, self.status.step,
+                         self.engine.policy_version)
         except Exception as exc:  # reported through status; the driver decides what to do
             log.exception("stage %s failed", stage.name)
             self.status.failed, self.status.message = True, f"{type(exc).__name__}: {exc}"
@@ -194,10 +184,10 @@ class _LockedEngine:
         else:
             setattr(self._engine, name, value)
 
-    def step(self, batch):
+    def step(self, batch, staleness=None):
         with self._lock:
             self._before_step()
-            return self._engine.step(batch)
+            return self._engine.step(batch, staleness)
 
     def sft_step(self, batch):
         with self._lock:
@@ -213,12 +203,12 @@ class _LockedPublisher:
     """Publishes under the engine lock (the tensors are the live weights), then tells the
     buffer the trainer's new version so freshness control applies at once."""
 
-    def __init__(self, inner: WeightPublisher, buffer: BufferLike, lock: threading.Lock) -> None:
+    def __init__(self, inner: WeightPublisher, buffer: BufferClient, lock: threading.Lock) -> None:
         self.inner, self.buffer, self.lock = inner, buffer, lock
 
     def publish(self, version, named_tensors) -> None:
         t0 = time.perf_counter()
         with self.lock:
             self.inner.publish(version, named_tensors)
-        self.buffer.set_trainer_version(version)
+        self.buffer.set_policy_version(version)
         log.info("published version %d in %.2f s", version, time.perf_counter() - t0)

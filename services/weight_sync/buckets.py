@@ -66,7 +66,7 @@ class TensorMeta:
 
 @dataclass(frozen=True)
 class Manifest:
-    version: int
+    policy_version: int
     tensors: tuple[TensorMeta, ...]
     total_bytes: int
     bucket_bytes: int
@@ -81,9 +81,9 @@ class Manifest:
     def validate(self) -> None:
         """Raise TransferError("manifest") unless the layout is self-consistent."""
         def bad(msg: str) -> TransferError:
-            return TransferError("manifest", f"manifest of version {self.version}: {msg}")
+            return TransferError("manifest", f"manifest of version {self.policy_version}: {msg}")
 
-        if self.version < 1:
+        if self.policy_version < 1:
             raise bad("version must be >= 1")
         if self.digest_algorithm not in DIGEST_ALGORITHMS:
             raise bad(f"digest_algorithm {self.digest_algorithm!r} is not one of {DIGEST_ALGORITHMS}")
@@ -110,7 +110,7 @@ class Manifest:
 
 @dataclass(frozen=True)
 class Bucket:
-    version: int
+    policy_version: int
     index: int
     data: bytes
     digest: bytes
@@ -172,7 +172,7 @@ def pack(version: int, named_tensors: Iterable[tuple[str, "torch.Tensor"]], buck
         data = b"".join(pieces)
         buckets.append(Bucket(version, len(buckets), data, digest(algorithm, data)))
     manifest = Manifest(
-        version=version, tensors=tuple(metas), total_bytes=total, bucket_bytes=bucket_bytes,
+        policy_version=version, tensors=tuple(metas), total_bytes=total, bucket_bytes=bucket_bytes,
         num_buckets=len(buckets), digest_algorithm=algorithm,
         digest=digest(algorithm, b"".join(b.digest for b in buckets)),
     )
@@ -191,8 +191,8 @@ class Assembly:
         self.received_bytes = 0
 
     @property
-    def version(self) -> int:
-        return self.manifest.version
+    def policy_version(self) -> int:
+        return self.manifest.policy_version
 
     @property
     def complete(self) -> bool:
@@ -200,9 +200,9 @@ class Assembly:
 
     def add(self, bucket: Bucket) -> None:
         m = self.manifest
-        where = f"version {m.version} bucket {bucket.index}"
-        if bucket.version != m.version:
-            raise TransferError("manifest", f"{where}: bucket says version {bucket.version}")
+        where = f"version {m.policy_version} bucket {bucket.index}"
+        if bucket.policy_version != m.policy_version:
+            raise TransferError("manifest", f"{where}: bucket says version {bucket.policy_version}")
         if not 0 <= bucket.index < m.num_buckets:
             raise TransferError("manifest", f"{where}: index out of range (0..{m.num_buckets - 1})")
         if self.buckets[bucket.index] is not None:
@@ -222,10 +222,10 @@ class Assembly:
         m = self.manifest
         if not self.complete:
             missing = m.num_buckets - self.received
-            raise TransferError("truncated", f"version {m.version}: {missing} of {m.num_buckets} buckets missing")
+            raise TransferError("truncated", f"version {m.policy_version}: {missing} of {m.num_buckets} buckets missing")
         buckets: list[Bucket] = self.buckets  # type: ignore[assignment]
         if digest(m.digest_algorithm, b"".join(b.digest for b in buckets)) != m.digest:
-            raise TransferError("checksum", f"version {m.version}: bucket digests do not match the manifest digest")
+            raise TransferError("checksum", f"version {m.policy_version}: bucket digests do not match the manifest digest")
         return buckets
 
 

@@ -43,14 +43,14 @@ class PublishError(RuntimeError):
 
     def __init__(self, version: int, code: grpc.StatusCode, details: str) -> None:
         super().__init__(f"publishing version {version} failed: {code.name}: {details}")
-        self.version = version
+        self.policy_version = version
         self.code = code
         self.retryable = code in _RETRYABLE
 
 
 @dataclass(frozen=True)
 class PublishResult:
-    version: int
+    policy_version: int
     bytes: int
     seconds: float
     """Wall time of the transfer (after packing) until the commit was confirmed."""
@@ -76,7 +76,7 @@ async def publish_packed(channel: grpc.aio.Channel, packed: PackedVersion, *, st
         raise ValueError(f"streams={streams} must be >= 1")
     stub = pb_grpc.WeightSyncStub(channel)
     metadata = ((STREAMS_METADATA, str(streams)),)
-    version = packed.manifest.version
+    version = packed.manifest.policy_version
     t0 = time.perf_counter()
     try:
         replies = await asyncio.gather(*[
@@ -95,18 +95,18 @@ async def status(channel: grpc.aio.Channel) -> pb.StatusReply:
 
 
 def make_receiver(channel: grpc.aio.Channel, replica_id: str, apply_fn: ApplyFn, *,
-                  applied_version: int = 0, component: str = "rollout") -> ReplicaReceiver:
+                  applied_policy_version: int = 0, component: str = "rollout") -> ReplicaReceiver:
     """A receiver whose acknowledgements go to the service on `channel`."""
     stub = pb_grpc.WeightSyncStub(channel)
 
     async def ack(version: int, ok: bool, error: str) -> None:
         try:
-            await stub.Ack(pb.AckRequest(replica_id=replica_id, version=version, ok=ok, error=error))
+            await stub.Ack(pb.AckRequest(replica_id=replica_id, policy_version=version, ok=ok, error=error))
         except grpc.aio.AioRpcError as exc:
             # The service is down; it learns the replica's state from the next ack.
             log.warning("could not acknowledge version %d: %s", version, exc.code().name)
 
-    return ReplicaReceiver(apply_fn, ack, applied_version=applied_version, component=component)
+    return ReplicaReceiver(apply_fn, ack, applied_policy_version=applied_policy_version, component=component)
 
 
 async def subscribe_and_apply(channel: grpc.aio.Channel, replica_id: str, apply_fn: ApplyFn, *,

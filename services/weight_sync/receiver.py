@@ -42,11 +42,11 @@ async def _no_ack(version: int, ok: bool, error: str) -> None:
 
 class ReplicaReceiver:
     def __init__(self, apply_fn: ApplyFn, ack_fn: AckFn | None = None, *,
-                 applied_version: int = 0, component: str = "rollout") -> None:
+                 applied_policy_version: int = 0, component: str = "rollout") -> None:
         self.apply_fn = apply_fn
         self.ack_fn = ack_fn or _no_ack
         self.component = component
-        self.applied_version = applied_version
+        self.applied_policy_version = applied_policy_version
         self.applied: list[int] = []
         """Every version applied, in order (strictly increasing)."""
         self.rejected: list[tuple[int, str]] = []
@@ -58,8 +58,8 @@ class ReplicaReceiver:
         self._applied_event = asyncio.Condition()
 
     def _newest_known(self) -> int:
-        ready = self._ready[0].version if self._ready else 0
-        return max([self.applied_version, ready, *self._partial])
+        ready = self._ready[0].policy_version if self._ready else 0
+        return max([self.applied_policy_version, ready, *self._partial])
 
     # --- incoming chunks --------------------------------------------------------------------
 
@@ -70,31 +70,31 @@ class ReplicaReceiver:
             await self._on_bucket(chunk)
 
     async def _on_manifest(self, m: Manifest) -> None:
-        ready = self._ready[0].version if self._ready else 0
-        if m.version <= max(self.applied_version, ready) or m.version in self._failed:
+        ready = self._ready[0].policy_version if self._ready else 0
+        if m.policy_version <= max(self.applied_policy_version, ready) or m.policy_version in self._failed:
             return  # not newer than what we have: never go backwards
-        existing = self._partial.get(m.version)
+        existing = self._partial.get(m.policy_version)
         if existing is not None:
             if existing.manifest != m:
-                await self._reject(m.version, TransferError(
-                    "manifest", f"version {m.version} announced twice with different manifests"))
+                await self._reject(m.policy_version, TransferError(
+                    "manifest", f"version {m.policy_version} announced twice with different manifests"))
             return
         try:
             assembly = Assembly(m)
         except TransferError as exc:
-            await self._reject(m.version, exc)
+            await self._reject(m.policy_version, exc)
             return
-        for v in [v for v in self._partial if v < m.version]:
-            log.info("abandoning version %d for %d", v, m.version)
+        for v in [v for v in self._partial if v < m.policy_version]:
+            log.info("abandoning version %d for %d", v, m.policy_version)
             del self._partial[v]
-        self._partial[m.version] = assembly
+        self._partial[m.policy_version] = assembly
 
     async def _on_bucket(self, b: Bucket) -> None:
-        assembly = self._partial.get(b.version)
+        assembly = self._partial.get(b.policy_version)
         if assembly is None:
-            if b.version > self._newest_known() and b.version not in self._failed:
-                await self._reject(b.version, TransferError(
-                    "manifest", f"bucket {b.index} of version {b.version} arrived before its manifest"))
+            if b.policy_version > self._newest_known() and b.policy_version not in self._failed:
+                await self._reject(b.policy_version, TransferError(
+                    "manifest", f"bucket {b.index} of version {b.policy_version} arrived before its manifest"))
             return  # an abandoned, rejected or already complete version
         try:
             assembly.add(b)
@@ -102,9 +102,9 @@ class ReplicaReceiver:
                 return
             buckets = assembly.finish()
         except TransferError as exc:
-            await self._reject(b.version, exc)
+            await self._reject(b.policy_version, exc)
             return
-        del self._partial[b.version]
+        del self._partial[b.policy_version]
         self._ready = (assembly.manifest, buckets)
         self._wake.set()
 
@@ -117,7 +117,7 @@ class ReplicaReceiver:
 
     async def _reject(self, version: int, exc: TransferError) -> None:
         log.warning("rejecting version %d (%s): %s; keeping version %d",
-                    version, exc.reason, exc, self.applied_version)
+                    version, exc.reason, exc, self.applied_policy_version)
         self._partial.pop(version, None)
         self._failed.add(version)
         self.rejected.append((version, exc.reason))
@@ -132,10 +132,10 @@ class ReplicaReceiver:
             await self._wake.wait()
             self._wake.clear()
             ready, self._ready = self._ready, None
-            if ready is None or ready[0].version <= self.applied_version:
+            if ready is None or ready[0].policy_version <= self.applied_policy_version:
                 continue
             manifest, buckets = ready
-            version = manifest.version
+            version = manifest.policy_version
             try:
                 tensors = await asyncio.to_thread(to_tensors, manifest, buckets)
                 del buckets, ready
@@ -149,7 +149,7 @@ class ReplicaReceiver:
                 SYNC_FAILURES.labels("apply").inc()
                 await self.ack_fn(version, False, f"apply: {exc!r}")
                 continue
-            self.applied_version = version
+            self.applied_policy_version = version
             self.applied.append(version)
             POLICY_VERSION.labels(self.component).set(version)
             async with self._applied_event:
@@ -159,4 +159,4 @@ class ReplicaReceiver:
     async def wait_applied(self, version: int) -> None:
         """Return once `version` (or a newer one) has been applied."""
         async with self._applied_event:
-            await self._applied_event.wait_for(lambda: self.applied_version >= version)
+            await self._applied_event.wait_for(lambda: self.applied_policy_version >= version)

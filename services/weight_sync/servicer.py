@@ -78,10 +78,10 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
             await context.abort(_CODES[exc.reason], f"{exc.reason}: {exc}")
         except asyncio.TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"version {pending.assembly.version} not complete after "
+                                f"version {pending.assembly.policy_version} not complete after "
                                 f"{self.commit_timeout:.0f} s; republish it")
-        log.info("version %d committed (%d bytes)", stored.version, stored.manifest.total_bytes)
-        return pb.PublishReply(version=stored.version, bytes=nbytes,
+        log.info("version %d committed (%d bytes)", stored.policy_version, stored.manifest.total_bytes)
+        return pb.PublishReply(policy_version=stored.policy_version, bytes=nbytes,
                                seconds=time.monotonic() - start)
 
     async def Subscribe(self, request: pb.SubscribeRequest,
@@ -100,27 +100,27 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
             stored = await self.store.wait_newer(sent)
             yield pb.WeightChunk(manifest=wire.manifest_to_pb(stored.manifest))
             for i in wire.stream_indices(len(stored.buckets), request.stream_index, n):
-                if self.store.latest_version > stored.version:
+                if self.store.policy_version > stored.policy_version:
                     log.info("replica %s: abandoning version %d for %d",
-                             replica, stored.version, self.store.latest_version)
+                             replica, stored.policy_version, self.store.policy_version)
                     break
                 bucket = stored.buckets[i]
                 yield pb.WeightChunk(bucket=wire.bucket_to_pb(bucket))
                 SYNC_BYTES.inc(len(bucket.data))
-            sent = stored.version
+            sent = stored.policy_version
 
     async def Ack(self, request: pb.AckRequest, context: grpc.aio.ServicerContext) -> pb.AckReply:
-        state = self.store.record_ack(request.replica_id, request.version, request.ok, request.error)
+        state = self.store.record_ack(request.replica_id, request.policy_version, request.ok, request.error)
         if not request.ok:
             log.warning("replica %s rejected version %d: %s (still on %d)", request.replica_id,
-                        request.version, request.error, state.applied_version)
+                        request.policy_version, request.error, state.applied_policy_version)
         return pb.AckReply()
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusReply:
         return pb.StatusReply(
-            latest_version=self.store.latest_version,
-            replicas=[pb.ReplicaState(replica_id=s.replica_id, applied_version=s.applied_version,
-                                      last_version=s.last_version, last_ok=s.last_ok,
+            policy_version=self.store.policy_version,
+            replicas=[pb.ReplicaState(replica_id=s.replica_id, applied_policy_version=s.applied_policy_version,
+                                      last_policy_version=s.last_policy_version, last_ok=s.last_ok,
                                       last_error=s.last_error)
                       for s in sorted(self.store.replicas.values(), key=lambda s: s.replica_id)],
         )

@@ -31,8 +31,8 @@ class StoredVersion:
     committed_at: float  # time.time()
 
     @property
-    def version(self) -> int:
-        return self.manifest.version
+    def policy_version(self) -> int:
+        return self.manifest.policy_version
 
 
 @dataclass
@@ -50,8 +50,8 @@ class PendingVersion:
 @dataclass
 class ReplicaState:
     replica_id: str
-    applied_version: int = 0
-    last_version: int = 0
+    applied_policy_version: int = 0
+    last_policy_version: int = 0
     last_ok: bool = False
     last_error: str = ""
 
@@ -65,30 +65,30 @@ class WeightStore:
         self.replicas: dict[str, ReplicaState] = {}
 
     @property
-    def latest_version(self) -> int:
-        return self.latest.version if self.latest else 0
+    def policy_version(self) -> int:
+        return self.latest.policy_version if self.latest else 0
 
     # --- publishing -------------------------------------------------------------------------
 
     def open_stream(self, manifest: Manifest, expected_streams: int = 1) -> PendingVersion:
         """A publish stream announced `manifest`; returns the version's pending state (shared by
         the `expected_streams` parallel streams of the same version)."""
-        if manifest.version <= self.latest_version:
+        if manifest.policy_version <= self.policy_version:
             SYNC_FAILURES.labels("stale").inc()
             raise TransferError(
-                "stale", f"version {manifest.version} is not newer than the latest committed "
-                f"version {self.latest_version}; versions only move forward")
-        pending = self._pending.get(manifest.version)
+                "stale", f"version {manifest.policy_version} is not newer than the latest committed "
+                f"version {self.policy_version}; versions only move forward")
+        pending = self._pending.get(manifest.policy_version)
         if pending is None:
             pending = PendingVersion(Assembly(manifest), expected_streams)
-            self._pending[manifest.version] = pending
+            self._pending[manifest.policy_version] = pending
         elif pending.assembly.manifest != manifest or pending.expected_streams != expected_streams:
             raise TransferError(
-                "manifest", f"version {manifest.version} is already being published with a "
+                "manifest", f"version {manifest.policy_version} is already being published with a "
                 "different manifest or stream count")
         elif pending.opened >= expected_streams:
             raise TransferError(
-                "manifest", f"version {manifest.version}: more than {expected_streams} publish streams")
+                "manifest", f"version {manifest.policy_version}: more than {expected_streams} publish streams")
         pending.opened += 1
         return pending
 
@@ -96,7 +96,7 @@ class WeightStore:
         """Check and keep one bucket; commits the version when it was the last one."""
         if pending.done.done():
             # Another stream of the same version already failed (or it was superseded).
-            raise TransferError("manifest", f"version {pending.assembly.version} is no longer "
+            raise TransferError("manifest", f"version {pending.assembly.policy_version} is no longer "
                                             "being published")
         try:
             pending.assembly.add(bucket)
@@ -113,7 +113,7 @@ class WeightStore:
         if pending.closed >= pending.expected_streams and not pending.done.done():
             a = pending.assembly
             self._fail(pending, TransferError(
-                "truncated", f"version {a.version}: publish ended with "
+                "truncated", f"version {a.policy_version}: publish ended with "
                 f"{a.manifest.num_buckets - a.received} of {a.manifest.num_buckets} buckets missing"))
 
     def _fail(self, pending: PendingVersion, exc: TransferError) -> None:
@@ -122,18 +122,18 @@ class WeightStore:
         SYNC_FAILURES.labels(exc.reason).inc()
         pending.done.set_exception(exc)
         pending.done.exception()  # mark retrieved: streams that already left need not see it
-        self._pending.pop(pending.assembly.version, None)
+        self._pending.pop(pending.assembly.policy_version, None)
 
     def _commit(self, pending: PendingVersion) -> None:
-        version = pending.assembly.version
+        version = pending.assembly.policy_version
         try:
             buckets = pending.assembly.finish()
         except TransferError as exc:
             self._fail(pending, exc)
             raise
-        if version <= self.latest_version:
+        if version <= self.policy_version:
             # A newer version was committed while this one was in flight.
-            exc = TransferError("stale", f"version {version} was overtaken by {self.latest_version}")
+            exc = TransferError("stale", f"version {version} was overtaken by {self.policy_version}")
             self._fail(pending, exc)
             raise exc
         stored = StoredVersion(pending.assembly.manifest, buckets, time.time())
@@ -158,15 +158,15 @@ class WeightStore:
     async def wait_newer(self, than: int) -> StoredVersion:
         """The latest committed version once it is newer than `than`."""
         async with self._changed:
-            await self._changed.wait_for(lambda: self.latest_version > than)
+            await self._changed.wait_for(lambda: self.policy_version > than)
             assert self.latest is not None
             return self.latest
 
     def record_ack(self, replica_id: str, version: int, ok: bool, error: str) -> ReplicaState:
         state = self.replicas.setdefault(replica_id, ReplicaState(replica_id))
-        state.last_version, state.last_ok, state.last_error = version, ok, error
+        state.last_policy_version, state.last_ok, state.last_error = version, ok, error
         if ok:
-            state.applied_version = max(state.applied_version, version)
+            state.applied_policy_version = max(state.applied_policy_version, version)
             committed = self._commit_times.get(version)
             if committed is not None:
                 SYNC_SECONDS.observe(max(time.time() - committed, 0.0))

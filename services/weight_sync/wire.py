@@ -12,7 +12,7 @@ from kiln.services.weight_sync.buckets import Bucket, Manifest, TensorMeta
 
 def manifest_to_pb(m: Manifest) -> pb.Manifest:
     return pb.Manifest(
-        version=m.version,
+        policy_version=m.policy_version,
         tensors=[pb.TensorEntry(name=t.name, shape=list(t.shape), dtype=t.dtype, offset=t.offset,
                                 nbytes=t.nbytes) for t in m.tensors],
         total_bytes=m.total_bytes, bucket_bytes=m.bucket_bytes, num_buckets=m.num_buckets,
@@ -22,7 +22,7 @@ def manifest_to_pb(m: Manifest) -> pb.Manifest:
 
 def manifest_from_pb(msg: pb.Manifest) -> Manifest:
     return Manifest(
-        version=msg.version,
+        policy_version=msg.policy_version,
         tensors=tuple(TensorMeta(t.name, tuple(t.shape), t.dtype, t.offset, t.nbytes)
                       for t in msg.tensors),
         total_bytes=msg.total_bytes, bucket_bytes=msg.bucket_bytes, num_buckets=msg.num_buckets,
@@ -31,11 +31,11 @@ def manifest_from_pb(msg: pb.Manifest) -> Manifest:
 
 
 def bucket_to_pb(b: Bucket) -> pb.Bucket:
-    return pb.Bucket(version=b.version, index=b.index, data=b.data, digest=b.digest)
+    return pb.Bucket(policy_version=b.policy_version, index=b.index, data=b.data, digest=b.digest)
 
 
 def bucket_from_pb(msg: pb.Bucket) -> Bucket:
-    return Bucket(msg.version, msg.index, msg.data, msg.digest)
+    return Bucket(msg.policy_version, msg.index, msg.data, msg.digest)
 
 
 def chunk_from_pb(msg: pb.WeightChunk) -> Manifest | Bucket:

@@ -1,8 +1,8 @@
 """The agent loop end to end in one process: a real (tiny, random) model through the torch
 engine, real chain episodes whose tool calls run in bubblewrap sandboxes, the real tokenizer.
 
-The environment is used in-process (`EpisodeManager`) instead of over gRPC; its gRPC servicer is
-a thin translation tested by the `kiln run` integration test.
+The environment is used in-process (`LocalEnvClient` over an `EpisodeManager`) instead of over
+gRPC; its gRPC servicer is a thin translation tested by the `kiln run` integration test.
 """
 from __future__ import annotations
 
@@ -14,37 +14,15 @@ import pytest
 from transformers import AutoTokenizer
 
 from kiln.api.validate import load_job
-from kiln.services.common.tiny_model import make_tiny_model, train_tokenizer
-from kiln.services.rollout.agent import (Demonstration, EpisodeInfo, Limits, StepInfo,
-                                         demonstration_trajectory, run_episode)
+from kiln.models.tiny import make_tiny_model, train_tokenizer
+from kiln.services.rollout.agent import Limits, demonstration_trajectory, run_episode
 from kiln.services.rollout.engine import EngineSettings, SamplingOptions
 from kiln.services.rollout.torch_engine import TorchEngine
+from kiln.services.sandbox.client import LocalEnvClient
 from kiln.services.sandbox.environments import chain
 from kiln.services.sandbox.episodes import EpisodeManager
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-class LocalEnv:
-    """EnvClient over an in-process EpisodeManager."""
-
-    def __init__(self, manager: EpisodeManager) -> None:
-        self.m = manager
-
-    async def open(self, task_set, index, max_actions):
-        eid, task = self.m.open(task_set, index, max_actions=max_actions)
-        return EpisodeInfo(eid, task.id, "chain", task.prompt, self.m.stop_strings())
-
-    async def step(self, episode_id, action):
-        o = await self.m.step(episode_id, action)
-        return StepInfo(o.observation, o.done, o.reward, o.reward_parts, o.verifier_output, o.flags)
-
-    async def close(self, episode_id):
-        await self.m.close(episode_id)
-
-    async def demonstrate(self, task_set, index, seed):
-        task, segments, reward, output = self.m.demonstrate(task_set, index, seed)
-        return Demonstration(task.id, segments, reward, output)
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +41,14 @@ def test_episode_records_versions_masks_and_reward(setup):
 
     async def main():
         engine = await TorchEngine.start(EngineSettings(model=str(model), dtype="float32", seed=1))
-        env = LocalEnv(EpisodeManager(job, base_dir=REPO, owner="test-agent"))
+        env = LocalEnvClient(EpisodeManager(job, base_dir=REPO, owner="test-agent"))
         sampling = SamplingOptions(temperature=1.0, max_tokens=16)
         trajs = await asyncio.gather(*[
             run_episode(engine, env, tok, task_set="chain-train", index=i, sampling=sampling,
                         limits=Limits(max_turns=3, max_tokens_per_turn=16, max_total_tokens=128),
                         group_id="g") for i in range(4)])
         demo = await env.demonstrate("chain-train", 0, seed=0)
-        return trajs, demonstration_trajectory(demo, tok, version=engine.version)
+        return trajs, demonstration_trajectory(demo, tok, version=engine.policy_version)
 
     trajs, demo = asyncio.run(main())
     for t in trajs:
@@ -98,7 +76,8 @@ def test_episode_steps_through_the_sandboxed_tool(setup):
 
     async def main():
         m = EpisodeManager(job, base_dir=REPO, owner="test-agent2")
-        eid, task = m.open("chain-train", 5)
+        task = m.task("chain-train", 5)
+        eid = m.open("chain-train", 5).episode_id
         observations, out = [], None
         current = str(task.start)
         for i in range(task.repeats):
@@ -122,9 +101,9 @@ def test_invalid_action_and_turn_budget_end_with_zero_reward(setup):
 
     async def main():
         m = EpisodeManager(job, base_dir=REPO, owner="test-agent3")
-        eid, _ = m.open("chain-train", 1)
+        eid = m.open("chain-train", 1).episode_id
         bad = await m.step(eid, "hello</call>")
-        eid2, _ = m.open("chain-train", 1, max_actions=2)
+        eid2 = m.open("chain-train", 1, max_actions=2).episode_id
         first = await m.step(eid2, "<call>calc 1+1</call>")
         second = await m.step(eid2, "<call>calc 2+2</call>")
         with pytest.raises(ValueError):
@@ -145,23 +124,23 @@ def test_demonstrations_are_fixed_per_task_and_asked_for_once(setup):
 
     model, tok, job = setup
 
-    class CountingEnv(LocalEnv):
+    class CountingEnv(LocalEnvClient):
         calls: list[int] = []
 
         async def demonstrate(self, task_set, index, seed):
             self.calls.append(index)
             return await super().demonstrate(task_set, index, seed)
 
-    class Collect:
+    class Collect:  # the one buffer call a producer makes
         def __init__(self):
             self.got = []
 
-        async def put(self, trajectories, *, still_wanted=lambda: True):
+        async def put_async(self, trajectories, group_size=None, *, still_wanted=lambda: True):
             self.got.extend(trajectories)
             return True
 
     class Versioned:  # the producer reads only the engine's version when demonstrating
-        version = 0
+        policy_version = 0
 
     async def main():
         env, sink = CountingEnv(EpisodeManager(job, base_dir=REPO, owner="test-demo")), Collect()
@@ -191,7 +170,7 @@ def test_thinking_off_writes_an_empty_block_before_each_action(setup):
 
     async def main():
         engine = await TorchEngine.start(EngineSettings(model=str(model), dtype="float32", seed=2))
-        env = LocalEnv(EpisodeManager(job, base_dir=REPO, owner="test-think"))
+        env = LocalEnvClient(EpisodeManager(job, base_dir=REPO, owner="test-think"))
         return await asyncio.gather(*[
             run_episode(engine, env, tok, task_set="chain-train", index=i,
                         sampling=SamplingOptions(temperature=1.0, max_tokens=16),

@@ -23,7 +23,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kiln.services.buffer.buffer import Batch
+from kiln.services.buffer.types import Batch
 from kiln.services.buffer.client import Backoff, GrpcBufferClient
 from kiln.services.buffer.leases import AckStatus
 from kiln.services.buffer.synthetic import synthetic_group
@@ -267,9 +267,9 @@ def test_sigterm_restart_keeps_state(tmp_path: Path) -> None:
     proc = BufferProcess(tmp_path, "--tau", "1")
     client = GrpcBufferClient(proc.target)
     st = client.status()
-    assert (st.depth, st.groups_pending, st.served, st.leased, st.trainer_version, st.tau) == (
+    assert (st.depth, st.groups_pending, st.served, st.leased, st.policy_version, st.tau) == (
         2, 1, 4, GROUP, 1, 1)
-    st = client.set_trainer_version(3)  # c is now 2 behind: dropped, its late half too
+    st = client.set_policy_version(3)  # c is now 2 behind: dropped, its late half too
     assert (st.depth, st.dropped_stale, st.leased) == (0, 2, GROUP)  # b is leased: not swept
     r = client.put(synthetic_group("c", GROUP, version=1)[2:])
     assert (r.accepted, r.dropped_stale) == (2, 2)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kiln.services.common.tiny_model import make_tiny_model, train_tokenizer
+from kiln.models.tiny import make_tiny_model, train_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +20,7 @@ def test_consistency_command_reports_ok_for_both_versions(tmp_path, tied) -> Non
                           tmp_path / "tok", vocab_size=320)
     model = make_tiny_model(tmp_path / "model", tok, tie_word_embeddings=tied)
     proc = subprocess.run(
-        [sys.executable, "-m", "kiln.services.cli", "consistency", "--model", str(model),
+        [sys.executable, "-m", "kiln.cli.main", "consistency", "--model", str(model),
          "--samples", "3", "--max-tokens", "16"],
         capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.services.common.modeling import dsa
-from kiln.services.common.tiny_model import make_tiny_checkpoint
+from kiln.models import dsa
+from kiln.models.tiny import make_tiny_checkpoint
 from kiln.services.rollout.engine import EngineSettings, SamplingOptions
 from kiln.services.rollout.megatron_engine import MegatronEngine
 from kiln.services.trainer.config import OptimizerConfig, TrainerConfig
@@ -85,7 +85,7 @@ async def test_weights_change_between_decoding_steps_with_exact_versions(dsa_dir
     await asyncio.sleep(0)  # the first decoding step takes the lock; the update queues behind it
     await engine.apply_weights(1, weights)
     gen = await task
-    assert engine.version == 1
+    assert engine.policy_version == 1
     v = gen.versions
     assert v[0] == 0 and v[-1] == 1 and v == sorted(v)
     seq = PROMPTS[0] + gen.token_ids
@@ -99,7 +99,7 @@ async def test_weights_change_between_decoding_steps_with_exact_versions(dsa_dir
 
 async def test_incomplete_or_foreign_weights_are_rejected(dsa_dir: Path) -> None:
     engine = await _engine(dsa_dir)
-    from kiln.services.common.modeling.hf_io import read_hf_state_dict
+    from kiln.models.hf_io import read_hf_state_dict
 
     hf = read_hf_state_dict(dsa_dir)
     partial = [(n, t) for n, t in hf.items() if ".indexer." not in n]
@@ -109,9 +109,9 @@ async def test_incomplete_or_foreign_weights_are_rejected(dsa_dir: Path) -> None
         await engine.apply_weights(1, [*hf.items(), ("model.layers.9.extra.weight", torch.zeros(1))])
     with pytest.raises(ValueError, match="shape"):
         await engine.apply_weights(1, [(n, t[:1] if n == "model.norm.weight" else t) for n, t in hf.items()])
-    assert engine.version == 0
+    assert engine.policy_version == 0
     await engine.apply_weights(1, hf.items())
-    assert engine.version == 1
+    assert engine.policy_version == 1
     await engine.close()
 
 
@@ -129,7 +129,7 @@ async def test_dense_checkpoint_runs_without_index_hashes(tmp_path: Path) -> Non
 @pytest.mark.slow
 def test_consistency_command_on_a_tiny_dsa_model() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "kiln.services.cli", "consistency", "--dsa", "--dsa-backend", "torch",
+        [sys.executable, "-m", "kiln.cli.main", "consistency", "--dsa", "--dsa-backend", "torch",
          "--samples", "3", "--max-tokens", "16"],
         capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]

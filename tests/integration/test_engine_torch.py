@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from kiln.services.common.tiny_model import make_tiny_model, train_tokenizer
+from kiln.models.tiny import make_tiny_model, train_tokenizer
 from kiln.services.rollout.engine import EngineSettings, SamplingOptions
 from kiln.services.rollout.torch_engine import TorchEngine
 
@@ -61,7 +61,7 @@ def test_weights_change_mid_generation_with_exact_versions(models) -> None:
         return engine, prompts, gens
 
     engine, prompts, gens = asyncio.run(main())
-    assert engine.version == 1
+    assert engine.policy_version == 1
     assert any(0 in g.versions and 1 in g.versions for g in gens), [g.versions for g in gens]
     for prompt, g in zip(prompts, gens):
         assert g.versions == sorted(g.versions)

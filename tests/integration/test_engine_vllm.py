@@ -14,8 +14,9 @@ from transformers import AutoModelForCausalLM
 
 from kiln.protos.kiln.v1 import weight_sync_pb2_grpc as pb_grpc
 from kiln.services.common.server import CHANNEL_OPTIONS, Registration, create_server
-from kiln.services.common.tiny_model import make_tiny_model, train_tokenizer
-from kiln.services.rollout.engine import EngineSettings, RolloutEngine, SamplingOptions
+from kiln.models.tiny import make_tiny_model, train_tokenizer
+from kiln.services.rollout.engine import EngineSettings, SamplingOptions
+from kiln.services.rollout.vllm_engine import VllmEngine
 from kiln.services.weight_sync import client as ws
 from kiln.services.weight_sync.servicer import SERVICE_NAME, WeightSyncServicer
 
@@ -30,7 +31,7 @@ class Env:
         tok = train_tokenizer(TEXTS, root / "tok", vocab_size=320)
         self.dirs = [make_tiny_model(root / f"v{s}", tok, seed=s) for s in range(3)]
         self.loop = asyncio.new_event_loop()
-        self.engine = self.run(RolloutEngine.start(EngineSettings(
+        self.engine = self.run(VllmEngine.start(EngineSettings(
             model=str(self.dirs[0]), dtype="float32", kv_cache_bytes=64 << 20, seed=0,
             max_model_len=512)))
 
@@ -107,7 +108,7 @@ def test_apply_weights_mid_generation_tags_every_token_exactly(env: Env) -> None
         return gens
 
     gens = env.run(main())
-    assert eng.version == 1
+    assert eng.policy_version == 1
     assert any(0 in g.versions and 1 in g.versions for g in gens), [set(g.versions) for g in gens]
     for p, g in zip(prompts, gens):
         assert g.versions == sorted(g.versions)
@@ -125,10 +126,10 @@ def test_published_version_reaches_engine_and_changes_logprobs(env: Env) -> None
         server, port = await create_server("127.0.0.1:0", [Registration(
             pb_grpc.add_WeightSyncServicer_to_server, servicer, SERVICE_NAME)])
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as ch:
-            receiver = ws.make_receiver(ch, "vllm-0", eng.apply_weights, applied_version=eng.version)
+            receiver = ws.make_receiver(ch, "vllm-0", eng.apply_weights, applied_policy_version=eng.policy_version)
             sub = asyncio.create_task(ws.subscribe_and_apply(ch, "vllm-0", eng.apply_weights,
                                                              receiver=receiver))
-            await ws.publish(ch, eng.version + 1, env.weights(2), bucket_bytes=64 << 10)
+            await ws.publish(ch, eng.policy_version + 1, env.weights(2), bucket_bytes=64 << 10)
             await asyncio.wait_for(receiver.wait_applied(2), 30)
             after = await eng.generate(prompt, greedy)
             sub.cancel()
@@ -138,7 +139,7 @@ def test_published_version_reaches_engine_and_changes_logprobs(env: Env) -> None
         return before, after, state
 
     before, after, state = env.run(main())
-    assert eng.version == 2 and (state.applied_version, state.last_ok) == (2, True)
+    assert eng.policy_version == 2 and (state.applied_policy_version, state.last_ok) == (2, True)
     assert set(after.versions) == {2}
     assert_matches(env, prompt, after, {2: env.dirs[2]})
     # The new weights give different log-probs for the old continuation.

@@ -59,7 +59,7 @@ def _records(run: Path) -> list[dict]:
 
 def test_kiln_run_end_to_end_with_a_buffer_kill(tmp_path):
     job, run = _job(tmp_path), tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "kiln.services.cli", "run", str(job), "--run-dir", str(run)],
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.cli.main", "run", str(job), "--run-dir", str(run)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
     killed = False
     try:

@@ -22,6 +22,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kiln.protos.kiln.v1 import trainer_pb2, trainer_pb2_grpc
 from tests.integration.kube_fakes import RLJOBS, running_fake_api, write_kubeconfig
 
 NS = "kiln-e2e"
@@ -102,14 +103,18 @@ class Cluster:
     def condition(self, job: str, type_: str) -> dict[str, Any]:
         return next((c for c in self.status(job).get("conditions", []) if c["type"] == type_), {})
 
-    def serve_trainer_health(self, job: str) -> health.HealthServicer:
+    def serve_trainer_status(self, job: str) -> tuple[health.HealthServicer, "_TrainerStatus"]:
+        """A stand-in for the trainer's endpoints the operator reads (health, GetTrainerStatus);
+        a real trainer needs a model, which this test is not about."""
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        status = _TrainerStatus()
+        trainer_pb2_grpc.add_TrainerServicer_to_server(status, server)
         server.add_insecure_port(f"unix:{self.sockets}/{job}-trainer.sock")
         server.start()
         self._cleanup.append(lambda: server.stop(0))
-        return servicer
+        return servicer, status
 
     def start_buffer(self, job: str, spec: dict[str, Any], run_dir: Path) -> str:
         job_file = run_dir / "job.yaml"
@@ -129,6 +134,15 @@ class Cluster:
     def close(self) -> None:
         for fn in reversed(self._cleanup):
             fn()
+
+
+class _TrainerStatus(trainer_pb2_grpc.TrainerServicer):
+    """GetTrainerStatus of a trainer at `policy_version`, in stage "sft"."""
+
+    policy_version = 0
+
+    def GetTrainerStatus(self, request, context):  # noqa: N802 - gRPC method name
+        return trainer_pb2.TrainerStatus(policy_version=self.policy_version, stage="sft")
 
 
 @pytest.fixture(scope="module")
@@ -197,17 +211,14 @@ def test_create_applies_owned_children_and_status_follows_services(cluster: Clus
                      and c.condition("alpha", "Ready"))
     assert "alpha-trainer.sock" in ready["message"]
 
-    # A real buffer process and a trainer health endpoint come up: Running, policy version from
-    # the buffer (the trainer's version it was told), staleness once something was served.
-    trainer = c.serve_trainer_health("alpha")
+    # A real buffer process and the trainer's status endpoints come up: Running, with the
+    # policy version the trainer reports.
+    trainer, trainer_status = c.serve_trainer_status("alpha")
     trainer.set("", health_pb2.HealthCheckResponse.SERVING)
+    trainer_status.policy_version = 7
     address = c.start_buffer("alpha", {}, tmp_path)
-    from kiln.protos.kiln.v1 import buffer_pb2, buffer_pb2_grpc
-
     channel = grpc.insecure_channel(address)
     grpc.channel_ready_future(channel).result(timeout=20)
-    buffer_pb2_grpc.BufferStub(channel).SetTrainerVersion(
-        buffer_pb2.SetTrainerVersionRequest(version=7), timeout=5)
     wait_for("Running with version 7", lambda: c.status("alpha").get("phase") == "Running"
              and c.status("alpha").get("policyVersion") == 7, timeout=20)
     assert c.condition("alpha", "Ready")["status"] == "True"

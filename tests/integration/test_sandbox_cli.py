@@ -9,7 +9,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples" / "tasks"
 
 
 def kiln(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kiln.services.sandbox.cli", "sandbox", *args],
+    return subprocess.run([sys.executable, "-m", "kiln.cli.sandbox", "sandbox", *args],
                           capture_output=True, text=True, timeout=timeout)
 
 

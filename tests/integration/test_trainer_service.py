@@ -1,5 +1,6 @@
-"""The trainer service as a real process: readiness, a step over gRPC, metrics, checkpoint on
-SIGTERM, resume on restart."""
+"""The trainer service as a real process, on the path training really takes: RunStage pulls
+leased batches from a real buffer process, steps, acks and publishes through a real weight-sync
+process; metrics are exported; SIGTERM writes a checkpoint and a restart resumes from it."""
 from __future__ import annotations
 
 import json
@@ -11,48 +12,48 @@ import time
 import urllib.request
 from pathlib import Path
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kiln.protos.kiln.v1 import trainer_pb2, trainer_pb2_grpc
-from kiln.services.common.codec import to_proto
-from kiln.services.common.tiny_model import make_tiny_checkpoint
+from kiln.models.tiny import make_tiny_checkpoint
+from kiln.services.buffer.client import GrpcBufferClient
+from kiln.services.trainer.client import TrainerClient
+from kiln.services.trainer.stages import NO_FRESHNESS_BOUND
 from kiln.trajectory import Trajectory, VersionSpan
 
 pytestmark = pytest.mark.slow
 
+JOB = """
+apiVersion: kiln.dev/v1alpha1
+kind: RLJob
+metadata: {{name: trainer-svc}}
+spec:
+  model: {{path: "{model}", dtype: float32}}
+  tasks: [{{name: t, env: chain, generate: {{count: 10}}}}]
+  stages:
+    - {{name: warmup, type: sft, tasks: [t], maxSteps: 2, batchSize: 2, microBatchSize: 2,
+       learningRate: 1.0e-3}}
+  trainer: {{checkpointInterval: 100}}
+"""
 
-def _start(model_dir: Path, run_dir: Path) -> tuple[subprocess.Popen, dict]:
+
+def _start(service: str, run_dir: Path, job: Path, env: dict[str, str] | None = None,
+           extra: list[str] = ()) -> tuple[subprocess.Popen, dict]:
+    run_dir.mkdir(parents=True, exist_ok=True)
     ports = run_dir / "ports.json"
     ports.unlink(missing_ok=True)
-    log = run_dir / "trainer.log"  # a file, not a pipe nobody drains while the test runs
+    log = run_dir / f"{service}.log"  # a file, not a pipe nobody drains while the test runs
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kiln.services.trainer.main", "--model-dir", str(model_dir),
+        [sys.executable, "-m", f"kiln.services.{service}.main", "--job", str(job),
          "--run-dir", str(run_dir), "--address", "127.0.0.1:0", "--metrics-port", "0",
-         "--port-file", str(ports), "--threads", "1"],
-        stdout=subprocess.DEVNULL, stderr=log.open("a"), env={**os.environ},
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while not ports.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"trainer did not bind: {log.read_text()[-3000:]}")
-            time.sleep(0.1)
-        info = json.loads(ports.read_text())
-        channel = grpc.insecure_channel(f"127.0.0.1:{info['port']}")
-        health = health_pb2_grpc.HealthStub(channel)
-        while health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status != \
-                health_pb2.HealthCheckResponse.SERVING:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"trainer never became ready: {log.read_text()[-3000:]}")
-            time.sleep(0.2)
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-    info["channel"] = channel
-    return proc, info
+         "--port-file", str(ports), *extra],
+        stdout=subprocess.DEVNULL, stderr=log.open("a"), env={**os.environ, **(env or {})})
+    deadline = time.monotonic() + 90
+    while not ports.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"{service} did not bind: {log.read_text()[-3000:]}")
+        time.sleep(0.1)
+    return proc, json.loads(ports.read_text())
 
 
 def _stop(proc: subprocess.Popen) -> int:
@@ -64,36 +65,77 @@ def _stop(proc: subprocess.Popen) -> int:
             proc.kill()
 
 
-def test_service_steps_exports_metrics_and_resumes(tmp_path: Path) -> None:
-    model_dir = make_tiny_checkpoint(tmp_path / "m", hidden_size=64, intermediate_size=128)
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    traj = Trajectory(id="t", task_id="x", group_id="g", tokens=[5, 6, 7, 8, 9, 10], loss_mask=[0, 0, 1, 1, 1, 1],
-                      logp_infer=[0, 0, -5.9, -5.9, -5.9, -5.9], version_spans=[VersionSpan(2, 6, 0)])
-    proc, info = _start(model_dir, run_dir)
-    try:
-        stub = trainer_pb2_grpc.TrainerStub(info["channel"])
-        r = stub.TrainStep(trainer_pb2.TrainStepRequest(trajectories=[to_proto(traj)], kind=trainer_pb2.STEP_KIND_SFT),
-                           timeout=60)
-        assert r.step == 1 and r.metrics["tokens"] == 4
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{info['metrics_port']}/metrics", timeout=5).read().decode()
-        loss_line = next(line for line in metrics.splitlines() if line.startswith('kiln_train_loss{stage="sft"}'))
-        assert float(loss_line.split()[-1]) == pytest.approx(r.metrics["loss"])
-        assert 'kiln_policy_version{component="trainer"} 0.0' in metrics
-        info["channel"].close()
-    finally:
-        code = _stop(proc)
-    assert code == 0
-    assert (run_dir / "checkpoints" / "step_00000001" / "meta.json").exists()
+def _wait(what: str, fn, timeout: float = 90.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = fn()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
 
-    proc, info = _start(model_dir, run_dir)
+
+def _traj(i: int) -> Trajectory:
+    tokens = [5 + (i + k) % 250 for k in range(8)]
+    return Trajectory(id=f"t{i}", task_id="x", group_id="", tokens=tokens, loss_mask=[0, 0] + [1] * 6,
+                      logp_infer=[0.0] * 8, version_spans=[VersionSpan(2, 8, 0)])
+
+
+def test_service_runs_a_stage_exports_metrics_and_resumes(tmp_path: Path) -> None:
+    model_dir = make_tiny_checkpoint(tmp_path / "m", hidden_size=64, intermediate_size=128)
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB.format(model=model_dir))
+    procs = []
     try:
-        status = trainer_pb2_grpc.TrainerStub(info["channel"]).GetTrainerStatus(trainer_pb2.TrainerStatusRequest(), timeout=10)
-        assert status.step == 1 and status.last_checkpoint.endswith("step_00000001")
-        assert status.last_metrics["loss"] == pytest.approx(r.metrics["loss"])
-        info["channel"].close()
-    finally:
+        buf_proc, buf = _start("buffer", tmp_path / "buffer", job)
+        procs.append(buf_proc)
+        ws_proc, ws = _start("weight_sync", tmp_path / "weight_sync", job)
+        procs.append(ws_proc)
+        env = {"KILN_BUFFER_ADDR": f"127.0.0.1:{buf['port']}",
+               "KILN_WEIGHT_SYNC_ADDR": f"127.0.0.1:{ws['port']}"}
+        buffer = GrpcBufferClient(env["KILN_BUFFER_ADDR"])
+        proc, info = _start("trainer", tmp_path / "trainer", job, env, ["--threads", "1"])
+        trainer = TrainerClient(f"127.0.0.1:{info['port']}")
+        _wait("trainer ready", lambda: _serving(trainer))
+        trainer.start_stage("warmup")
+        _wait("the stage configured the buffer", lambda: buffer.status().tau == NO_FRESHNESS_BOUND)
+        buffer.put([_traj(i) for i in range(4)], group_size=1)
+        status = _wait("stage done", lambda: (s := trainer.status()).stage_done and s)
+        assert (status.stage_step, status.step, status.policy_version) == (2, 2, 1)
+        assert buffer.status().served == 4
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{info['metrics_port']}/metrics",
+                                         timeout=5).read().decode()
+        loss_line = next(line for line in metrics.splitlines()
+                         if line.startswith('kiln_train_loss{stage="warmup"}'))
+        assert float(loss_line.split()[-1]) == pytest.approx(status.last_metrics["loss"])
+        assert 'kiln_policy_version{component="trainer"} 1.0' in metrics
+        trainer.close()
         assert _stop(proc) == 0
+        assert (tmp_path / "trainer" / "checkpoints" / "step_00000002" / "meta.json").exists()
+
+        proc, info = _start("trainer", tmp_path / "trainer", job, env, ["--threads", "1"])
+        trainer = TrainerClient(f"127.0.0.1:{info['port']}")
+        _wait("trainer ready again", lambda: _serving(trainer))
+        status = trainer.status()
+        assert (status.step, status.policy_version) == (2, 1)
+        assert status.last_checkpoint.endswith("step_00000002")
+        assert status.last_metrics["loss"] == pytest.approx(float(loss_line.split()[-1]))
+        trainer.close()
+        buffer.close()
+        assert _stop(proc) == 0
+    finally:
+        for p in procs:
+            _stop(p)
+
+
+def _serving(trainer: TrainerClient) -> bool:
+    import grpc
+
+    try:
+        trainer.status()
+        return True
+    except grpc.RpcError:
+        return False
 
 
 def test_bad_configuration_exits_with_a_message(tmp_path: Path) -> None:

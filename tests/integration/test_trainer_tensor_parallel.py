@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from kiln.services.common.tiny_model import make_tiny_checkpoint
+from kiln.models.tiny import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -19,9 +19,9 @@ def _check_model(tp: int, model_dir: str) -> None:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from kiln.services.common.modeling import parallel
-    from kiln.services.common.modeling.hf_io import iter_hf_tensors, load_hf_checkpoint
-    from kiln.services.common.modeling.megatron_model import forward_logits, token_logprobs
+    from kiln.models import parallel
+    from kiln.models.hf_io import iter_hf_tensors, load_hf_checkpoint
+    from kiln.models.megatron_model import forward_logits, token_logprobs
 
     model, spec = load_hf_checkpoint(Path(model_dir), tp=tp)
     # Each rank really holds a shard, not the whole model.
@@ -66,7 +66,7 @@ def _train(tp: int, model_dir: str, out_dir: Path) -> dict:
 
 
 def _worker(rank: int, tp: int, init_method: str, model_dirs: list[str], out: str) -> None:
-    from kiln.services.common.modeling import parallel
+    from kiln.models import parallel
 
     torch.set_num_threads(1)
     parallel.init_parallel(tp, rank=rank, init_method=init_method)
@@ -81,7 +81,7 @@ def _worker(rank: int, tp: int, init_method: str, model_dirs: list[str], out: st
 
 
 def test_tp2_logits_and_export(tmp_path: Path) -> None:
-    from kiln.services.common.modeling.parallel import free_port
+    from kiln.models.parallel import free_port
 
     # One spawn for both architectures: starting the processes dominates the run time.
     model_dirs = [
@@ -101,7 +101,7 @@ def test_tp2_logits_and_export(tmp_path: Path) -> None:
     # The same step at TP=1 in this process.
     from safetensors.torch import load_file
 
-    from kiln.services.common.modeling import parallel
+    from kiln.models import parallel
 
     parallel.init_parallel(1)
     ref = _train(1, model_dirs[0], tmp_path / "tp1")

@@ -76,17 +76,17 @@ def test_version_reaches_two_replicas_intact_and_acks_are_recorded() -> None:
         async with service() as (servicer, ch):
             a, b = Replica(ch, "r-a"), Replica(ch, "r-b")
             result = await ws.publish(ch, 1, weights(1), BUCKET)
-            assert result.version == 1 and result.bytes == sum(t.nbytes for _, t in weights(1))
-            await wait_for(lambda: a.receiver.applied_version == 1 == b.receiver.applied_version)
+            assert result.policy_version == 1 and result.bytes == sum(t.nbytes for _, t in weights(1))
+            await wait_for(lambda: a.receiver.applied_policy_version == 1 == b.receiver.applied_policy_version)
             assert a.matches(1) and b.matches(1)
             await ws.publish(ch, 2, weights(2), BUCKET, streams=3)  # parallel publish streams
-            await wait_for(lambda: a.receiver.applied_version == 2 == b.receiver.applied_version)
+            await wait_for(lambda: a.receiver.applied_policy_version == 2 == b.receiver.applied_policy_version)
             assert a.matches(2) and b.matches(2)
             await wait_for(lambda: len(servicer.store.replicas) == 2 and all(
-                s.applied_version == 2 for s in servicer.store.replicas.values()))
+                s.applied_policy_version == 2 for s in servicer.store.replicas.values()))
             st = await ws.status(ch)
-            assert st.latest_version == 2
-            assert [(r.replica_id, r.applied_version, r.last_ok) for r in st.replicas] == [
+            assert st.policy_version == 2
+            assert [(r.replica_id, r.applied_policy_version, r.last_ok) for r in st.replicas] == [
                 ("r-a", 2, True), ("r-b", 2, True)]
             await a.stop(), await b.stop()
 
@@ -99,7 +99,7 @@ def test_late_joiner_gets_only_the_latest() -> None:
             for v in (1, 2, 3):
                 await ws.publish(ch, v, weights(v), BUCKET)
             late = Replica(ch, "late")
-            await wait_for(lambda: late.receiver.applied_version == 3)
+            await wait_for(lambda: late.receiver.applied_policy_version == 3)
             await asyncio.sleep(0.1)
             assert late.receiver.applied == [3] and late.matches(3)
             await late.stop()
@@ -112,7 +112,7 @@ def test_corrupted_or_truncated_publish_is_rejected_and_old_version_kept() -> No
         async with service() as (servicer, ch):
             r = Replica(ch, "r")
             await ws.publish(ch, 1, weights(1), BUCKET)
-            await wait_for(lambda: r.receiver.applied_version == 1)
+            await wait_for(lambda: r.receiver.applied_policy_version == 1)
             packed = pack(2, weights(2), BUCKET)
             data = bytearray(packed.buckets[1].data)
             data[7] ^= 0x40
@@ -128,12 +128,12 @@ def test_corrupted_or_truncated_publish_is_rejected_and_old_version_kept() -> No
                                    metadata=((STREAMS_METADATA, "1"),))
             assert rpc_err.value.code() == grpc.StatusCode.DATA_LOSS
             assert "truncated" in rpc_err.value.details()
-            assert servicer.store.latest_version == 1
+            assert servicer.store.policy_version == 1
             await asyncio.sleep(0.1)
             assert r.receiver.applied == [1] and r.matches(1)
             # The same version, sent intact, then goes through.
             await ws.publish_packed(ch, packed)
-            await wait_for(lambda: r.receiver.applied_version == 2)
+            await wait_for(lambda: r.receiver.applied_policy_version == 2)
             assert r.matches(2)
             await r.stop()
 
@@ -145,7 +145,7 @@ def test_corruption_on_the_way_to_a_replica_is_rejected_and_old_weights_kept() -
         async with service() as (servicer, ch):
             await ws.publish(ch, 1, weights(1), BUCKET)
             r = Replica(ch, "r")
-            await wait_for(lambda: r.receiver.applied_version == 1)
+            await wait_for(lambda: r.receiver.applied_policy_version == 1)
             await r.stop()
             await ws.publish(ch, 2, weights(2), BUCKET)
             # Damage the bytes the service holds (as a bad link or memory would): the replica
@@ -155,13 +155,13 @@ def test_corruption_on_the_way_to_a_replica_is_rejected_and_old_weights_kept() -
             bad[0] ^= 0xFF
             stored.buckets[0] = dataclasses.replace(stored.buckets[0], data=bytes(bad))
             r2 = Replica(ch, "r")
-            r2.receiver.applied_version, r2.state = 1, dict(r.state)
+            r2.receiver.applied_policy_version, r2.state = 1, dict(r.state)
             await wait_for(lambda: r2.receiver.rejected)
             assert r2.receiver.rejected[0] == (2, "checksum")
-            assert r2.receiver.applied_version == 1 and r2.matches(1)
-            await wait_for(lambda: servicer.store.replicas["r"].last_version == 2)
+            assert r2.receiver.applied_policy_version == 1 and r2.matches(1)
+            await wait_for(lambda: servicer.store.replicas["r"].last_policy_version == 2)
             s = servicer.store.replicas["r"]
-            assert (s.applied_version, s.last_ok) == (1, False) and "checksum" in s.last_error
+            assert (s.applied_policy_version, s.last_ok) == (1, False) and "checksum" in s.last_error
             await r2.stop()
 
     asyncio.run(main())
@@ -176,7 +176,7 @@ def test_new_version_while_replica_applies_previous_never_goes_back() -> None:
             await asyncio.sleep(0.1)  # slow is applying 1
             for v in (2, 3, 4):
                 await ws.publish(ch, v, weights(v), BUCKET)
-            await wait_for(lambda: slow.receiver.applied_version == 4 == fast.receiver.applied_version)
+            await wait_for(lambda: slow.receiver.applied_policy_version == 4 == fast.receiver.applied_policy_version)
             assert slow.matches(4) and fast.matches(4)
             for rep in (slow, fast):
                 assert rep.receiver.applied == sorted(set(rep.receiver.applied))
@@ -187,7 +187,7 @@ def test_new_version_while_replica_applies_previous_never_goes_back() -> None:
                 await ws.publish(ch, 3, weights(9), BUCKET)
             assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and not err.value.retryable
             await asyncio.sleep(0.1)
-            assert servicer.store.latest_version == 4 and slow.matches(4) and fast.matches(4)
+            assert servicer.store.policy_version == 4 and slow.matches(4) and fast.matches(4)
             await slow.stop(), await fast.stop()
 
     asyncio.run(main())
@@ -205,7 +205,7 @@ def test_parallel_subscribe_streams_deliver_intact() -> None:
             task = asyncio.create_task(ws.subscribe_and_apply(ch, "multi", apply, streams=3,
                                                               receiver=receiver))
             await ws.publish(ch, 1, weights(1), BUCKET, streams=2)
-            await wait_for(lambda: receiver.applied_version == 1)
+            await wait_for(lambda: receiver.applied_policy_version == 1)
             assert all(torch.equal(rec[1][n], t) for n, t in weights(1))
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)

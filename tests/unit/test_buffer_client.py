@@ -14,7 +14,8 @@ import grpc
 import pytest
 
 from kiln.protos.kiln.v1 import buffer_pb2_grpc
-from kiln.services.buffer.buffer import BufferConfig, BufferFull, TrajectoryBuffer
+from kiln.services.buffer.buffer import TrajectoryBuffer
+from kiln.services.buffer.types import BufferConfig, BufferFull
 from kiln.services.buffer.client import (
     Backoff,
     BufferClient,
@@ -58,7 +59,7 @@ def test_grpc_round_trip(served: tuple[TrajectoryBuffer, str]) -> None:
     assert (r.accepted, r.duplicates, r.depth) == (2, 0, 2)
     assert client.put(g).duplicates == 2
     batch = client.get_batch(2, 2, timeout=1)
-    assert batch.staleness == [1, 1] and batch.trainer_version == 2
+    assert batch.staleness == [1, 1] and batch.policy_version == 2
     assert (batch.batch_id, batch.delivery) == (1, 1)
     for got, sent in zip(batch.trajectories, g):
         assert got.advantage == sent.reward - 0.5
@@ -72,8 +73,8 @@ def test_grpc_round_trip(served: tuple[TrajectoryBuffer, str]) -> None:
     assert (again.status, again.trajectories) == (AckStatus.ALREADY_ACKED, 0)
     unknown = client.ack_batch(7)
     assert unknown.status == AckStatus.UNKNOWN and "no batch 7" in unknown.detail
-    st = client.set_trainer_version(3)
-    assert (st.trainer_version, st.served, st.tau, st.max_staleness) == (3, 2, 2, 1)
+    st = client.set_policy_version(3)
+    assert (st.policy_version, st.served, st.tau, st.max_staleness) == (3, 2, 2, 1)
     assert (st.leased, st.batches, st.batches_acked) == (0, 1, 1)
     st = client.configure(group_size=4, tau=None)
     assert st.group_size == 4 and st.tau is None
@@ -193,7 +194,7 @@ def test_in_process_rl_loop(tmp_path: Path) -> None:
             trained += [t.id for t in batch.trajectories]
             assert client.ack_batch(batch.batch_id).status == AckStatus.ACKED
             version[0] = step + 1
-            client.set_trainer_version(version[0])
+            client.set_policy_version(version[0])
     finally:
         stop.set()
         thread.join(30)

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from kiln.services.buffer import groups as G
-from kiln.services.buffer.buffer import BufferConfig, InvalidTrajectory, TrajectoryBuffer
+from kiln.services.buffer.buffer import TrajectoryBuffer
+from kiln.services.buffer.types import BufferConfig, InvalidTrajectory
 from kiln.services.buffer.synthetic import synthetic_group, synthetic_trajectory
 from kiln.services.common import metrics
 from kiln.trajectory import VersionSpan
@@ -66,7 +67,7 @@ def test_complete_group_gets_advantages(tmp_path: Path) -> None:
 def test_sft_trajectories_are_groups_of_one(tmp_path: Path) -> None:
     buf = _open(tmp_path)  # group size 1, no tau
     buf.put([synthetic_trajectory(f"s{i}", reward=float(i), version=0) for i in range(3)])
-    buf.set_trainer_version(1000)  # no tau: nothing is ever stale
+    buf.set_policy_version(1000)  # no tau: nothing is ever stale
     batch = buf.try_get_batch(3, 1000)
     assert [t.advantage for t in batch.trajectories] == [0.0, 0.0, 0.0]
     assert batch.staleness == [1000, 1000, 1000]
@@ -75,7 +76,7 @@ def test_sft_trajectories_are_groups_of_one(tmp_path: Path) -> None:
 
 def test_stale_on_arrival_is_dropped(tmp_path: Path) -> None:
     buf = _open(tmp_path, group_size=2, tau=1)
-    buf.set_trainer_version(5)
+    buf.set_policy_version(5)
     before = metrics.DROPPED_STALE._value.get()
     r = buf.put(synthetic_group("old", 2, version=3) + synthetic_group("ok", 2, version=4))
     assert (r.accepted, r.dropped_stale, r.depth) == (4, 2, 2)
@@ -86,7 +87,7 @@ def test_stale_on_arrival_is_dropped(tmp_path: Path) -> None:
 
 def test_partly_stale_group_is_dropped_whole(tmp_path: Path) -> None:
     buf = _open(tmp_path, group_size=3, tau=2)
-    buf.set_trainer_version(4)
+    buf.set_policy_version(4)
     fresh = synthetic_group("g", 3, version=4)
     buf.put(fresh[:2])  # two fresh members wait for the third
     late = synthetic_trajectory("g/2", "g", version=1)  # 4 - 1 > 2
@@ -105,9 +106,9 @@ def test_version_advance_drops_ready_and_pending(tmp_path: Path) -> None:
     buf.put(synthetic_group("v0", 2, version=0))
     buf.put(synthetic_group("v1", 2, version=1)[:1])  # pending
     buf.put(synthetic_group("v2", 2, version=2))
-    st = buf.set_trainer_version(2)  # v0 is 2 behind
+    st = buf.set_policy_version(2)  # v0 is 2 behind
     assert (st.dropped_stale, st.depth, st.groups_pending) == (2, 3, 1)
-    st = buf.set_trainer_version(3)  # v1 is 2 behind too, even though incomplete
+    st = buf.set_policy_version(3)  # v1 is 2 behind too, even though incomplete
     assert (st.dropped_stale, st.depth, st.groups_pending) == (3, 2, 0)
     assert metrics.POLICY_VERSION.labels("buffer")._value.get() == 3
     buf.close()

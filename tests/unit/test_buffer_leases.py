@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from kiln.services.buffer.buffer import BufferConfig, TrajectoryBuffer
+from kiln.services.buffer.buffer import TrajectoryBuffer
+from kiln.services.buffer.types import BufferConfig
 from kiln.services.buffer.leases import AckStatus
 from kiln.services.buffer.synthetic import synthetic_group
 from kiln.services.common import metrics
@@ -129,7 +130,7 @@ def test_freshness_applies_when_a_batch_is_served_again(tmp_path: Path) -> None:
     buf.put(synthetic_group("a", 2, version=0) + synthetic_group("b", 2, version=1))
     held = buf.try_get_batch(4, 1)
     # A batch the trainer holds is not swept when the version moves on: it may be training on it.
-    buf.set_trainer_version(2)
+    buf.set_policy_version(2)
     assert buf.status().leased == 4
     buf.close()
 

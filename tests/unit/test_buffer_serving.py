@@ -10,12 +10,8 @@ from pathlib import Path
 import pytest
 
 from kiln.services.buffer import records
-from kiln.services.buffer.buffer import (
-    BufferConfig,
-    BufferFull,
-    InvalidTrajectory,
-    TrajectoryBuffer,
-)
+from kiln.services.buffer.buffer import TrajectoryBuffer
+from kiln.services.buffer.types import BufferConfig, BufferFull, InvalidTrajectory
 from kiln.services.buffer.synthetic import synthetic_group, synthetic_trajectory
 from kiln.services.common import metrics
 
@@ -123,7 +119,7 @@ def test_serving_metrics(tmp_path: Path) -> None:
     assert _hist_count(metrics.STALENESS) - hist0 == 4
     assert metrics.BUFFER_DEPTH._value.get() == 0
     st = buf.status()
-    assert (st.served, st.batches, st.max_staleness, st.trainer_version) == (4, 1, 2, 3)
+    assert (st.served, st.batches, st.max_staleness, st.policy_version) == (4, 1, 2, 3)
     buf.close()
 
 
@@ -139,7 +135,7 @@ def test_restart_keeps_unserved_and_forgets_served(tmp_path: Path) -> None:
 
     buf = _open(tmp_path, group_size=2, tau=4)
     st = buf.status()
-    assert (st.depth, st.ready, st.groups_pending, st.served, st.trainer_version) == (7, 6, 1, 4, 4)
+    assert (st.depth, st.ready, st.groups_pending, st.served, st.policy_version) == (7, 6, 1, 4, 4)
     buf.put(synthetic_group("half", 2, version=4)[1:])
     rest = buf.try_get_batch(8, 4)
     buf.ack_batch(rest.batch_id)
@@ -160,7 +156,7 @@ def test_torn_put_after_crash_is_not_recovered(tmp_path: Path) -> None:
     # A crash halfway through writing the next Put: its caller never got an acknowledgement.
     from kiln.protos.kiln.v1 import buffer_pb2
     from kiln.services.common import codec
-    rec = buffer_pb2.BufferRecord(trajectory=codec.to_proto(synthetic_trajectory("torn")),
+    rec = buffer_pb2.BufferRecord(id="torn", trajectory=codec.to_bytes(synthetic_trajectory("torn")),
                                   group_size=1)
     with open(seg, "ab") as f:
         f.write(records.encode(1, rec.SerializeToString())[:30])

@@ -12,13 +12,14 @@ from kiln.services.buffer.synthetic import synthetic_trajectory
 from kiln.services.common import codec
 
 
-def _rec(tid: str, group_size: int = 1) -> buffer_pb2.BufferRecord:
-    return buffer_pb2.BufferRecord(trajectory=codec.to_proto(synthetic_trajectory(tid, tokens=40)),
-                                   group_size=group_size)
+def _rec(tid: str, group_size: int = 1) -> tuple[str, bytes, int]:
+    return tid, codec.to_bytes(synthetic_trajectory(tid, tokens=40)), group_size
 
 
 def _ids(recs: list[buffer_pb2.BufferRecord]) -> list[str]:
-    return [r.trajectory.id for r in recs]
+    # The store tracks ids without decoding; the bytes it hands back are the trajectory as put.
+    assert all(codec.from_bytes(r.trajectory).id == r.id for r in recs)
+    return [r.id for r in recs]
 
 
 # ------------------------------------------------------------------------------------ framing
@@ -73,7 +74,7 @@ def test_append_and_reopen(tmp_path: Path) -> None:
     store, rec = TrajectoryStore.open(tmp_path)
     assert _ids(rec.records) == ["a", "b", "c"]
     assert [r.group_size for r in rec.records] == [2, 2, 1]
-    assert codec.from_proto(rec.records[0].trajectory) == synthetic_trajectory("a", tokens=40)
+    assert codec.from_bytes(rec.records[0].trajectory) == synthetic_trajectory("a", tokens=40)
     store.close()
 
 
@@ -95,7 +96,9 @@ def test_torn_segment_tail_is_truncated(tmp_path: Path) -> None:
     seg = store.segment_files()[-1]
     store.close()
     size = seg.stat().st_size
-    partial = records.encode(1, _rec("c").SerializeToString())[:-7]
+    tid, payload, group_size = _rec("c")
+    partial = records.encode(1, buffer_pb2.BufferRecord(
+        id=tid, trajectory=payload, group_size=group_size).SerializeToString())[:-7]
     with open(seg, "ab") as f:  # a crash in the middle of writing "c"
         f.write(partial)
     store, rec = TrajectoryStore.open(tmp_path)

@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kiln.kernels.dsa import indexer_scores_reference, topk_indices_reference
-from kiln.services.common.modeling import dsa, parallel
-from kiln.services.common.modeling.hf_io import (
+from kiln.models import dsa, parallel
+from kiln.models.hf_io import (
     iter_hf_tensors, load_hf_checkpoint, read_hf_state_dict, save_hf_checkpoint)
-from kiln.services.common.modeling.megatron_model import (
+from kiln.models.megatron_model import (
     ArchSpec, forward_logits, next_token_logprob, token_logprobs)
 from kiln.services.trainer.config import OptimizerConfig, TrainerConfig
 from kiln.services.trainer.engine import TrainerEngine

@@ -3,9 +3,13 @@
 - The standard library's `operator` is never shadowed by the repo's `operator/` folder (which is
   `kiln.operator`): not under pytest, not with `python -m`, not with `python -c`, from the root.
 - Every source folder is a regular package, and pyproject lists every package.
-- Layers: `kiln` core < protos/kernels < services.common and operator < the five services < the
-  CLI/launcher. No module imports from a layer above its own, and a service uses another only
-  through its `client` module; the core and the operator never import torch, vllm or megatron.
+- Four floors, bottom up: the ground (`kiln` core, `kiln.protos`, `kiln.kernels`, the model
+  package `kiln.models`); `kiln.services.common` (the service bootstrap) and `kiln.operator`;
+  the five services; the CLI (`kiln.cli`). No module imports from a floor above its own; on the
+  ground floor the core imports no other package, protos and kernels only the core, and the
+  models only the kernels; a service uses another only through its `client` module (never a
+  servicer or internals); the core, the bootstrap and the operator never import torch, vllm,
+  megatron, triton or transformers.
 """
 from __future__ import annotations
 
@@ -19,8 +23,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-ROOTS = {"kiln": "kiln", "operator": "kiln.operator", "services": "kiln.services",
-         "kernels": "kiln.kernels", "protos": "kiln.protos"}
+ROOTS = {"kiln": "kiln", "protos": "kiln.protos", "kernels": "kiln.kernels", "models": "kiln.models",
+         "operator": "kiln.operator", "services": "kiln.services", "cli": "kiln.cli"}
 SERVICES = ("rollout", "trainer", "sandbox", "weight_sync", "buffer")
 HEAVY = ("torch", "vllm", "megatron", "triton", "transformers")
 STDLIB_OPERATOR = Path(os.__file__).parent / "operator.py"
@@ -35,7 +39,7 @@ def test_stdlib_operator_under_pytest():
 
 @pytest.mark.parametrize("argv", [
     ["-c", "import operator; print(operator.__file__)"],
-    ["-m", "kiln.services.cli", "--help"],
+    ["-m", "kiln.cli.main", "--help"],
     ["-c", "import collections, operator, kiln.operator; print(operator.__file__)"],
 ])
 def test_stdlib_operator_from_repo_root(argv):
@@ -70,8 +74,10 @@ def test_every_source_folder_is_a_listed_regular_package():
 
 
 def _layer(module: str) -> tuple[int, str]:
+    """(floor, group) of a kiln module: 1 the ground, 2 bootstrap and operator, 3 the services,
+    4 the CLI."""
     parts = module.split(".")
-    if parts[:2] == ["kiln", "protos"] or parts[:2] == ["kiln", "kernels"]:
+    if parts[:2] in (["kiln", "protos"], ["kiln", "kernels"], ["kiln", "models"]):
         return 1, parts[1]
     if parts[:3] == ["kiln", "services", "common"]:
         return 2, "common"
@@ -80,8 +86,16 @@ def _layer(module: str) -> tuple[int, str]:
     if parts[:2] == ["kiln", "services"] and len(parts) > 2 and parts[2] in SERVICES:
         return 3, parts[2]
     if parts[:2] == ["kiln", "services"]:
-        return 4, "top"
-    return 0, "core"
+        return 3, "services"
+    if parts[:2] == ["kiln", "cli"]:
+        return 4, "cli"
+    return 1, "core"
+
+
+# What each ground-floor package may import of the others.
+GROUND = {"core": {"core"}, "protos": {"core", "protos"}, "kernels": {"core", "kernels"},
+          "models": {"core", "kernels", "models"}}
+TORCH_FREE = ("core", "protos", "common", "operator")
 
 
 def _modules():
@@ -109,35 +123,49 @@ def _imports(name: str, path: Path):
             yield mod
 
 
-def test_no_import_goes_up_a_layer_or_across_services():
+def test_no_import_goes_up_a_floor_or_across_services():
     problems = []
     for name, path in _modules():
         level, group = _layer(name)
         for imported in _imports(name, path):
             if not imported.startswith("kiln"):
-                if imported.split(".")[0] in HEAVY and (level == 0 or group in ("operator", "protos")):
-                    problems.append(f"{name} imports {imported} (torch-free layer)")
+                if imported.split(".")[0] in HEAVY and group in TORCH_FREE:
+                    problems.append(f"{name} imports {imported} (a torch-free package)")
                 continue
             ilevel, igroup = _layer(imported)
-            if ilevel > level and level != 4:
-                problems.append(f"{name} (layer {group}) imports {imported} (layer {igroup})")
+            if ilevel > level:
+                problems.append(f"{name} (floor {level}, {group}) imports {imported} "
+                                f"(floor {ilevel}, {igroup})")
+            if level == ilevel == 1 and igroup not in GROUND[group]:
+                problems.append(f"{name} ({group}) imports {imported} ({igroup}) on the ground floor")
+            if level == ilevel == 2 and igroup != group:
+                problems.append(f"{name} ({group}) imports {imported} ({igroup})")
             # A service may use another's published client (its contract's Python face),
-            # never its internals.
+            # never its servicer or internals.
             if level == 3 and ilevel == 3 and igroup != group and not imported.endswith(f"{igroup}.client"):
                 problems.append(f"{name} imports another service's internals: {imported}")
-            if group == "operator" and igroup in ("kernels", "common"):
-                problems.append(f"{name} imports {imported}; the operator stays torch-free")
     assert problems == []
 
 
-def test_core_and_operator_import_no_heavy_package_at_runtime():
+def test_floors_are_what_the_design_says():
+    # Every module falls on a floor, and the floors hold the packages they should.
+    groups = {_layer(name) for name, _ in _modules()}
+    assert {g for level, g in groups if level == 1} == {"core", "protos", "kernels", "models"}
+    assert {g for level, g in groups if level == 2} == {"common", "operator"}
+    assert {g for level, g in groups if level == 3} == set(SERVICES) | {"services"}
+    assert {g for level, g in groups if level == 4} == {"cli"}
+
+
+def test_core_bootstrap_and_operator_import_no_heavy_package_at_runtime():
     code = (
-        "import sys, pkgutil, importlib, kiln, kiln.api, kiln.operator\n"
-        "for pkg in (kiln, kiln.operator):\n"
+        "import sys, pkgutil, importlib, kiln, kiln.api, kiln.operator, kiln.services.common\n"
+        "import kiln.protos.kiln.v1\n"
+        "for pkg in (kiln, kiln.operator, kiln.services.common, kiln.protos.kiln.v1):\n"
         "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
-        "        if not m.name.startswith(('kiln.services', 'kiln.kernels', 'kiln.protos')):\n"
+        "        if not m.name.startswith(('kiln.services.', 'kiln.kernels', 'kiln.models', 'kiln.cli')) \\\n"
+        "                or m.name.startswith('kiln.services.common'):\n"
         "            importlib.import_module(m.name)\n"
-        f"heavy = sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r} or m.startswith('kiln.services'))\n"
+        f"heavy = sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})\n"
         "print(','.join(heavy))\n"
     )
     res = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True)

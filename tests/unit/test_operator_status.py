@@ -79,7 +79,7 @@ class _Buffer(buffer_pb2_grpc.BufferServicer):
     """Answers GetStatus like a buffer that has served data (the reader's input, not its logic)."""
 
     async def GetStatus(self, request, context):  # noqa: N802 - gRPC method name
-        return buffer_pb2.BufferStatus(trainer_version=11, max_staleness=2, depth=5)
+        return buffer_pb2.BufferStatus(policy_version=11, max_staleness=2, depth=5)
 
 
 @pytest.fixture()
@@ -112,7 +112,9 @@ def test_grpc_reader_reports_health_and_buffer_status(services) -> None:
         # The trainer answers NOT_SERVING (still building), the buffer serves.
         assert obs.serving == {"trainer": False, "buffer": True}
         assert "NOT_SERVING" in obs.errors["trainer"]
-        assert (obs.policy_version, obs.observed_staleness) == (11, 2)
+        # Staleness comes from the buffer; the policy version only from the trainer, which owns
+        # it (the buffer's copy is not read), and the trainer is not serving yet.
+        assert (obs.policy_version, obs.observed_staleness) == (None, 2)
         # Nothing listens for weight-sync: recorded, not fatal.
         assert "UNAVAILABLE" in obs.errors["weight-sync"]
         missing = reader.read(JobRef("other", "ns", "u"))

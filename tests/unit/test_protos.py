@@ -24,9 +24,9 @@ def test_trajectory_message_round_trips():
     from kiln.protos.kiln.v1 import trajectory_pb2 as pb
 
     msg = pb.Trajectory(id="t1", tokens=[1, 2, 3], loss_mask=[0, 1, 1], logp_infer=[0.0, -0.5, -1.25],
-                        version_spans=[pb.VersionSpan(start=1, end=3, version=7)])
+                        version_spans=[pb.VersionSpan(start=1, end=3, policy_version=7)])
     msg.reward_parts["answer"] = 1.0
     back = pb.Trajectory.FromString(msg.SerializeToString())
     assert back == msg
     assert list(back.logp_infer) == [0.0, -0.5, -1.25]
-    assert back.version_spans[0].version == 7
+    assert back.version_spans[0].policy_version == 7

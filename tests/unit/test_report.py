@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kiln.services.report import staleness_histogram, steps_seen, write_report
+from kiln.cli.local.report import staleness_histogram, steps_seen, write_report
 
 
 def _progress(stage: str, step: int, global_step: int, **trainer) -> dict:

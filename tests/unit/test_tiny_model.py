@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kiln.services.common.tiny_model import (
+from kiln.models.tiny import (
     CHAT_TOKENS,
     DEFAULT_CORPUS,
     VOCAB_MULTIPLE,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from kiln.services.common.tiny_model import make_tiny_checkpoint
+from kiln.models.tiny import make_tiny_checkpoint
 from kiln.services.trainer.checkpoint import list_checkpoints
 from kiln.services.trainer.config import OptimizerConfig, TrainerConfig
 from kiln.services.trainer.engine import TrainerEngine
@@ -147,7 +147,7 @@ def test_checkpoint_resume_gives_identical_next_step(model_dir: Path, tmp_path: 
     expected = a.step(batch)
     b = TrainerEngine(cfg)
     assert b.resumed_from == tmp_path / "ckpt" / "step_00000002"
-    assert (b.step_count, b.version) == (2, 1)
+    assert (b.step_count, b.policy_version) == (2, 1)
     got = b.step(batch)
     assert expected["grad_norm"] > 0 and expected["kept_frac"] == 1.0
     for key in ("loss", "grad_norm", "kept_frac", "mismatch_abs", "lr"):

@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from kiln.services.common.tiny_model import make_tiny_checkpoint
-from kiln.services.common.modeling import parallel
-from kiln.services.common.modeling.hf_io import (
+from kiln.models.tiny import make_tiny_checkpoint
+from kiln.models import parallel
+from kiln.models.hf_io import (
     fuse_qkv,
     iter_hf_tensors,
     load_hf_checkpoint,
@@ -18,7 +18,7 @@ from kiln.services.common.modeling.hf_io import (
     save_hf_checkpoint,
     split_qkv,
 )
-from kiln.services.common.modeling.megatron_model import ArchSpec, forward_logits, token_logprobs
+from kiln.models.megatron_model import ArchSpec, forward_logits, token_logprobs
 
 CASES = {
     "qwen2": dict(arch="qwen2"),

@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kiln.services.common.tiny_model import make_tiny_checkpoint
+from kiln.models.tiny import make_tiny_checkpoint
 from kiln.services.trainer.config import OptimizerConfig, TrainerConfig
 from kiln.services.trainer.engine import TrainerEngine
-from kiln.services.common.modeling.hf_io import read_hf_state_dict
+from kiln.models.hf_io import read_hf_state_dict
 from kiln.services.trainer.loop import (
     DirectoryPublisher,
     InMemoryPublisher,
@@ -50,7 +50,7 @@ def test_sft_stage_runs_until_source_is_exhausted_and_publishes_final_weights(mo
     pub = InMemoryPublisher()
     res = run_stage(engine, ListBatchSource(_trajs(5)), pub, StageSettings(kind="sft", max_steps=10, batch_size=2))
     assert res.steps == 3 and [m["sequences"] for m in res.metrics] == [2, 2, 1]
-    assert res.versions == [1] and pub.versions == [1] and engine.version == 1
+    assert res.versions == [1] and pub.versions == [1] and engine.policy_version == 1
     live = dict(engine.named_hf_tensors())
     assert pub.latest.keys() == live.keys() and all(torch.equal(pub.latest[k], live[k]) for k in live)
     assert any(not torch.equal(pub.latest[k], v) for k, v in read_hf_state_dict(model_dir).items())

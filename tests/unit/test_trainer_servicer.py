@@ -1,21 +1,42 @@
-"""The Trainer gRPC servicer over a real in-process server and channel."""
+"""The Trainer gRPC servicer over a real in-process server and channel, driving the real stage
+path: RunStage starts the stage runner, which pulls leased batches from a real buffer (in this
+process), steps the engine, acks and publishes; GetTrainerStatus follows it."""
 from __future__ import annotations
 
 import asyncio
 import random
+import threading
+import time
 from pathlib import Path
 
 import grpc
 import pytest
 
+from kiln.api.validate import load_job
+from kiln.models.tiny import make_tiny_checkpoint
 from kiln.protos.kiln.v1 import trainer_pb2, trainer_pb2_grpc
-from kiln.services.common.codec import to_proto
+from kiln.services.buffer.buffer import TrajectoryBuffer
+from kiln.services.buffer.client import InProcessBufferClient
 from kiln.services.common.server import Registration, create_server
-from kiln.services.common.tiny_model import make_tiny_checkpoint
-from kiln.services.trainer.config import OptimizerConfig, TrainerConfig
+from kiln.services.trainer.config import config_from_job
 from kiln.services.trainer.engine import TrainerEngine
+from kiln.services.trainer.loop import InMemoryPublisher
 from kiln.services.trainer.servicer import SERVICE_NAME, TrainerServicer, add_to_server
+from kiln.services.trainer.stages import NO_FRESHNESS_BOUND, StageRunner
 from kiln.trajectory import Trajectory, VersionSpan
+
+JOB = """
+apiVersion: kiln.dev/v1alpha1
+kind: RLJob
+metadata: {{name: servicer}}
+spec:
+  model: {{path: "{model}", dtype: float32}}
+  tasks: [{{name: t, env: chain, generate: {{count: 10}}}}]
+  stages:
+    - {{name: warmup, type: sft, tasks: [t], maxSteps: 3, batchSize: 2, microBatchSize: 2,
+       learningRate: 1.0e-3}}
+  trainer: {{checkpointInterval: 100}}
+"""
 
 
 @pytest.fixture(scope="module")
@@ -23,83 +44,86 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("svc") / "m", hidden_size=64, intermediate_size=128)
 
 
+def _job(model_dir: Path, tmp_path: Path):
+    path = tmp_path / "job.yaml"
+    path.write_text(JOB.format(model=model_dir))
+    return load_job(path)
+
+
 def _traj(i: int) -> Trajectory:
     rng = random.Random(i)
     tokens = [rng.randrange(4, 300) for _ in range(9)]
-    return Trajectory(id=f"t{i}", task_id="x", group_id="g", tokens=tokens, loss_mask=[0] * 3 + [1] * 6,
-                      logp_infer=[0.0] * 3 + [-5.7] * 6, version_spans=[VersionSpan(3, 9, 0)], advantage=1.0)
+    return Trajectory(id=f"t{i}", task_id="x", group_id="", tokens=tokens, loss_mask=[0] * 3 + [1] * 6,
+                      logp_infer=[0.0] * 9, version_spans=[VersionSpan(3, 9, 0)])
 
 
-async def _serve(engine: TrainerEngine):
-    servicer = TrainerServicer(engine)
-    server, port = await create_server("127.0.0.1:0", [Registration(add_to_server, servicer, SERVICE_NAME)])
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    return server, channel, trainer_pb2_grpc.TrainerStub(channel), servicer
-
-
-def test_rpcs_against_the_engine(model_dir: Path, tmp_path: Path) -> None:
-    engine = TrainerEngine(TrainerConfig(
-        model_dir=model_dir, checkpoint_dir=tmp_path / "ckpt", optimizer=OptimizerConfig(lr=1e-3)))
-    seqs = [_traj(0).tokens, _traj(1).tokens[:5]]
-    expected = engine.logprobs(seqs)
+def test_run_stage_trains_through_the_buffer_and_reports(model_dir: Path, tmp_path: Path) -> None:
+    job = _job(model_dir, tmp_path)
+    engine = TrainerEngine(config_from_job(job, run_dir=tmp_path))
+    buffer = InProcessBufferClient(TrajectoryBuffer.open(tmp_path / "buffer"))
+    publisher = InMemoryPublisher()
+    lock = threading.Lock()
+    stages = StageRunner(job, engine, lock, buffer, publisher, tmp_path)
+    servicer = TrainerServicer(engine, lock, stages)
 
     async def scenario() -> None:
-        server, channel, stub, servicer = await _serve(engine)
+        server, port = await create_server("127.0.0.1:0", [Registration(add_to_server, servicer, SERVICE_NAME)])
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        stub = trainer_pb2_grpc.TrainerStub(channel)
         try:
-            # Two requests on one stream: one response each, in order.
-            async def requests():
-                yield trainer_pb2.LogprobsRequest(sequences=[
-                    trainer_pb2.TokenSequence(id="a", tokens=seqs[0]),
-                    trainer_pb2.TokenSequence(id="b", tokens=seqs[1]),
-                ])
-                yield trainer_pb2.LogprobsRequest(sequences=[trainer_pb2.TokenSequence(id="c", tokens=seqs[1])])
-            responses = [r async for r in stub.ComputeLogprobs(requests())]
-            assert [[s.id for s in r.sequences] for r in responses] == [["a", "b"], ["c"]]
-            got = list(responses[0].sequences[0].logprobs)
-            assert len(got) == len(seqs[0]) and max(abs(x - y) for x, y in zip(got, expected[0])) < 1e-6
-            assert list(responses[1].sequences[0].logprobs) == list(responses[0].sequences[1].logprobs)
-
-            step = await stub.TrainStep(trainer_pb2.TrainStepRequest(
-                trajectories=[to_proto(_traj(i)) for i in range(3)], kind=trainer_pb2.STEP_KIND_SFT, stage="warmup"))
-            assert step.step == 1 and step.metrics["tokens"] == 18 and step.metrics["loss"] > 0
-            rl = await stub.TrainStep(trainer_pb2.TrainStepRequest(trajectories=[to_proto(_traj(0))]))
-            assert rl.step == 2 and "ratio_mask_frac" in rl.metrics
-
-            status = await stub.NewVersion(trainer_pb2.NewVersionRequest())
-            assert status.policy_version == 1 and status.step == 2 and status.stage == "warmup"
-            saved = await stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest())
-            assert saved.step == 2 and Path(saved.path).name == "step_00000002" and Path(saved.path).is_dir()
-            status = await stub.GetTrainerStatus(trainer_pb2.TrainerStatusRequest())
-            assert status.last_checkpoint == saved.path and status.last_metrics["step"] == 2
-            # Nothing new since: shutdown writes no second checkpoint.
-            assert await servicer.final_checkpoint() is None
-
-            bad = _traj(0)
-            bad.tokens[4] = 999_999
+            started = await stub.RunStage(trainer_pb2.RunStageRequest(stage="warmup"))
+            assert started.stage_max_steps == 3 and not started.stage_done
+            # Once the stage has configured the buffer (dropping what an earlier stage left),
+            # its data arrives, as rollout would send it.
+            deadline = time.monotonic() + 30
+            while buffer.status().tau != NO_FRESHNESS_BOUND:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            buffer.put([_traj(i) for i in range(6)], group_size=1)
+            while True:
+                status = await stub.GetTrainerStatus(trainer_pb2.TrainerStatusRequest())
+                if status.stage_done or status.stage_failed or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.05)
+            assert status.stage_done and not status.stage_failed, status.message
+            assert (status.stage, status.stage_step, status.step) == ("warmup", 3, 3)
+            # The final weights of the stage were published and the buffer told the version.
+            assert status.policy_version == 1 and publisher.versions == [1]
+            assert status.last_metrics["loss"] > 0 and status.last_metrics["tokens"] == 12
+            assert buffer.status().served == 6 and buffer.status().policy_version == 1
+            # Retrying RunStage for the stage it ran changes nothing.
+            again = await stub.RunStage(trainer_pb2.RunStageRequest(stage="warmup"))
+            assert again.stage_step == 3
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.TrainStep(trainer_pb2.TrainStepRequest(trajectories=[to_proto(bad)]))
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token ids" in err.value.details()
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.TrainStep(trainer_pb2.TrainStepRequest())
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                await stub.RunStage(trainer_pb2.RunStageRequest(stage="nope"))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "nope" in err.value.details()
         finally:
             await channel.close()
             await server.stop(0)
+        # On shutdown the steps since the last checkpoint are saved, once.
+        saved = await servicer.final_checkpoint()
+        assert saved is not None and saved.name == "step_00000003"
+        assert await servicer.final_checkpoint() is None
 
     asyncio.run(scenario())
+    stages.stop()
+    buffer.close()
 
 
-def test_save_checkpoint_without_directory_is_failed_precondition(model_dir: Path) -> None:
-    engine = TrainerEngine(TrainerConfig(model_dir=model_dir))
+def test_run_stage_without_a_stage_runner_is_failed_precondition(model_dir: Path, tmp_path: Path) -> None:
+    job = _job(model_dir, tmp_path)
+    engine = TrainerEngine(config_from_job(job, run_dir=tmp_path))
 
     async def scenario() -> None:
-        server, channel, stub, _ = await _serve(engine)
-        try:
+        server, port = await create_server(
+            "127.0.0.1:0", [Registration(add_to_server, TrainerServicer(engine), SERVICE_NAME)])
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = trainer_pb2_grpc.TrainerStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest())
+                await stub.RunStage(trainer_pb2.RunStageRequest(stage="warmup"))
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        finally:
-            await channel.close()
-            await server.stop(0)
+            status = await stub.GetTrainerStatus(trainer_pb2.TrainerStatusRequest())
+            assert (status.step, status.policy_version, status.stage_max_steps) == (0, 0, 0)
+        await server.stop(0)
 
     asyncio.run(scenario())

@@ -142,7 +142,7 @@ def test_load_job_raises_manifest_error(tmp_path):
 
 
 def _kiln(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "kiln.services.cli", *args],
+    return subprocess.run([sys.executable, "-m", "kiln.cli.main", *args],
                           capture_output=True, text=True, cwd=cwd)
 
 

@@ -151,7 +151,7 @@ def test_receiver_applies_verified_and_rejects_corrupt() -> None:
         task.cancel()
         assert [v for v, _ in rec.calls] == [1]
         assert torch.equal(rec.calls[0][1]["model.embed_tokens.weight"], _tensors(1)[0][1])
-        assert r.applied_version == 1
+        assert r.applied_policy_version == 1
         assert r.rejected == [(2, "checksum"), (3, "truncated")]
         assert rec.acks == [(1, True), (2, False), (3, False)]
 
@@ -194,8 +194,8 @@ def test_store_versions_only_move_forward() -> None:
             for b in packed.buckets:
                 store.add_bucket(pending, b)
             store.close_stream(pending)
-            assert (await pending.done).version == version
-        assert store.latest_version == 2
+            assert (await pending.done).policy_version == version
+        assert store.policy_version == 2
         with pytest.raises(TransferError) as err:
             store.open_stream(pack(2, _tensors(9), 64).manifest)
         assert err.value.reason == "stale"
@@ -205,7 +205,7 @@ def test_store_versions_only_move_forward() -> None:
         with pytest.raises(TransferError):
             store.add_bucket(pending, _flip(packed.buckets[0]))
         store.close_stream(pending)
-        assert store.latest_version == 2
+        assert store.policy_version == 2
         with pytest.raises(TransferError):
             await pending.done
 

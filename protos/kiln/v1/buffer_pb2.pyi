@@ -1,9 +1,8 @@
-from kiln.protos.kiln.v1 import trajectory_pb2 as _trajectory_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from collections.abc import Iterable as _Iterable
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -25,9 +24,9 @@ class PutRequest(_message.Message):
     __slots__ = ("trajectories", "group_size")
     TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
-    trajectories: _containers.RepeatedCompositeFieldContainer[_trajectory_pb2.Trajectory]
+    trajectories: _containers.RepeatedScalarFieldContainer[bytes]
     group_size: int
-    def __init__(self, trajectories: _Optional[_Iterable[_Union[_trajectory_pb2.Trajectory, _Mapping]]] = ..., group_size: _Optional[int] = ...) -> None: ...
+    def __init__(self, trajectories: _Optional[_Iterable[bytes]] = ..., group_size: _Optional[int] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("accepted", "duplicates", "dropped_stale", "depth")
@@ -42,30 +41,32 @@ class PutResponse(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., duplicates: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., depth: _Optional[int] = ...) -> None: ...
 
 class GetBatchRequest(_message.Message):
-    __slots__ = ("size", "trainer_version", "timeout_seconds", "allow_partial")
+    __slots__ = ("size", "policy_version", "timeout_seconds", "allow_partial")
     SIZE_FIELD_NUMBER: _ClassVar[int]
-    TRAINER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ALLOW_PARTIAL_FIELD_NUMBER: _ClassVar[int]
     size: int
-    trainer_version: int
+    policy_version: int
     timeout_seconds: float
     allow_partial: bool
-    def __init__(self, size: _Optional[int] = ..., trainer_version: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ...) -> None: ...
+    def __init__(self, size: _Optional[int] = ..., policy_version: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ...) -> None: ...
 
 class Batch(_message.Message):
-    __slots__ = ("trajectories", "batch_id", "trainer_version", "staleness", "delivery")
+    __slots__ = ("trajectories", "batch_id", "policy_version", "staleness", "delivery", "advantages")
     TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
-    TRAINER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     DELIVERY_FIELD_NUMBER: _ClassVar[int]
-    trajectories: _containers.RepeatedCompositeFieldContainer[_trajectory_pb2.Trajectory]
+    ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
+    trajectories: _containers.RepeatedScalarFieldContainer[bytes]
     batch_id: int
-    trainer_version: int
+    policy_version: int
     staleness: _containers.RepeatedScalarFieldContainer[int]
     delivery: int
-    def __init__(self, trajectories: _Optional[_Iterable[_Union[_trajectory_pb2.Trajectory, _Mapping]]] = ..., batch_id: _Optional[int] = ..., trainer_version: _Optional[int] = ..., staleness: _Optional[_Iterable[int]] = ..., delivery: _Optional[int] = ...) -> None: ...
+    advantages: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, trajectories: _Optional[_Iterable[bytes]] = ..., batch_id: _Optional[int] = ..., policy_version: _Optional[int] = ..., staleness: _Optional[_Iterable[int]] = ..., delivery: _Optional[int] = ..., advantages: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class AckBatchRequest(_message.Message):
     __slots__ = ("batch_id",)
@@ -83,11 +84,11 @@ class AckBatchResponse(_message.Message):
     detail: str
     def __init__(self, status: _Optional[_Union[AckStatus, str]] = ..., trajectories: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
 
-class SetTrainerVersionRequest(_message.Message):
-    __slots__ = ("version",)
-    VERSION_FIELD_NUMBER: _ClassVar[int]
-    version: int
-    def __init__(self, version: _Optional[int] = ...) -> None: ...
+class SetPolicyVersionRequest(_message.Message):
+    __slots__ = ("policy_version",)
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    def __init__(self, policy_version: _Optional[int] = ...) -> None: ...
 
 class ConfigureRequest(_message.Message):
     __slots__ = ("group_size", "tau", "drop_unserved")
@@ -104,7 +105,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BufferStatus(_message.Message):
-    __slots__ = ("depth", "ready", "groups_pending", "groups_ready", "accepted", "served", "dropped_stale", "dropped_other", "batches", "max_staleness", "trainer_version", "capacity", "group_size", "tau", "leased", "leases", "batches_acked", "redeliveries", "lease_timeout")
+    __slots__ = ("depth", "ready", "groups_pending", "groups_ready", "accepted", "served", "dropped_stale", "dropped_other", "batches", "max_staleness", "policy_version", "capacity", "group_size", "tau", "leased", "leases", "batches_acked", "redeliveries", "lease_timeout")
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     GROUPS_PENDING_FIELD_NUMBER: _ClassVar[int]
@@ -115,7 +116,7 @@ class BufferStatus(_message.Message):
     DROPPED_OTHER_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
-    TRAINER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     TAU_FIELD_NUMBER: _ClassVar[int]
@@ -134,7 +135,7 @@ class BufferStatus(_message.Message):
     dropped_other: int
     batches: int
     max_staleness: int
-    trainer_version: int
+    policy_version: int
     capacity: int
     group_size: int
     tau: int
@@ -143,12 +144,14 @@ class BufferStatus(_message.Message):
     batches_acked: int
     redeliveries: int
     lease_timeout: float
-    def __init__(self, depth: _Optional[int] = ..., ready: _Optional[int] = ..., groups_pending: _Optional[int] = ..., groups_ready: _Optional[int] = ..., accepted: _Optional[int] = ..., served: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., dropped_other: _Optional[int] = ..., batches: _Optional[int] = ..., max_staleness: _Optional[int] = ..., trainer_version: _Optional[int] = ..., capacity: _Optional[int] = ..., group_size: _Optional[int] = ..., tau: _Optional[int] = ..., leased: _Optional[int] = ..., leases: _Optional[int] = ..., batches_acked: _Optional[int] = ..., redeliveries: _Optional[int] = ..., lease_timeout: _Optional[float] = ...) -> None: ...
+    def __init__(self, depth: _Optional[int] = ..., ready: _Optional[int] = ..., groups_pending: _Optional[int] = ..., groups_ready: _Optional[int] = ..., accepted: _Optional[int] = ..., served: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., dropped_other: _Optional[int] = ..., batches: _Optional[int] = ..., max_staleness: _Optional[int] = ..., policy_version: _Optional[int] = ..., capacity: _Optional[int] = ..., group_size: _Optional[int] = ..., tau: _Optional[int] = ..., leased: _Optional[int] = ..., leases: _Optional[int] = ..., batches_acked: _Optional[int] = ..., redeliveries: _Optional[int] = ..., lease_timeout: _Optional[float] = ...) -> None: ...
 
 class BufferRecord(_message.Message):
-    __slots__ = ("trajectory", "group_size")
+    __slots__ = ("trajectory", "group_size", "id")
     TRAJECTORY_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
-    trajectory: _trajectory_pb2.Trajectory
+    ID_FIELD_NUMBER: _ClassVar[int]
+    trajectory: bytes
     group_size: int
-    def __init__(self, trajectory: _Optional[_Union[_trajectory_pb2.Trajectory, _Mapping]] = ..., group_size: _Optional[int] = ...) -> None: ...
+    id: str
+    def __init__(self, trajectory: _Optional[bytes] = ..., group_size: _Optional[int] = ..., id: _Optional[str] = ...) -> None: ...

@@ -49,9 +49,9 @@ class BufferStub:
                 request_serializer=kiln_dot_v1_dot_buffer__pb2.AckBatchRequest.SerializeToString,
                 response_deserializer=kiln_dot_v1_dot_buffer__pb2.AckBatchResponse.FromString,
                 _registered_method=True)
-        self.SetTrainerVersion = channel.unary_unary(
-                '/kiln.v1.Buffer/SetTrainerVersion',
-                request_serializer=kiln_dot_v1_dot_buffer__pb2.SetTrainerVersionRequest.SerializeToString,
+        self.SetPolicyVersion = channel.unary_unary(
+                '/kiln.v1.Buffer/SetPolicyVersion',
+                request_serializer=kiln_dot_v1_dot_buffer__pb2.SetPolicyVersionRequest.SerializeToString,
                 response_deserializer=kiln_dot_v1_dot_buffer__pb2.BufferStatus.FromString,
                 _registered_method=True)
         self.Configure = channel.unary_unary(
@@ -99,7 +99,7 @@ class BufferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def SetTrainerVersion(self, request, context):
+    def SetPolicyVersion(self, request, context):
         """The trainer's current policy version; trajectories more than tau behind it are dropped.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -138,9 +138,9 @@ def add_BufferServicer_to_server(servicer, server):
                     request_deserializer=kiln_dot_v1_dot_buffer__pb2.AckBatchRequest.FromString,
                     response_serializer=kiln_dot_v1_dot_buffer__pb2.AckBatchResponse.SerializeToString,
             ),
-            'SetTrainerVersion': grpc.unary_unary_rpc_method_handler(
-                    servicer.SetTrainerVersion,
-                    request_deserializer=kiln_dot_v1_dot_buffer__pb2.SetTrainerVersionRequest.FromString,
+            'SetPolicyVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPolicyVersion,
+                    request_deserializer=kiln_dot_v1_dot_buffer__pb2.SetPolicyVersionRequest.FromString,
                     response_serializer=kiln_dot_v1_dot_buffer__pb2.BufferStatus.SerializeToString,
             ),
             'Configure': grpc.unary_unary_rpc_method_handler(
@@ -246,7 +246,7 @@ class Buffer:
             _registered_method=True)
 
     @staticmethod
-    def SetTrainerVersion(request,
+    def SetPolicyVersion(request,
             target,
             options=(),
             channel_credentials=None,
@@ -259,8 +259,8 @@ class Buffer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kiln.v1.Buffer/SetTrainerVersion',
-            kiln_dot_v1_dot_buffer__pb2.SetTrainerVersionRequest.SerializeToString,
+            '/kiln.v1.Buffer/SetPolicyVersion',
+            kiln_dot_v1_dot_buffer__pb2.SetPolicyVersionRequest.SerializeToString,
             kiln_dot_v1_dot_buffer__pb2.BufferStatus.FromString,
             options,
             channel_credentials,

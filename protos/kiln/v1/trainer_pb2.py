@@ -22,54 +22,25 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from kiln.protos.kiln.v1 import trajectory_pb2 as kiln_dot_v1_dot_trajectory__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kiln/v1/trainer.proto\x12\x07kiln.v1\x1a\x18kiln/v1/trajectory.proto\" \n\x0fRunStageRequest\x12\r\n\x05stage\x18\x01 \x01(\t\"/\n\rTokenSequence\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\x06tokens\x18\x02 \x03(\rB\x02\x10\x01\"<\n\x0fLogprobsRequest\x12)\n\tsequences\x18\x01 \x03(\x0b\x32\x16.kiln.v1.TokenSequence\"4\n\x10SequenceLogprobs\x12\n\n\x02id\x18\x01 \x01(\t\x12\x14\n\x08logprobs\x18\x02 \x03(\x02\x42\x02\x10\x01\"X\n\x10LogprobsResponse\x12,\n\tsequences\x18\x01 \x03(\x0b\x32\x19.kiln.v1.SequenceLogprobs\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\"m\n\x10TrainStepRequest\x12)\n\x0ctrajectories\x18\x01 \x03(\x0b\x32\x13.kiln.v1.Trajectory\x12\x1f\n\x04kind\x18\x02 \x01(\x0e\x32\x11.kiln.v1.StepKind\x12\r\n\x05stage\x18\x03 \x01(\t\"\xa3\x01\n\x11TrainStepResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x38\n\x07metrics\x18\x03 \x03(\x0b\x32\'.kiln.v1.TrainStepResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x13\n\x11NewVersionRequest\"\x16\n\x14TrainerStatusRequest\"\xe4\x02\n\rTrainerStatus\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\r\n\x05stage\x18\x03 \x01(\t\x12=\n\x0clast_metrics\x18\x04 \x03(\x0b\x32\'.kiln.v1.TrainerStatus.LastMetricsEntry\x12\x17\n\x0flast_checkpoint\x18\x05 \x01(\t\x12\x17\n\x0ftensor_parallel\x18\x06 \x01(\r\x12\x11\n\tmodel_dir\x18\x07 \x01(\t\x12\x12\n\nstage_step\x18\x08 \x01(\x04\x12\x17\n\x0fstage_max_steps\x18\t \x01(\x04\x12\x12\n\nstage_done\x18\n \x01(\x08\x12\x14\n\x0cstage_failed\x18\x0b \x01(\x08\x12\x0f\n\x07message\x18\x0c \x01(\t\x1a\x32\n\x10LastMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x17\n\x15SaveCheckpointRequest\"4\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04*/\n\x08StepKind\x12\x10\n\x0cSTEP_KIND_RL\x10\x00\x12\x11\n\rSTEP_KIND_SFT\x10\x01\x32\xb7\x03\n\x07Trainer\x12J\n\x0f\x43omputeLogprobs\x12\x18.kiln.v1.LogprobsRequest\x1a\x19.kiln.v1.LogprobsResponse(\x01\x30\x01\x12\x42\n\tTrainStep\x12\x19.kiln.v1.TrainStepRequest\x1a\x1a.kiln.v1.TrainStepResponse\x12@\n\nNewVersion\x12\x1a.kiln.v1.NewVersionRequest\x1a\x16.kiln.v1.TrainerStatus\x12I\n\x10GetTrainerStatus\x12\x1d.kiln.v1.TrainerStatusRequest\x1a\x16.kiln.v1.TrainerStatus\x12Q\n\x0eSaveCheckpoint\x12\x1e.kiln.v1.SaveCheckpointRequest\x1a\x1f.kiln.v1.SaveCheckpointResponse\x12<\n\x08RunStage\x12\x18.kiln.v1.RunStageRequest\x1a\x16.kiln.v1.TrainerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kiln/v1/trainer.proto\x12\x07kiln.v1\" \n\x0fRunStageRequest\x12\r\n\x05stage\x18\x01 \x01(\t\"\x16\n\x14TrainerStatusRequest\"\xe4\x02\n\rTrainerStatus\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\r\n\x05stage\x18\x03 \x01(\t\x12=\n\x0clast_metrics\x18\x04 \x03(\x0b\x32\'.kiln.v1.TrainerStatus.LastMetricsEntry\x12\x17\n\x0flast_checkpoint\x18\x05 \x01(\t\x12\x17\n\x0ftensor_parallel\x18\x06 \x01(\r\x12\x11\n\tmodel_dir\x18\x07 \x01(\t\x12\x12\n\nstage_step\x18\x08 \x01(\x04\x12\x17\n\x0fstage_max_steps\x18\t \x01(\x04\x12\x12\n\nstage_done\x18\n \x01(\x08\x12\x14\n\x0cstage_failed\x18\x0b \x01(\x08\x12\x0f\n\x07message\x18\x0c \x01(\t\x1a\x32\n\x10LastMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\x92\x01\n\x07Trainer\x12<\n\x08RunStage\x12\x18.kiln.v1.RunStageRequest\x1a\x16.kiln.v1.TrainerStatus\x12I\n\x10GetTrainerStatus\x12\x1d.kiln.v1.TrainerStatusRequest\x1a\x16.kiln.v1.TrainerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kiln.v1.trainer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TOKENSEQUENCE'].fields_by_name['tokens']._loaded_options = None
-  _globals['_TOKENSEQUENCE'].fields_by_name['tokens']._serialized_options = b'\020\001'
-  _globals['_SEQUENCELOGPROBS'].fields_by_name['logprobs']._loaded_options = None
-  _globals['_SEQUENCELOGPROBS'].fields_by_name['logprobs']._serialized_options = b'\020\001'
-  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._loaded_options = None
-  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._loaded_options = None
   _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_options = b'8\001'
-  _globals['_STEPKIND']._serialized_start=1109
-  _globals['_STEPKIND']._serialized_end=1156
-  _globals['_RUNSTAGEREQUEST']._serialized_start=60
-  _globals['_RUNSTAGEREQUEST']._serialized_end=92
-  _globals['_TOKENSEQUENCE']._serialized_start=94
-  _globals['_TOKENSEQUENCE']._serialized_end=141
-  _globals['_LOGPROBSREQUEST']._serialized_start=143
-  _globals['_LOGPROBSREQUEST']._serialized_end=203
-  _globals['_SEQUENCELOGPROBS']._serialized_start=205
-  _globals['_SEQUENCELOGPROBS']._serialized_end=257
-  _globals['_LOGPROBSRESPONSE']._serialized_start=259
-  _globals['_LOGPROBSRESPONSE']._serialized_end=347
-  _globals['_TRAINSTEPREQUEST']._serialized_start=349
-  _globals['_TRAINSTEPREQUEST']._serialized_end=458
-  _globals['_TRAINSTEPRESPONSE']._serialized_start=461
-  _globals['_TRAINSTEPRESPONSE']._serialized_end=624
-  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_start=578
-  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_end=624
-  _globals['_NEWVERSIONREQUEST']._serialized_start=626
-  _globals['_NEWVERSIONREQUEST']._serialized_end=645
-  _globals['_TRAINERSTATUSREQUEST']._serialized_start=647
-  _globals['_TRAINERSTATUSREQUEST']._serialized_end=669
-  _globals['_TRAINERSTATUS']._serialized_start=672
-  _globals['_TRAINERSTATUS']._serialized_end=1028
-  _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_start=978
-  _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_end=1028
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=1030
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1053
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=1055
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1107
-  _globals['_TRAINER']._serialized_start=1159
-  _globals['_TRAINER']._serialized_end=1598
+  _globals['_RUNSTAGEREQUEST']._serialized_start=34
+  _globals['_RUNSTAGEREQUEST']._serialized_end=66
+  _globals['_TRAINERSTATUSREQUEST']._serialized_start=68
+  _globals['_TRAINERSTATUSREQUEST']._serialized_end=90
+  _globals['_TRAINERSTATUS']._serialized_start=93
+  _globals['_TRAINERSTATUS']._serialized_end=449
+  _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_start=399
+  _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_end=449
+  _globals['_TRAINER']._serialized_start=452
+  _globals['_TRAINER']._serialized_end=598
 # @@protoc_insertion_point(module_scope)

@@ -34,19 +34,9 @@ class TrainerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.ComputeLogprobs = channel.stream_stream(
-                '/kiln.v1.Trainer/ComputeLogprobs',
-                request_serializer=kiln_dot_v1_dot_trainer__pb2.LogprobsRequest.SerializeToString,
-                response_deserializer=kiln_dot_v1_dot_trainer__pb2.LogprobsResponse.FromString,
-                _registered_method=True)
-        self.TrainStep = channel.unary_unary(
-                '/kiln.v1.Trainer/TrainStep',
-                request_serializer=kiln_dot_v1_dot_trainer__pb2.TrainStepRequest.SerializeToString,
-                response_deserializer=kiln_dot_v1_dot_trainer__pb2.TrainStepResponse.FromString,
-                _registered_method=True)
-        self.NewVersion = channel.unary_unary(
-                '/kiln.v1.Trainer/NewVersion',
-                request_serializer=kiln_dot_v1_dot_trainer__pb2.NewVersionRequest.SerializeToString,
+        self.RunStage = channel.unary_unary(
+                '/kiln.v1.Trainer/RunStage',
+                request_serializer=kiln_dot_v1_dot_trainer__pb2.RunStageRequest.SerializeToString,
                 response_deserializer=kiln_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
                 _registered_method=True)
         self.GetTrainerStatus = channel.unary_unary(
@@ -54,38 +44,14 @@ class TrainerStub:
                 request_serializer=kiln_dot_v1_dot_trainer__pb2.TrainerStatusRequest.SerializeToString,
                 response_deserializer=kiln_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
                 _registered_method=True)
-        self.SaveCheckpoint = channel.unary_unary(
-                '/kiln.v1.Trainer/SaveCheckpoint',
-                request_serializer=kiln_dot_v1_dot_trainer__pb2.SaveCheckpointRequest.SerializeToString,
-                response_deserializer=kiln_dot_v1_dot_trainer__pb2.SaveCheckpointResponse.FromString,
-                _registered_method=True)
-        self.RunStage = channel.unary_unary(
-                '/kiln.v1.Trainer/RunStage',
-                request_serializer=kiln_dot_v1_dot_trainer__pb2.RunStageRequest.SerializeToString,
-                response_deserializer=kiln_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
-                _registered_method=True)
 
 
 class TrainerServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def ComputeLogprobs(self, request_iterator, context):
-        """Per-token log-probs of token sequences under the current weights. One response per request,
-        in order; requests are served one after another (keep each to ~1 MiB).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def TrainStep(self, request, context):
-        """One optimizer step (or `minibatches_per_step` of them) on a batch of trajectories.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def NewVersion(self, request, context):
-        """Declare the current weights a new policy version (resets AdamW's moments if configured).
+    def RunStage(self, request, context):
+        """Start (or, after a restart, continue) one of the job's stages. Returns at once; follow it
+        with GetTrainerStatus. Idempotent for the stage already running.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -97,54 +63,17 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def SaveCheckpoint(self, request, context):
-        """Write a resumable checkpoint now (atomically); returns where it went.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def RunStage(self, request, context):
-        """Start (or, after a restart, continue) one of the job's stages: pull batches from the buffer,
-        step, publish weights through weight-sync. Returns at once; follow it with GetTrainerStatus.
-        FAILED_PRECONDITION when the trainer was started without a job or without the buffer and
-        weight-sync addresses; INVALID_ARGUMENT for an unknown stage.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'ComputeLogprobs': grpc.stream_stream_rpc_method_handler(
-                    servicer.ComputeLogprobs,
-                    request_deserializer=kiln_dot_v1_dot_trainer__pb2.LogprobsRequest.FromString,
-                    response_serializer=kiln_dot_v1_dot_trainer__pb2.LogprobsResponse.SerializeToString,
-            ),
-            'TrainStep': grpc.unary_unary_rpc_method_handler(
-                    servicer.TrainStep,
-                    request_deserializer=kiln_dot_v1_dot_trainer__pb2.TrainStepRequest.FromString,
-                    response_serializer=kiln_dot_v1_dot_trainer__pb2.TrainStepResponse.SerializeToString,
-            ),
-            'NewVersion': grpc.unary_unary_rpc_method_handler(
-                    servicer.NewVersion,
-                    request_deserializer=kiln_dot_v1_dot_trainer__pb2.NewVersionRequest.FromString,
+            'RunStage': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunStage,
+                    request_deserializer=kiln_dot_v1_dot_trainer__pb2.RunStageRequest.FromString,
                     response_serializer=kiln_dot_v1_dot_trainer__pb2.TrainerStatus.SerializeToString,
             ),
             'GetTrainerStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTrainerStatus,
                     request_deserializer=kiln_dot_v1_dot_trainer__pb2.TrainerStatusRequest.FromString,
-                    response_serializer=kiln_dot_v1_dot_trainer__pb2.TrainerStatus.SerializeToString,
-            ),
-            'SaveCheckpoint': grpc.unary_unary_rpc_method_handler(
-                    servicer.SaveCheckpoint,
-                    request_deserializer=kiln_dot_v1_dot_trainer__pb2.SaveCheckpointRequest.FromString,
-                    response_serializer=kiln_dot_v1_dot_trainer__pb2.SaveCheckpointResponse.SerializeToString,
-            ),
-            'RunStage': grpc.unary_unary_rpc_method_handler(
-                    servicer.RunStage,
-                    request_deserializer=kiln_dot_v1_dot_trainer__pb2.RunStageRequest.FromString,
                     response_serializer=kiln_dot_v1_dot_trainer__pb2.TrainerStatus.SerializeToString,
             ),
     }
@@ -159,34 +88,7 @@ class Trainer:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def ComputeLogprobs(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/kiln.v1.Trainer/ComputeLogprobs',
-            kiln_dot_v1_dot_trainer__pb2.LogprobsRequest.SerializeToString,
-            kiln_dot_v1_dot_trainer__pb2.LogprobsResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def TrainStep(request,
+    def RunStage(request,
             target,
             options=(),
             channel_credentials=None,
@@ -199,35 +101,8 @@ class Trainer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kiln.v1.Trainer/TrainStep',
-            kiln_dot_v1_dot_trainer__pb2.TrainStepRequest.SerializeToString,
-            kiln_dot_v1_dot_trainer__pb2.TrainStepResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def NewVersion(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kiln.v1.Trainer/NewVersion',
-            kiln_dot_v1_dot_trainer__pb2.NewVersionRequest.SerializeToString,
+            '/kiln.v1.Trainer/RunStage',
+            kiln_dot_v1_dot_trainer__pb2.RunStageRequest.SerializeToString,
             kiln_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
             options,
             channel_credentials,
@@ -255,60 +130,6 @@ class Trainer:
             target,
             '/kiln.v1.Trainer/GetTrainerStatus',
             kiln_dot_v1_dot_trainer__pb2.TrainerStatusRequest.SerializeToString,
-            kiln_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def SaveCheckpoint(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kiln.v1.Trainer/SaveCheckpoint',
-            kiln_dot_v1_dot_trainer__pb2.SaveCheckpointRequest.SerializeToString,
-            kiln_dot_v1_dot_trainer__pb2.SaveCheckpointResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def RunStage(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kiln.v1.Trainer/RunStage',
-            kiln_dot_v1_dot_trainer__pb2.RunStageRequest.SerializeToString,
             kiln_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
             options,
             channel_credentials,

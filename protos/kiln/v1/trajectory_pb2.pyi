@@ -7,14 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VersionSpan(_message.Message):
-    __slots__ = ("start", "end", "version")
+    __slots__ = ("start", "end", "policy_version")
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
-    VERSION_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     start: int
     end: int
-    version: int
-    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+    policy_version: int
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class Trajectory(_message.Message):
     __slots__ = ("id", "task_id", "group_id", "env", "tokens", "loss_mask", "logp_infer", "version_spans", "prompt_len", "teacher_logp", "reward", "reward_parts", "verifier_output", "flags", "advantage", "sandbox_image_digest", "engine_fingerprint", "index_hashes", "routed_experts", "created_at")
@@ -66,11 +66,3 @@ class Trajectory(_message.Message):
     routed_experts: _containers.RepeatedScalarFieldContainer[int]
     created_at: float
     def __init__(self, id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., env: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logp_infer: _Optional[_Iterable[float]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., prompt_len: _Optional[int] = ..., teacher_logp: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., reward_parts: _Optional[_Mapping[str, float]] = ..., verifier_output: _Optional[str] = ..., flags: _Optional[_Iterable[str]] = ..., advantage: _Optional[float] = ..., sandbox_image_digest: _Optional[str] = ..., engine_fingerprint: _Optional[str] = ..., index_hashes: _Optional[_Iterable[int]] = ..., routed_experts: _Optional[_Iterable[int]] = ..., created_at: _Optional[float] = ...) -> None: ...
-
-class PolicyVersion(_message.Message):
-    __slots__ = ("version", "published_at")
-    VERSION_FIELD_NUMBER: _ClassVar[int]
-    PUBLISHED_AT_FIELD_NUMBER: _ClassVar[int]
-    version: int
-    published_at: float
-    def __init__(self, version: _Optional[int] = ..., published_at: _Optional[float] = ...) -> None: ...

@@ -21,34 +21,34 @@ class TensorEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("version", "tensors", "total_bytes", "bucket_bytes", "num_buckets", "digest_algorithm", "digest")
-    VERSION_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("policy_version", "tensors", "total_bytes", "bucket_bytes", "num_buckets", "digest_algorithm", "digest")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     DIGEST_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
-    version: int
+    policy_version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorEntry]
     total_bytes: int
     bucket_bytes: int
     num_buckets: int
     digest_algorithm: str
     digest: bytes
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., num_buckets: _Optional[int] = ..., digest_algorithm: _Optional[str] = ..., digest: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, policy_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., num_buckets: _Optional[int] = ..., digest_algorithm: _Optional[str] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class Bucket(_message.Message):
-    __slots__ = ("version", "index", "data", "digest")
-    VERSION_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("policy_version", "index", "data", "digest")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
-    version: int
+    policy_version: int
     index: int
     data: bytes
     digest: bytes
-    def __init__(self, version: _Optional[int] = ..., index: _Optional[int] = ..., data: _Optional[bytes] = ..., digest: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, policy_version: _Optional[int] = ..., index: _Optional[int] = ..., data: _Optional[bytes] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
     __slots__ = ("manifest", "bucket")
@@ -59,14 +59,14 @@ class WeightChunk(_message.Message):
     def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., bucket: _Optional[_Union[Bucket, _Mapping]] = ...) -> None: ...
 
 class PublishReply(_message.Message):
-    __slots__ = ("version", "bytes", "seconds")
-    VERSION_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("policy_version", "bytes", "seconds")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
-    version: int
+    policy_version: int
     bytes: int
     seconds: float
-    def __init__(self, version: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, policy_version: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
     __slots__ = ("replica_id", "stream_index", "num_streams")
@@ -79,16 +79,16 @@ class SubscribeRequest(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., stream_index: _Optional[int] = ..., num_streams: _Optional[int] = ...) -> None: ...
 
 class AckRequest(_message.Message):
-    __slots__ = ("replica_id", "version", "ok", "error")
+    __slots__ = ("replica_id", "policy_version", "ok", "error")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
-    VERSION_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
-    version: int
+    policy_version: int
     ok: bool
     error: str
-    def __init__(self, replica_id: _Optional[str] = ..., version: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    def __init__(self, replica_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class AckReply(_message.Message):
     __slots__ = ()
@@ -99,23 +99,23 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaState(_message.Message):
-    __slots__ = ("replica_id", "applied_version", "last_version", "last_ok", "last_error")
+    __slots__ = ("replica_id", "applied_policy_version", "last_policy_version", "last_ok", "last_error")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
-    APPLIED_VERSION_FIELD_NUMBER: _ClassVar[int]
-    LAST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAST_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAST_OK_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
-    applied_version: int
-    last_version: int
+    applied_policy_version: int
+    last_policy_version: int
     last_ok: bool
     last_error: str
-    def __init__(self, replica_id: _Optional[str] = ..., applied_version: _Optional[int] = ..., last_version: _Optional[int] = ..., last_ok: _Optional[bool] = ..., last_error: _Optional[str] = ...) -> None: ...
+    def __init__(self, replica_id: _Optional[str] = ..., applied_policy_version: _Optional[int] = ..., last_policy_version: _Optional[int] = ..., last_ok: _Optional[bool] = ..., last_error: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("latest_version", "replicas")
-    LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("policy_version", "replicas")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
-    latest_version: int
+    policy_version: int
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaState]
-    def __init__(self, latest_version: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaState, _Mapping]]] = ...) -> None: ...
+    def __init__(self, policy_version: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaState, _Mapping]]] = ...) -> None: ...

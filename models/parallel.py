@@ -16,7 +16,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from kiln.services.common.modeling import cpu_shims
+from kiln.models import cpu_shims
 
 
 def free_port() -> int:

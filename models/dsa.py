@@ -244,7 +244,7 @@ def make_tiny_dsa_checkpoint(
     `kiln_dsa` config entry and random indexer weights. The same arguments give the same bits."""
     from safetensors.torch import load_file, save_file
 
-    from kiln.services.common.tiny_model import make_tiny_checkpoint
+    from kiln.models.tiny import make_tiny_checkpoint
 
     out_dir = make_tiny_checkpoint(out_dir, seed=seed, **model_kwargs)
     dsa = DSAConfig(index_topk, index_heads, index_dim)

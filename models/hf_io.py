@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from kiln.services.common.modeling import parallel
-from kiln.services.common.modeling.dsa import HF_INDEXER_WEIGHTS
-from kiln.services.common.modeling.megatron_model import ArchSpec, AttentionBackend, DSABackend, build_gpt_model
+from kiln.models import parallel
+from kiln.models.dsa import HF_INDEXER_WEIGHTS
+from kiln.models.megatron_model import ArchSpec, AttentionBackend, DSABackend, build_gpt_model
 
 # Megatron name (per layer, after "decoder.layers.{i}.") -> HF name (after "model.layers.{i}.")
 _LAYER_NORMS = {

@@ -6,11 +6,13 @@ progress until the trainer reports the stage done, stops rollout, waits for the 
 to reach rollout, and evaluates again. Progress is printed as a live line and appended to
 `metrics.jsonl`; `state.json` records finished stages so `kiln run --resume` skips them.
 
-The driver talks to the services through three small Protocols, with gRPC implementations in
-`clients.py`; it knows nothing of processes (`processes.py`) or of gRPC.
+The driver talks to the services through the small Protocols below, which the trainer's,
+rollout's and buffer's clients implement; it knows nothing of processes (`processes.py`) or of
+gRPC.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -19,27 +21,40 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from kiln.api.spec import RLJob, RLStage, SFTStage
-
-IDLE, DEMONSTRATE, EXPLORE = 0, 1, 2
+from kiln.services.buffer.client import BufferStatus
+from kiln.services.rollout.client import Evaluation, ModeRequest, RolloutMode, RolloutStatus
+from kiln.services.trainer.client import TrainerStatus
 
 
 class TrainerControl(Protocol):
-    def start_stage(self, name: str) -> None: ...
-    def status(self) -> dict[str, Any]:
-        """Keys: stage, step, version, stage_done, loss, reward, ratio_mask, icepop_mask,
-        mismatch_abs, mismatch_kl, max_staleness, tokens_per_second."""
-        ...
+    def start_stage(self, name: str) -> TrainerStatus: ...
+    def status(self) -> TrainerStatus: ...
 
 
 class RolloutControl(Protocol):
-    def set_mode(self, mode: int, *, stage: str, task_sets: list[str], group_size: int,
-                 synchronous: bool, batch_size: int, seed: int) -> None: ...
-    def evaluate(self, task_set: str, *, samples: int, greedy: bool) -> dict[str, Any]: ...
-    def status(self) -> dict[str, Any]: ...
+    def set_mode(self, mode: ModeRequest) -> RolloutStatus: ...
+    def evaluate(self, task_set: str, *, samples: int, greedy: bool) -> Evaluation: ...
+    def status(self) -> RolloutStatus: ...
 
 
 class BufferControl(Protocol):
-    def status(self) -> dict[str, Any]: ...
+    def status(self) -> BufferStatus: ...
+
+
+def trainer_record(s: TrainerStatus) -> dict[str, Any]:
+    """The trainer's part of a progress record in metrics.jsonl (what the report plots)."""
+    m = s.last_metrics
+    return {
+        "stage": s.stage, "step": s.stage_step, "global_step": s.step,
+        "policy_version": s.policy_version, "stage_done": s.stage_done,
+        "failed": s.stage_failed, "message": s.message,
+        "loss": m.get("loss"), "reward": m.get("reward_mean"), "grad_norm": m.get("grad_norm"),
+        "lr": m.get("lr"), "ratio_mask": m.get("ratio_mask_frac"),
+        "icepop_mask": m.get("icepop_mask_frac"), "mismatch_abs": m.get("mismatch_abs"),
+        "mismatch_kl": m.get("mismatch_kl"), "tokens_per_second": m.get("tokens_per_s"),
+        "step_seconds": m.get("step_time_s"),
+        "staleness_counts": {str(k): v for k, v in s.staleness_counts().items()},
+    }
 
 
 @dataclass
@@ -97,12 +112,13 @@ class Driver:
             if key in self.state.evaluations:
                 continue
             self._say(f"stage {stage.name}: evaluating {task_set} ({when})")
-            result = self.rollout.evaluate(task_set, samples=stage.eval.samples, greedy=True)
+            ev = self.rollout.evaluate(task_set, samples=stage.eval.samples, greedy=True)
+            result = dataclasses.asdict(ev)
             self.state.evaluations[key] = result
             self.state.save()
-            self._say(f"  {task_set} {when} {stage.name}: greedy {result['greedy_success']:.3f}, "
-                      f"sampled {result['sampled_success']:.3f} (version {result['policy_version']}, "
-                      f"{result['tasks']} tasks, {result['seconds']:.1f} s)")
+            self._say(f"  {task_set} {when} {stage.name}: greedy {ev.greedy_success:.3f}, "
+                      f"sampled {ev.sampled_success:.3f} (version {ev.policy_version}, "
+                      f"{ev.tasks} tasks, {ev.seconds:.1f} s)")
             self._record({"event": "eval", "stage": stage.name, "when": when, "task_set": task_set, **result})
 
     def _run_stage(self, stage: SFTStage | RLStage) -> None:
@@ -113,11 +129,11 @@ class Driver:
             self.trainer.start_stage(stage.name)
 
         def order_rollout() -> None:
-            self.rollout.set_mode(
-                EXPLORE if rl else DEMONSTRATE, stage=stage.name, task_sets=list(stage.tasks),
-                group_size=stage.rl.group_size if rl else 1,
+            self.rollout.set_mode(ModeRequest(
+                RolloutMode.EXPLORE if rl else RolloutMode.DEMONSTRATE, stage=stage.name,
+                task_sets=list(stage.tasks), group_size=stage.rl.group_size if rl else 1,
                 synchronous=rl and not stage.rl.asynchronous, batch_size=stage.batch_size,
-                seed=self.job.spec.seed)
+                seed=self.job.spec.seed))
 
         order_trainer()
         order_rollout()
@@ -132,24 +148,23 @@ class Driver:
             if "rollout" in restarted:
                 order_rollout()
             t = self.trainer.status()
-            if t.get("failed"):
-                raise RuntimeError(f"trainer failed in stage {stage.name}: {t.get('message', '')}")
+            if t.stage_failed:
+                raise RuntimeError(f"trainer failed in stage {stage.name}: {t.message}")
             r = self.rollout.status()
             b = self.buffer.status()
             self._progress(stage, t, r, b, time.monotonic() - start)
-            if t.get("stage") == stage.name and t.get("stage_done"):
+            if t.stage == stage.name and t.stage_done:
                 break
             time.sleep(self.poll_seconds)
-        self.rollout.set_mode(IDLE, stage="", task_sets=[], group_size=1, synchronous=False,
-                              batch_size=0, seed=0)
-        self._wait_for_version(t["version"])
+        self.rollout.set_mode(ModeRequest(RolloutMode.IDLE))
+        self._wait_for_version(t.policy_version)
         self._wait_idle()
         self._line_done()
         self._evaluate(stage, "after")
 
     def _wait_for_version(self, version: int, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
-        while self.rollout.status()["policy_version"] < version:
+        while self.rollout.status().policy_version < version:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"rollout did not receive policy version {version} in {timeout:.0f} s")
             time.sleep(0.1)
@@ -157,24 +172,26 @@ class Driver:
     def _wait_idle(self, timeout: float = 120.0) -> None:
         """Episodes of the finished stage drain (their puts are abandoned) before the next."""
         deadline = time.monotonic() + timeout
-        while self.rollout.status()["in_flight"] > 0:
+        while self.rollout.status().in_flight > 0:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"rollout still has episodes in flight after {timeout:.0f} s")
             time.sleep(0.1)
 
     # ------------------------------------------------------------------ output
-    def _progress(self, stage, t: dict, r: dict, b: dict, elapsed: float) -> None:
-        step = t.get("step", 0) if t.get("stage") == stage.name else 0
+    def _progress(self, stage, t: TrainerStatus, r: RolloutStatus, b: BufferStatus,
+                  elapsed: float) -> None:
+        step = t.stage_step if t.stage == stage.name else 0
         eta = elapsed / step * (stage.max_steps - step) if step else float("nan")
         rec = {"event": "progress", "time": time.time(), "elapsed": elapsed, "stage": stage.name,
-               "step": step, "max_steps": stage.max_steps, "trainer": t, "rollout": r, "buffer": b}
+               "step": step, "max_steps": stage.max_steps, "trainer": trainer_record(t),
+               "rollout": dataclasses.asdict(r), "buffer": dataclasses.asdict(b)}
         self._record(rec)
-        reward = t.get("reward")
-        line = (f"\r[{stage.name}] step {step}/{stage.max_steps}  v{t.get('version', 0)}"
+        reward = t.last_metrics.get("reward_mean")
+        line = (f"\r[{stage.name}] step {step}/{stage.max_steps}  v{t.policy_version}"
                 f"  reward {reward if reward is None else f'{reward:.3f}'}"
-                f"  rollout pass {r.get('mean_reward', 0):.3f}"
-                f"  staleness<={b.get('max_staleness', 0)}  dropped {b.get('dropped_stale', 0)}"
-                f"  {r.get('tokens_per_second', 0):.0f} tok/s  ETA {eta:.0f}s   ")
+                f"  rollout pass {r.mean_reward:.3f}"
+                f"  staleness<={max(0, b.max_staleness)}  dropped {b.dropped_stale}"
+                f"  {r.tokens_per_second:.0f} tok/s  ETA {eta:.0f}s   ")
         if self.out.isatty():
             self.out.write(line)
             self.out.flush()

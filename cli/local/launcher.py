@@ -27,14 +27,6 @@ from kiln.api.spec import RLJob
 from kiln.api.validate import ManifestError, load_job
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("run", help="run an RLJob on this machine, every service a process")
-    p.add_argument("job", nargs="?", type=Path, help="RLJob manifest")
-    p.add_argument("--run-dir", type=Path, help="run directory (default: runs/<job name>)")
-    p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a stopped run")
-    p.set_defaults(func=main)
-
-
 def _resolve(job: RLJob, job_file: Path) -> RLJob:
     """Relative paths in the job are relative to the job file; make them absolute."""
     base = job_file.resolve().parent
@@ -61,7 +53,7 @@ def prepare_model(job: RLJob, out=sys.stdout) -> None:
     init = job.spec.model.init
     if init is None:
         raise ValueError(f"spec.model.path: {path} holds no config.json and spec.model.init is not set")
-    from kiln.services.common.tiny_model import make_tiny_model, train_tokenizer
+    from kiln.models.tiny import make_tiny_model, train_tokenizer
     from kiln.services.sandbox.environments import chain
 
     t0 = time.monotonic()
@@ -81,10 +73,12 @@ def prepare_model(job: RLJob, out=sys.stdout) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kiln.services import processes
-    from kiln.services.clients import connect
-    from kiln.services.driver import Driver
-    from kiln.services.report import write_report, write_summary
+    from kiln.cli.local import processes
+    from kiln.cli.local.driver import Driver
+    from kiln.cli.local.report import write_report, write_summary
+    from kiln.services.buffer.client import GrpcBufferClient
+    from kiln.services.rollout.client import RolloutClient
+    from kiln.services.trainer.client import TrainerClient
 
     out = sys.stdout
     started = time.time()
@@ -135,7 +129,9 @@ def main(args: argparse.Namespace) -> int:
         for name in ("trainer", "rollout"):
             processes.wait_ready(services[name])
         out.write(f"all services healthy after {time.time() - started:.1f} s\n")
-        trainer, rollout, buffer = connect({n: s.address for n, s in services.items()})
+        trainer = TrainerClient(services["trainer"].address)
+        rollout = RolloutClient(services["rollout"].address)
+        buffer = GrpcBufferClient(services["buffer"].address)
 
         def supervise() -> list[str]:
             """Restart any service that died, on its old port; it resumes from its state."""
@@ -171,7 +167,7 @@ def main(args: argparse.Namespace) -> int:
 def _stop_all(services) -> None:
     """Stop every service: rollout first, then the trainer (its checkpoint is written while the
     rest still runs), then the others. A second Ctrl-C kills whatever is left, never orphans it."""
-    from kiln.services import processes
+    from kiln.cli.local import processes
 
     order = [n for n in ("rollout", "trainer", "weight_sync", "sandbox", "buffer") if n in services]
     try:

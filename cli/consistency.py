@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import tempfile
@@ -57,7 +56,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="check a tiny random DeepSeek-sparse-attention model made on the spot")
     p.add_argument("--engine", choices=("auto", "vllm", "megatron"), default="auto",
                    help="rollout engine (auto: megatron for DSA checkpoints, else vllm)")
-    p.add_argument("--dtype", choices=sorted(DEFAULT_THRESHOLDS), default="float32")
+    p.add_argument("--dtype", choices=sorted(DEFAULT_THRESHOLDS), default="float32",
+                   help="dtype both engines run in (default float32)")
     p.add_argument("--dsa-backend", choices=("auto", "torch", "triton"), default="auto",
                    help="DSA kernels for both sides (auto: Triton on GPUs, PyTorch reference on CPUs)")
     p.add_argument("--threshold", type=float, default=None,
@@ -66,15 +66,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--samples", type=int, default=4, help="sequences sampled per version")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens sampled per sequence")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate of the training step")
-    p.add_argument("--kv-cache-bytes", type=int, default=64 << 20)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-cache-bytes", type=int, default=64 << 20,
+                   help="KV cache the vLLM engine reserves (default 64 MiB)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling and the trainer")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.dsa:
         with tempfile.TemporaryDirectory() as tmp:
-            from kiln.services.common.modeling.dsa import make_tiny_dsa_checkpoint
+            from kiln.models.dsa import make_tiny_dsa_checkpoint
 
             args.model = make_tiny_dsa_checkpoint(Path(tmp) / "dsa-model", seed=args.seed, **TINY_DSA)
             return _run(args)
@@ -85,12 +86,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    is_dsa = json.loads((args.model / "config.json").read_text()).get("kiln_dsa") is not None
-    engine = args.engine if args.engine != "auto" else ("megatron" if is_dsa else "vllm")
-    if is_dsa and engine == "vllm":
+    from kiln.services.rollout.engine import engine_kind, is_dsa_checkpoint
+
+    is_dsa = is_dsa_checkpoint(args.model)
+    if is_dsa and args.engine == "vllm":
         print("kiln consistency: --engine vllm cannot run a DSA checkpoint (config.json kiln_dsa); "
               "use --engine megatron", file=sys.stderr)
         return 2
+    engine = engine_kind(args.engine, args.model)
     defaults = EXACT_THRESHOLDS if engine == "megatron" and is_dsa else DEFAULT_THRESHOLDS
     threshold = args.threshold if args.threshold is not None else defaults[args.dtype]
     rows, moved = asyncio.run(_compare(args, engine))
@@ -122,9 +125,8 @@ async def _compare(args: argparse.Namespace, engine_name: str) -> tuple[list[Row
 
     from kiln.protos.kiln.v1 import weight_sync_pb2_grpc as pb_grpc
     from kiln.services.common.server import CHANNEL_OPTIONS, Registration, create_server
-    from kiln.services.common.modeling.dsa import count_mismatches, set_backend
-    from kiln.services.rollout.engine import EngineSettings, RolloutEngine, SamplingOptions
-    from kiln.services.rollout.megatron_engine import MegatronEngine
+    from kiln.models.dsa import count_mismatches, set_backend
+    from kiln.services.rollout.engine import EngineSettings, SamplingOptions, start_engine
     from kiln.services.trainer.config import OptimizerConfig, TrainerConfig
     from kiln.services.trainer.engine import TrainerEngine
     from kiln.services.weight_sync import client as ws
@@ -141,10 +143,8 @@ async def _compare(args: argparse.Namespace, engine_name: str) -> tuple[list[Row
     set_backend(trainer.model, args.dsa_backend)
     settings = EngineSettings(model=str(args.model), dtype=args.dtype, kv_cache_bytes=args.kv_cache_bytes,
                               seed=args.seed)
-    if engine_name == "megatron":
-        engine = await MegatronEngine.start(settings, dsa_backend=args.dsa_backend)
-    else:
-        engine = await RolloutEngine.start(settings)
+    options = {"dsa_backend": args.dsa_backend} if engine_name == "megatron" else {}
+    engine = await start_engine(engine_name, settings, **options)
     servicer = WeightSyncServicer()
     server, port = await create_server("127.0.0.1:0", [Registration(
         pb_grpc.add_WeightSyncServicer_to_server, servicer, SERVICE_NAME)])
@@ -163,14 +163,14 @@ async def _compare(args: argparse.Namespace, engine_name: str) -> tuple[list[Row
                 train_lp = trainer.logprobs(seqs)
                 diffs = []
                 for p, g, lp in zip(prompts, gens, train_lp):
-                    if set(g.versions) != {trainer.version}:
+                    if set(g.versions) != {trainer.policy_version}:
                         raise RuntimeError(f"rollout tokens carry versions {set(g.versions)}, trainer "
-                                           f"is at {trainer.version}; the sync did not take effect")
+                                           f"is at {trainer.policy_version}; the sync did not take effect")
                     diffs += [abs(a - b) for a, b in zip(g.logprobs, lp[len(p):])]
                 hashes = [g.index_hashes for g in gens]
                 total = sum(len(h) for h in hashes)
                 matched = total - count_mismatches(hashes, trainer.index_hashes(seqs)) if total else 0
-                rows.append((trainer.version, len(diffs), max(diffs), statistics.fmean(diffs), (matched, total)))
+                rows.append((trainer.policy_version, len(diffs), max(diffs), statistics.fmean(diffs), (matched, total)))
                 if round_ == 1:
                     break
                 trajs = [Trajectory(

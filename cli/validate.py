@@ -1,24 +1,25 @@
-"""`kiln validate` and `kiln crd`: manifest commands that need nothing but the torch-free API."""
+"""`kiln validate FILE...`: check RLJob manifests with the torch-free API, one line per problem."""
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
 
-from kiln.api.crd import crd_yaml
 from kiln.api.validate import validate_file
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("validate", help="check RLJob manifests against the schema")
-    p.add_argument("files", nargs="+", type=Path, metavar="FILE")
+    p = sub.add_parser(
+        "validate", help="check RLJob manifests against the schema",
+        description="Check RLJob manifests: YAML syntax, schema, value ranges and cross-field "
+                    "rules. Prints FILE:LINE: FIELD: what was expected and found, one line per "
+                    "problem; exits 0 when every file is valid, 1 otherwise.")
+    p.add_argument("files", nargs="+", type=Path, metavar="FILE", help="RLJob manifest(s)")
     p.add_argument("-q", "--quiet", action="store_true", help="print problems only")
-    p.set_defaults(func=_validate)
-    p = sub.add_parser("crd", help="print the RLJob CustomResourceDefinition")
-    p.set_defaults(func=_crd)
+    p.set_defaults(func=run)
 
 
-def _validate(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     failed = 0
     for path in args.files:
         jobs, problems = validate_file(path)
@@ -32,8 +33,3 @@ def _validate(args: argparse.Namespace) -> int:
     if failed:
         print(f"{failed} of {len(args.files)} file(s) invalid", file=sys.stderr)
     return 1 if failed else 0
-
-
-def _crd(args: argparse.Namespace) -> int:
-    sys.stdout.write(crd_yaml())
-    return 0

@@ -56,7 +56,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _config(args: argparse.Namespace, limits: dict | None = None):
-    from .config import parse_config
+    from kiln.services.sandbox.config import parse_config
     data: dict = {"type": args.backend, "owner": args.owner}
     if limits:
         data["limits"] = limits
@@ -71,7 +71,7 @@ def _config(args: argparse.Namespace, limits: dict | None = None):
 def _engine(config):
     import contextlib
     if config.type == "docker":
-        from .podman_service import LocalEngine
+        from kiln.services.sandbox.podman_service import LocalEngine
         return LocalEngine(config)
     return contextlib.nullcontext(config)
 
@@ -79,7 +79,7 @@ def _engine(config):
 def _run_exec(args: argparse.Namespace) -> int:
     import asyncio
 
-    from .factory import make_sandbox
+    from kiln.services.sandbox.factory import make_sandbox
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         print("kiln sandbox exec: no command given (put it after --)", file=sys.stderr)
@@ -110,7 +110,7 @@ def _run_verify(args: argparse.Namespace) -> int:
     import asyncio
     from pathlib import Path
 
-    from .runner import verify_taskset
+    from kiln.services.sandbox.runner import verify_taskset
     config = _config(args)
     with _engine(config) as cfg:
         outcomes = asyncio.run(verify_taskset(cfg, Path(args.taskset), Path(args.solutions)))
@@ -128,13 +128,13 @@ def _run_verify(args: argparse.Namespace) -> int:
 
 
 def _run_image(args: argparse.Namespace) -> int:
-    from .podman_service import build_host_image
+    from kiln.services.sandbox.podman_service import build_host_image
     print(build_host_image(force=args.force))
     return 0
 
 
 def _run_reap(args: argparse.Namespace) -> int:
-    from .factory import reap_orphans
+    from kiln.services.sandbox.factory import reap_orphans
     config = _config(args)
     with _engine(config) as cfg:
         removed = reap_orphans(cfg)

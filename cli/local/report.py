@@ -31,7 +31,7 @@ def write_summary(job: RLJob, run_dir: Path, state, *, wall_seconds: float) -> d
         "wall_seconds": round(wall_seconds, 1),
         "steps": sum(steps.values()),
         "steps_per_stage": steps,
-        "final_policy_version": last.get("version", 0),
+        "final_policy_version": last.get("policy_version", 0),
         "max_staleness": max((r["buffer"].get("max_staleness", 0) for r in recs), default=0),
         "dropped_stale": max((r["buffer"].get("dropped_stale", 0) for r in recs), default=0),
         "evaluations": state.evaluations,

@@ -22,8 +22,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kiln.services.common.modeling import cpu_shims
-from kiln.services.common.modeling.dsa import DSAConfig, apply_dsa_spec, is_dsa_model, padded_length
+from kiln.models import cpu_shims
+from kiln.models.dsa import DSAConfig, apply_dsa_spec, is_dsa_model, padded_length
 
 SUPPORTED_ARCHS = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 

@@ -1,0 +1,37 @@
+"""The rollout service's client: set the mode, run evaluations, read the status (the stage
+driver's side). Blocking calls; SetMode and GetStatus are idempotent and retried on transient
+errors, an evaluation is not (it is long, and its result is recorded by the caller)."""
+from __future__ import annotations
+
+import grpc
+
+from kiln.protos.kiln.v1 import rollout_pb2, rollout_pb2_grpc
+from kiln.services.common.retry import call_with_retry
+from kiln.services.common.server import CHANNEL_OPTIONS
+from kiln.services.rollout import wire
+from kiln.services.rollout.wire import Evaluation, ModeRequest, RolloutMode, RolloutStatus
+
+__all__ = ["Evaluation", "ModeRequest", "RolloutClient", "RolloutMode", "RolloutStatus"]
+
+
+class RolloutClient:
+    def __init__(self, target: str) -> None:
+        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
+
+    def set_mode(self, mode: ModeRequest) -> RolloutStatus:
+        return wire.status_from_proto(call_with_retry(
+            self._stub.SetMode, wire.mode_to_proto(mode), timeout=30))
+
+    def evaluate(self, task_set: str, *, samples: int, greedy: bool,
+                 max_tasks: int = 0) -> Evaluation:
+        req = rollout_pb2.EvaluateRequest(task_set=task_set, samples=samples, greedy=greedy,
+                                          max_tasks=max_tasks)
+        return wire.evaluation_from_proto(self._stub.Evaluate(req, timeout=3600))
+
+    def status(self) -> RolloutStatus:
+        return wire.status_from_proto(call_with_retry(
+            self._stub.GetStatus, rollout_pb2.RolloutStatusRequest(), timeout=30))
+
+    def close(self) -> None:
+        self._channel.close()

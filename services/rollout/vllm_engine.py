@@ -1,0 +1,165 @@
+"""The vLLM engine: vLLM's `AsyncLLM` behind `Engine`, with exact per-token policy versions.
+
+The version guarantee. `apply_weights` freezes the scheduler between two engine steps (vLLM's
+`pause_generation(mode="keep")`: no step runs, in-flight requests stay queued), reloads the
+weights in place, relabels the engine's weight version, and preempts every running request
+(`reset_prefix_cache(reset_running_requests=True)`) before resuming. vLLM labels each step's
+outputs with the weight version current when the step ran, and reports per-request version
+spans; a preempted request is re-prefilled, so its KV cache is recomputed under the new weights.
+Hence for every generated token: its recorded version is the version of the weights that
+produced it, and its recorded log-prob is that version's log-prob of the token given the whole
+preceding sequence (not a mix of old cached keys and new weights).
+
+Not covered: multi-GPU tensor parallelism, LoRA, and atomicity of a failed reload (vLLM's
+in-place reload may have copied some tensors before failing; the version label then stays old,
+and the engine should be reloaded with a complete version before it is trusted again).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from typing import Any, Sequence
+
+from kiln.services.rollout.engine import (
+    EngineBase, EngineSettings, Generation, NamedTensors, SamplingOptions)
+
+
+def _reload_in_worker(worker: Any, path: str) -> None:
+    """Runs inside each vLLM worker: reload the weights in place from a safetensors file."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        worker.model_runner.reload_weights(
+            weights_iterator=((name, f.get_tensor(name)) for name in f.keys()))
+    _refresh_cpu_embedding_gemm(worker.model_runner.get_model())
+
+
+def _refresh_cpu_embedding_gemm(model: Any) -> None:
+    """On CPUs vLLM computes logits with a prepacked copy of the (LM-head) embedding weight,
+    made when the model was loaded. An in-place reload updates the weight, but for a model with
+    tied embeddings the LM head is the input embedding, whose prepacked copy the reload does not
+    redo: logits would come from the old weights. Repack every embedding from its current weight
+    (cheap: one matrix per embedding)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
+
+def _write_weights(named_tensors: NamedTensors) -> str:
+    # The weights go to the engine's workers (other processes on this host) through a file in
+    # shared memory: vLLM's RPC path copies large arguments several times and does not
+    # round-trip tensors nested in arguments.
+    import tempfile
+
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {name: t.detach().to("cpu", copy=False).contiguous() for name, t in named_tensors}
+    for name, t in tensors.items():
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            raise ValueError(f"weight {name} has dtype {t.dtype}; only floating-point weights load")
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    fd, path = tempfile.mkstemp(prefix="kiln-weights-", suffix=".safetensors", dir=shm)
+    os.close(fd)
+    try:
+        save_file(tensors, path)
+    except BaseException:
+        os.unlink(path)
+        raise
+    return path
+
+
+class VllmEngine(EngineBase):
+    """vLLM AsyncLLM behind `Engine`. Create with `await VllmEngine.start(settings)` (~20 s on a
+    CPU) and `await engine.close()` when done. Many `generate` calls may run at once."""
+
+    def __init__(self, llm: Any, settings: EngineSettings, fingerprint: str) -> None:
+        super().__init__(settings, fingerprint)
+        self._llm = llm
+        self._update_lock = asyncio.Lock()
+
+    @classmethod
+    async def start(cls, settings: EngineSettings) -> "VllmEngine":
+        # Reloading from in-memory tensors sends a function to the workers, which vLLM only
+        # accepts with this set; it must be in the environment before the engine processes start.
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        # Run the model inside vLLM's engine-core process ("uni" executor) rather than in a
+        # worker process of its own: engine core and worker otherwise wait for each other by
+        # spinning on shared memory, which on a CPU host burns about a core and a half that
+        # the sandboxes and the trainer need. The CPU platform forces the multiprocess
+        # executor unless this variable is 0; AsyncLLM keeps its engine core in a separate
+        # process either way.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        import torch
+        import vllm
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=settings.model, dtype=settings.dtype, seed=settings.seed,
+            enforce_eager=settings.enforce_eager, kv_cache_memory_bytes=settings.kv_cache_bytes,
+            max_model_len=settings.max_model_len, disable_log_stats=True,
+            distributed_executor_backend="uni",
+        )
+        llm = AsyncLLM.from_engine_args(args)
+        await llm.update_weight_version(str(settings.initial_version))
+        fingerprint = (f"vllm-{vllm.__version__}+torch-{torch.__version__};dtype={settings.dtype};"
+                       f"seed={settings.seed};enforce_eager={settings.enforce_eager};"
+                       f"logprobs=raw")
+        return cls(llm, settings, fingerprint)
+
+    async def generate(self, prompt_token_ids: Sequence[int], sampling: SamplingOptions) -> Generation:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_tokens,
+            stop_token_ids=list(sampling.stop_token_ids), seed=sampling.seed, logprobs=0,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        final = None
+        async for out in self._llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)),
+                                            params, request_id=uuid.uuid4().hex):
+            final = out
+        if final is None:
+            raise RuntimeError("vLLM returned no output for a request (engine stopped?); retry may help")
+        c = final.outputs[0]
+        token_ids = list(c.token_ids)
+        logprobs = [entry[tok].logprob for entry, tok in zip(c.logprobs or [], token_ids)]
+        versions = [-1] * len(token_ids)
+        for span in c.weight_versions or []:
+            versions[span.start:span.end] = [int(span.version)] * (span.end - span.start)
+        if len(logprobs) != len(token_ids) or -1 in versions:
+            raise RuntimeError(f"vLLM output lacks logprobs or weight versions for request "
+                               f"{final.request_id}; this is a bug, not retryable")
+        return Generation(token_ids, logprobs, versions, c.finish_reason or "abort")
+
+    async def apply_weights(self, version: int, named_tensors: NamedTensors) -> None:
+        async with self._update_lock:
+            self.check_new_version(version)
+            path = await asyncio.to_thread(_write_weights, named_tensors)
+            llm = self._llm
+            await llm.pause_generation(mode="keep", clear_cache=False)
+            try:
+                await llm.collective_rpc(_reload_in_worker, kwargs={"path": path})
+                await llm.update_weight_version(str(version))
+                # Running requests are preempted and re-prefilled under the new weights.
+                await llm.reset_prefix_cache(reset_running_requests=True)
+                self._switched_to(version)
+            finally:
+                await llm.resume_generation()
+                os.unlink(path)
+
+    async def close(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.shutdown()
