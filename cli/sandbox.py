@@ -17,22 +17,31 @@ import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("sandbox", help="run commands and verifiers in sandboxes")
-    sub = parser.add_subparsers(dest="sandbox_command", required=True)
+    parser = subparsers.add_parser(
+        "sandbox", help="run commands and verifiers in sandboxes",
+        description="Run a command in a fresh sandbox, check a task set's reference solutions "
+                    "against its verifiers, build the docker backend's image, or remove what a "
+                    "killed process left behind.")
+    sub = parser.add_subparsers(dest="sandbox_command", required=True, metavar="SUBCOMMAND")
 
     def backend_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--backend", choices=("bubblewrap", "docker"), default="bubblewrap")
+        p.add_argument("--backend", choices=("bubblewrap", "docker"), default="bubblewrap",
+                       help="sandbox backend (default bubblewrap)")
         p.add_argument("--owner", default="cli", help="owner part of sandbox names")
         p.add_argument("--image", default=None, help="image for the docker backend")
         p.add_argument("--docker-url", default=None,
                        help="engine socket (default: DOCKER_HOST, else a private podman)")
 
-    p = sub.add_parser("exec", help="run one command in a fresh sandbox")
+    p = sub.add_parser(
+        "exec", help="run one command in a fresh sandbox",
+        description="Run one command in a fresh sandbox with the given limits and exit with its "
+                    "exit code (124 after a timeout, 137 after an OOM kill).")
     backend_args(p)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds (default 60)")
     p.add_argument("--memory", default="512m", help="memory limit, e.g. 256m, 1g")
-    p.add_argument("--pids", type=int, default=256)
-    p.add_argument("--cpu", type=float, default=1.0)
+    p.add_argument("--pids", type=int, default=256,
+                   help="processes and threads alive at once (default 256)")
+    p.add_argument("--cpu", type=float, default=1.0, help="CPU cores (default 1)")
     p.add_argument("--network", action="store_true", help="give the sandbox the host network")
     p.add_argument("--workdir", default=None, help="folder inside /workspace to run in")
     p.add_argument("--output-limit", default="1m",
@@ -40,17 +49,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     p.set_defaults(func=_run_exec)
 
-    p = sub.add_parser("verify", help="run each task's reference solution through its verifier")
+    p = sub.add_parser(
+        "verify", help="run each task's reference solution through its verifier",
+        description="For every task of a task set: set a sandbox up, play the task's reference "
+                    "solution, run the verifier; prints PASS or FAIL per task and exits 1 if "
+                    "any fails.")
     backend_args(p)
     p.add_argument("taskset", help="TaskSet JSONL file")
     p.add_argument("--solutions", required=True, help="folder of reference solutions")
     p.set_defaults(func=_run_verify)
 
-    p = sub.add_parser("image", help="build the docker backend's image from the host's /usr")
-    p.add_argument("--force", action="store_true")
+    p = sub.add_parser(
+        "image", help="build the docker backend's image from the host's /usr",
+        description="Build the docker backend's default image (localhost/kiln-sandbox) from the "
+                    "host's /usr with a private podman service.")
+    p.add_argument("--force", action="store_true", help="rebuild even if the image exists")
     p.set_defaults(func=_run_image)
 
-    p = sub.add_parser("reap", help="remove sandboxes left behind by a killed process")
+    p = sub.add_parser(
+        "reap", help="remove sandboxes left behind by a killed process",
+        description="Kill and remove every sandbox (cgroups, workspaces, containers) of an "
+                    "owner; prints the names removed.")
     backend_args(p)
     p.set_defaults(func=_run_reap)
 

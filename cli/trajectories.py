@@ -15,8 +15,12 @@ import yaml
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("trajectories", help="print trajectories of a run human-readably")
-    p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    p = sub.add_parser(
+        "trajectories", help="print trajectories of a run human-readably",
+        description="Print sampled trajectories of a run (every tenth one rollout finished): "
+                    "each turn decoded with the run's tokenizer, the policy-version spans, the "
+                    "reward and its parts, and the verifier's output.")
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="run directory of `kiln run`")
     p.add_argument("-n", "--limit", type=int, default=5, help="how many (default 5; 0 = all)")
     p.add_argument("--stage", help="only trajectories of this stage")
     p.add_argument("--reward", type=float, help="only trajectories with this reward")

@@ -130,23 +130,26 @@ class GrpcStatusReader:
             self._read_trainer(job, obs)
         return obs
 
-    def _read_buffer(self, job: JobRef, obs: Observation) -> None:
-        stub = buffer_pb2_grpc.BufferStub(self._channel(self.address(job, "buffer")))
+    def _ask(self, job: JobRef, component: str, stub_class, method: str, request, obs: Observation):
+        """One status RPC to a component; None (the reason kept in `obs.errors`) if it failed."""
+        stub = stub_class(self._channel(self.address(job, component)))
         try:
-            st = stub.GetStatus(buffer_pb2.GetStatusRequest(), timeout=self.timeout)
+            return getattr(stub, method)(request, timeout=self.timeout)
         except grpc.RpcError as exc:
-            obs.errors["buffer"] = f"GetStatus: {exc.code().name}"
-            return
-        if st.max_staleness >= 0:
+            obs.errors[component] = f"{method}: {exc.code().name}"
+            return None
+
+    def _read_buffer(self, job: JobRef, obs: Observation) -> None:
+        st = self._ask(job, "buffer", buffer_pb2_grpc.BufferStub, "GetStatus",
+                       buffer_pb2.GetStatusRequest(), obs)
+        if st is not None and st.max_staleness >= 0:
             obs.observed_staleness = int(st.max_staleness)
 
     def _read_weight_sync(self, job: JobRef, obs: Observation) -> None:
-        stub = weight_sync_pb2_grpc.WeightSyncStub(self._channel(self.address(job, "weight-sync")))
-        try:
-            st = stub.Status(weight_sync_pb2.StatusRequest(), timeout=self.timeout)
-        except grpc.RpcError as exc:
-            # Not needed for the phase; the reason is kept for the log.
-            obs.errors["weight-sync"] = f"Status: {exc.code().name}"
+        # Not needed for the phase; a failure is only kept for the log.
+        st = self._ask(job, "weight-sync", weight_sync_pb2_grpc.WeightSyncStub, "Status",
+                       weight_sync_pb2.StatusRequest(), obs)
+        if st is None:
             return
         key = (job.namespace, job.name)
         latest = int(st.policy_version)
@@ -157,11 +160,9 @@ class GrpcStatusReader:
             obs.last_weight_sync = rfc3339()
 
     def _read_trainer(self, job: JobRef, obs: Observation) -> None:
-        stub = trainer_pb2_grpc.TrainerStub(self._channel(self.address(job, "trainer")))
-        try:
-            resp = stub.GetTrainerStatus(trainer_pb2.TrainerStatusRequest(), timeout=self.timeout)
-        except grpc.RpcError as exc:
-            obs.errors["trainer"] = f"GetTrainerStatus: {exc.code().name}"
+        resp = self._ask(job, "trainer", trainer_pb2_grpc.TrainerStub, "GetTrainerStatus",
+                         trainer_pb2.TrainerStatusRequest(), obs)
+        if resp is None:
             return
         obs.stage = resp.stage or None
         # The trainer owns the policy version; the buffer and weight-sync only echo it.

@@ -22,6 +22,7 @@ from typing import Any, Callable, Protocol
 
 from kiln.api.spec import RLJob, RLStage, SFTStage
 from kiln.services.buffer.client import BufferStatus
+from kiln.services.common.tracking import Tracker
 from kiln.services.rollout.client import Evaluation, ModeRequest, RolloutMode, RolloutStatus
 from kiln.services.trainer.client import TrainerStatus
 
@@ -80,8 +81,13 @@ class RunState:
 class Driver:
     def __init__(self, job: RLJob, run_dir: Path, trainer: TrainerControl, rollout: RolloutControl,
                  buffer: BufferControl, *, poll_seconds: float = 1.0, out=sys.stdout,
-                 supervise: Callable[[], list[str]] = lambda: []) -> None:
+                 supervise: Callable[[], list[str]] = lambda: [],
+                 tracker: Tracker | None = None) -> None:
         self.job, self.run_dir = job, run_dir
+        # Rollout, buffer and evaluation figures (the trainer tracks its own step metrics),
+        # against the trainer's global step.
+        self.tracker = tracker
+        self._global_step = 0
         self.trainer, self.rollout, self.buffer = trainer, rollout, buffer
         self.poll_seconds = poll_seconds
         self.out = out
@@ -120,6 +126,10 @@ class Driver:
                       f"sampled {ev.sampled_success:.3f} (version {ev.policy_version}, "
                       f"{ev.tasks} tasks, {ev.seconds:.1f} s)")
             self._record({"event": "eval", "stage": stage.name, "when": when, "task_set": task_set, **result})
+            if self.tracker is not None:
+                self.tracker.log(self._global_step, {
+                    f"eval/{task_set}/greedy_success": ev.greedy_success,
+                    f"eval/{task_set}/sampled_success": ev.sampled_success})
 
     def _run_stage(self, stage: SFTStage | RLStage) -> None:
         self._evaluate(stage, "before")
@@ -186,6 +196,13 @@ class Driver:
                "step": step, "max_steps": stage.max_steps, "trainer": trainer_record(t),
                "rollout": dataclasses.asdict(r), "buffer": dataclasses.asdict(b)}
         self._record(rec)
+        self._global_step = t.step
+        if self.tracker is not None:
+            self.tracker.log(t.step, {
+                "rollout/pass_rate": r.mean_reward, "rollout/tokens_per_s": r.tokens_per_second,
+                "rollout/in_flight": r.in_flight, "rollout/policy_version": r.policy_version,
+                "buffer/depth": b.depth, "buffer/dropped_stale": b.dropped_stale,
+                "buffer/max_staleness": b.max_staleness if b.max_staleness >= 0 else None})
         reward = t.last_metrics.get("reward_mean")
         line = (f"\r[{stage.name}] step {step}/{stage.max_steps}  v{t.policy_version}"
                 f"  reward {reward if reward is None else f'{reward:.3f}'}"

@@ -77,6 +77,7 @@ def main(args: argparse.Namespace) -> int:
     from kiln.cli.local.driver import Driver
     from kiln.cli.local.report import write_report, write_summary
     from kiln.services.buffer.client import GrpcBufferClient
+    from kiln.services.common.tracking import Tracker
     from kiln.services.rollout.client import RolloutClient
     from kiln.services.trainer.client import TrainerClient
 
@@ -112,6 +113,12 @@ def main(args: argparse.Namespace) -> int:
         return 2
     prepare_model(job, out)
 
+    try:
+        tracker = Tracker(run_dir / "tensorboard", run_name="driver", group=job.metadata.name,
+                          spec=job.spec.tracking)
+    except ValueError as exc:
+        print(f"kiln run: {exc}", file=sys.stderr)
+        return 2
     services: dict[str, processes.ServiceProcess] = {}
     interrupted = failed = False
 
@@ -142,7 +149,8 @@ def main(args: argparse.Namespace) -> int:
                 services[name] = processes.restart(services[name], job_file, run_dir, addrs)
             return dead
 
-        driver = Driver(job, run_dir, trainer, rollout, buffer, supervise=supervise)
+        driver = Driver(job, run_dir, trainer, rollout, buffer, supervise=supervise,
+                        tracker=tracker)
         state = driver.run()
     except KeyboardInterrupt:
         interrupted = True
@@ -154,6 +162,7 @@ def main(args: argparse.Namespace) -> int:
         failed = True
     finally:
         _stop_all(services)
+        tracker.close()
     if failed:
         return 1
     if interrupted:

@@ -46,7 +46,10 @@ def _merge_variants(variants: list[dict[str, Any]]) -> dict[str, Any]:
         req = set(v.get("required", []))
         required = req if required is None else required & req
     props["type"] = {"type": "string", "enum": tags, "description": "Kind of stage."}
+    descriptions = [v["description"] for v in variants if v.get("description")]
     out: dict[str, Any] = {"type": "object", "properties": dict(sorted(props.items()))}
+    if descriptions:
+        out["description"] = "One of: " + " / ".join(f"{t}: {d}" for t, d in zip(tags, descriptions))
     out["required"] = sorted(required or set())
     return out
 
@@ -141,9 +144,14 @@ def build_crd() -> dict[str, Any]:
                             "description": "A reinforcement-learning job for an LLM agent.",
                             "required": ["spec"],
                             "properties": {
-                                "apiVersion": {"type": "string"},
-                                "kind": {"type": "string"},
-                                "metadata": {"type": "object"},
+                                "apiVersion": {"type": "string", "description": (
+                                    "APIVersion defines the versioned schema of this "
+                                    f"representation of an object: {API_GROUP}/{API_VERSION}.")},
+                                "kind": {"type": "string", "description": (
+                                    f"Kind is the REST resource this object represents: {KIND}.")},
+                                "metadata": {"type": "object", "description": (
+                                    "Standard object metadata: name, namespace, labels, "
+                                    "annotations.")},
                                 "spec": spec_schema,
                                 "status": status_schema,
                             },

@@ -13,28 +13,26 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic.alias_generators import to_camel
+
+from kiln.api.components import (BufferSpec, CheckpointSpec, Model, Quantity, Resources,
+                                 RolloutSpec, SamplingSpec, SandboxSpec, StorageSpec, TrackingSpec,
+                                 TrainerSpec, WandbSpec, WeightSyncSpec)
+from kiln.api.status import Condition, Phase, RLJobStatus
+
+__all__ = [
+    "API_GROUP", "API_VERSION", "KIND", "PLURAL", "BufferSpec", "CheckpointSpec", "Condition",
+    "EvalSpec", "ModelInit", "ModelSpec", "Phase", "Quantity", "RLJob", "RLJobSpec", "RLJobStatus",
+    "RLSettings", "RLStage", "Resources", "RolloutSpec", "SFTStage", "SamplingSpec", "SandboxSpec",
+    "Stage", "StorageSpec", "TaskGenerator", "TaskSetSpec", "TrackingSpec", "TrainerSpec",
+    "WandbSpec", "WeightSyncSpec",
+]
 
 API_GROUP = "kiln.dev"
 API_VERSION = "v1alpha1"
 KIND = "RLJob"
 PLURAL = "rljobs"
 
-
-class _Model(BaseModel):
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="forbid",
-        use_attribute_docstrings=True,
-        validate_default=True,
-    )
-
-
-Quantity = Annotated[
-    str,
-    Field(pattern=r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$", examples=["500m", "4Gi"]),
-]
+_Model = Model
 
 
 # ---------------------------------------------------------------------------------------- model
@@ -44,18 +42,27 @@ class ModelInit(_Model):
     """Create a small random-initialised model locally (tests, quickstart). Nothing is downloaded."""
 
     arch: Literal["qwen2", "llama"] = "qwen2"
+    """Architecture of the checkpoint written (Hugging Face Qwen2 or Llama)."""
     hidden_size: int = Field(128, ge=8)
+    """Width of the residual stream."""
     num_layers: int = Field(2, ge=1)
+    """Transformer layers."""
     num_heads: int = Field(4, ge=1)
+    """Attention heads (must divide hiddenSize)."""
     num_kv_heads: int = Field(2, ge=1)
+    """Key/value heads (grouped-query attention; must divide numHeads)."""
     intermediate_size: int = Field(256, ge=8)
+    """Width of the MLP's hidden layer."""
     vocab_size: int = Field(512, ge=32)
     """Upper bound on the vocabulary of the tokenizer trained on the job's task sets (a small
     corpus gives fewer merges); padded only to a multiple of trainer.tensorParallel, since
     tokens that never occur slow a tiny model's learning."""
     max_position_embeddings: int = Field(1024, ge=16)
+    """Longest sequence the model supports (prompt, actions and observations together)."""
     tie_word_embeddings: bool = True
+    """Share the input embedding and the output projection."""
     seed: int = 0
+    """Seed of the random initialisation (the same seed gives the same weights)."""
 
     @model_validator(mode="after")
     def _heads(self) -> ModelInit:
@@ -71,6 +78,8 @@ class ModelInit(_Model):
 
 
 class ModelSpec(_Model):
+    """The policy model the job starts from."""
+
     path: str = Field(min_length=1)
     """Hugging Face checkpoint directory (config.json + safetensors). On a cluster, a path
     inside `pvc`; locally, a directory (relative paths are relative to the job file)."""
@@ -79,6 +88,7 @@ class ModelSpec(_Model):
     tokenizer: str | None = None
     """Tokenizer directory; defaults to `path`."""
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """Precision of the weights in the trainer and the rollout engines."""
     init: ModelInit | None = None
     """If set and `path` holds no checkpoint yet, Kiln creates this model there first."""
 
@@ -90,7 +100,9 @@ class TaskGenerator(_Model):
     """Procedurally generated tasks (built-in environments only)."""
 
     count: int = Field(ge=1)
+    """Tasks in the set."""
     seed: int = 0
+    """Seed of the generator; the same seed gives the same tasks."""
     split: Literal["train", "heldout"] = "train"
     """Which side of the environment's fixed train/held-out partition to draw from; held-out
     tasks never coincide with training tasks, whatever the seeds."""
@@ -107,7 +119,10 @@ class TaskGenerator(_Model):
 
 
 class TaskSetSpec(_Model):
+    """A named set of tasks of one environment."""
+
     name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
+    """Name stages refer to (lowercase letters, digits, dashes)."""
     env: Literal["chain", "terminal", "swe", "search", "code"]
     """Environment type; fixes the tools offered and the verifier. `chain` is the built-in
     multi-step calculator task used by the quickstart."""
@@ -129,6 +144,8 @@ class TaskSetSpec(_Model):
 
 
 class EvalSpec(_Model):
+    """Held-out evaluation of a stage: greedy and sampled success before and after it."""
+
     tasks: list[str] = Field(default_factory=list)
     """Held-out task sets evaluated before the stage and after it."""
     samples: int = Field(1, ge=1)
@@ -137,20 +154,25 @@ class EvalSpec(_Model):
 
 class _StageBase(_Model):
     name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
+    """Stage name, unique in the job (status and metrics carry it)."""
     tasks: list[str] = Field(min_length=1)
     """Names of entries in `spec.tasks` to train on."""
     max_steps: int = Field(100, ge=1)
+    """Optimizer steps the stage takes."""
     learning_rate: float = Field(1e-5, gt=0, le=1)
+    """Peak learning rate (after warm-up)."""
     warmup_steps: int = Field(0, ge=0)
     """Linear warm-up from 0 to learningRate over this many steps."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """After warm-up: keep learningRate, or decay it along a cosine to minLrRatio at maxSteps."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """The cosine schedule ends at learningRate * minLrRatio."""
     batch_size: int = Field(32, ge=1)
     """Trajectories per optimizer step."""
     micro_batch_size: int = Field(8, ge=1)
     """Trajectories per forward/backward pass; must divide batchSize."""
     eval: EvalSpec | None = None
+    """Held-out evaluation before and after the stage."""
 
     @model_validator(mode="after")
     def _micro(self):  # type: ignore[no-untyped-def]
@@ -165,10 +187,14 @@ class SFTStage(_StageBase):
     """Supervised fine-tuning on expert trajectories produced by the environment's solver."""
 
     type: Literal["sft"]
+    """`sft`."""
     epochs: int = Field(1, ge=1)
+    """Unused: an SFT stage runs maxSteps steps over its finite demonstration pool."""
 
 
 class RLSettings(_Model):
+    """The RL algorithm's knobs."""
+
     group_size: int = Field(8, ge=2)
     """G: samples per task; advantages are relative to the group mean."""
     eps_low: float = Field(0.2, ge=0, lt=1)
@@ -184,6 +210,8 @@ class RLSettings(_Model):
     reset_optimizer_on_sync: bool = True
     """Reset AdamW's first and second moments after each weight publish."""
     loss_aggregation: Literal["token-mean", "sequence-mean"] = "token-mean"
+    """`token-mean`: average over the batch's trained tokens; `sequence-mean`: average each
+    trajectory over its tokens, then over trajectories."""
     advantage: Literal["group", "opd"] = "group"
     """`group`: reward minus group mean; `opd`: per-token teacher minus student log-prob."""
     teacher: str | None = None
@@ -202,142 +230,46 @@ class RLStage(_StageBase):
     """Reinforcement learning with verifiable rewards."""
 
     type: Literal["rl"]
+    """`rl`."""
     rl: RLSettings = Field(default_factory=RLSettings)
+    """Group size, masks, freshness, weight sync and advantage settings."""
 
 
 Stage = Annotated[SFTStage | RLStage, Field(discriminator="type")]
-
-
-# -------------------------------------------------------------------------------------- services
-
-
-class Resources(_Model):
-    cpu: Quantity = "1"
-    memory: Quantity = "4Gi"
-    gpu: int = Field(0, ge=0)
-
-
-class SamplingSpec(_Model):
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_tokens_per_turn: int = Field(256, ge=1)
-    max_total_tokens: int = Field(1024, ge=16)
-    """Prompt, actions and observations together; the episode ends when it is reached."""
-
-
-class RolloutSpec(_Model):
-    replicas: int = Field(1, ge=0)
-    engine: Literal["vllm", "megatron"] = "vllm"
-    max_turns: int = Field(8, ge=1)
-    episode_timeout_seconds: float = Field(300, gt=0)
-    thinking: Literal["interleaved", "preserved", "turn-level", "off"] = "interleaved"
-    """`interleaved`: the model may open a `<think>` block before any action; `preserved`:
-    earlier turns' blocks stay in the context too. An episode is one task and its tool loop,
-    in which every block stays in the context, so the two behave the same. `off`: an empty
-    `<think></think>` is written before each action (context, not trained on). `turn-level`
-    is not implemented by the agent loop and is rejected."""
-    max_concurrent_episodes: int = Field(64, ge=1)
-    kv_cache_bytes: int = Field(1 << 30, ge=1 << 20)
-    """KV cache reserved by each engine (vLLM otherwise takes most of the host's memory)."""
-    enforce_eager: bool = True
-    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
-    resources: Resources = Field(default_factory=Resources)
-
-    @model_validator(mode="after")
-    def _thinking_supported(self) -> RolloutSpec:
-        if self.thinking == "turn-level":
-            raise ValueError(f"thinking: {self.thinking!r} is not implemented by the agent loop; "
-                             "use 'interleaved', 'preserved' or 'off'")
-        return self
-
-
-class TrainerSpec(_Model):
-    tensor_parallel: int = Field(1, ge=1)
-    pipeline_parallel: int = Field(1, ge=1)
-    checkpoint_interval: int = Field(50, ge=1)
-    """Write a checkpoint every this many optimizer steps (and on SIGTERM)."""
-    keep_checkpoints: int = Field(3, ge=1)
-    grad_clip: float = Field(1.0, ge=0)
-    """Global gradient-norm clip; 0 disables."""
-    weight_decay: float = Field(0.0, ge=0)
-    adam_beta1: float = Field(0.9, ge=0, lt=1)
-    adam_beta2: float = Field(0.95, ge=0, lt=1)
-    """AdamW's second-moment decay. 0.95 rather than PyTorch's 0.999: the second moment then
-    follows the fast-changing gradients of a small model at a high learning rate (SFT of the
-    quickstart model reached a loss several times lower in the same number of steps)."""
-    resources: Resources = Field(default_factory=Resources)
-
-
-class SandboxSpec(_Model):
-    backend: Literal["bubblewrap", "docker"] = "bubblewrap"
-    image: str | None = None
-    """Container image (docker backend)."""
-    rootfs: str | None = None
-    """Root filesystem directory (bubblewrap backend); the host's read-only /usr when unset."""
-    cpu: float = Field(1.0, gt=0)
-    """CPU cores per sandbox."""
-    memory: Quantity = "512Mi"
-    pids: int = Field(256, ge=8)
-    timeout_seconds: float = Field(30, gt=0)
-    """Wall-clock limit of one tool call."""
-    network: bool = False
-    max_concurrent: int = Field(32, ge=1)
-    warm_pool: int = Field(0, ge=0)
-    output_limit_bytes: int = Field(65536, ge=1024)
-    replicas: int = Field(1, ge=0)
-    resources: Resources = Field(default_factory=Resources)
-
-    @model_validator(mode="after")
-    def _docker_image(self) -> SandboxSpec:
-        if self.backend == "docker" and self.rootfs is not None:
-            raise ValueError("rootfs applies to the bubblewrap backend; use image with docker")
-        return self
-
-
-class WeightSyncSpec(_Model):
-    bucket_bytes: int = Field(1 << 20, ge=4096)
-    """Tensors are streamed in checksummed buckets of about this size."""
-    timeout_seconds: float = Field(120, gt=0)
-    resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="2Gi"))
-
-
-class StorageSpec(_Model):
-    size: Quantity = "10Gi"
-    storage_class: str | None = None
-    retain: bool = True
-    """Keep the PVC when the RLJob is deleted."""
-
-
-class BufferSpec(_Model):
-    capacity: int = Field(4096, ge=1)
-    """Trajectories held before producers are told to back off."""
-    storage: StorageSpec = Field(default_factory=StorageSpec)
-    resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="2Gi"))
-
-
-class CheckpointSpec(_Model):
-    storage: StorageSpec = Field(default_factory=lambda: StorageSpec(size="50Gi"))
 
 
 # ------------------------------------------------------------------------------------------- job
 
 
 class RLJobSpec(_Model):
+    """What to train, on which tasks, in which stages, and with which services."""
+
     model: ModelSpec
+    """The policy model the job starts from."""
     tasks: list[TaskSetSpec] = Field(min_length=1)
+    """Task sets the stages train and evaluate on."""
     stages: list[Stage] = Field(min_length=1)
     """Run in order; each starts from the previous stage's final weights."""
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    """The rollout service (inference engines and the agent loop)."""
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
+    """The trainer service (Megatron-core)."""
     sandbox: SandboxSpec = Field(default_factory=SandboxSpec)
+    """The sandbox service (where tool calls run) and its per-sandbox limits."""
     weight_sync: WeightSyncSpec = Field(default_factory=WeightSyncSpec)
+    """The weight-sync service."""
     buffer: BufferSpec = Field(default_factory=BufferSpec)
+    """The trajectory buffer."""
     checkpoints: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    """The trainer's checkpoint volume."""
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    """Experiment tracking (TensorBoard, Weights & Biases)."""
     image: str = "ghcr.io/kiln-dev/kiln:0.1.0"
     """Image the services run from (cluster only)."""
     suspend: bool = False
     """Scale every component to zero, keeping checkpoints and buffer."""
     seed: int = 0
+    """Seed of the task streams, sampling and initialisation."""
 
     @model_validator(mode="after")
     def _references(self) -> RLJobSpec:
@@ -374,6 +306,8 @@ class ObjectMeta(BaseModel):
 
 
 class RLJob(BaseModel):
+    """A reinforcement-learning job for an LLM agent."""
+
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     api_version: Literal["kiln.dev/v1alpha1"] = Field(alias="apiVersion")
     kind: Literal["RLJob"]
@@ -381,35 +315,3 @@ class RLJob(BaseModel):
     spec: RLJobSpec
     status: dict | None = None
     """Written by the operator; ignored on input."""
-
-
-# ------------------------------------------------------------------------------------- status
-
-
-Phase = Literal["Pending", "Running", "Succeeded", "Failed", "Suspended"]
-
-
-class Condition(_Model):
-    type: str
-    status: Literal["True", "False", "Unknown"]
-    reason: str = ""
-    message: str = ""
-    last_transition_time: str | None = None
-
-
-class RLJobStatus(_Model):
-    """What `kubectl get rljobs` shows; written by the operator, by the launcher locally."""
-
-    phase: Phase = "Pending"
-    conditions: list[Condition] = Field(default_factory=list)
-    stage: str | None = None
-    policy_version: int = 0
-    step: int = 0
-    reward: float | None = None
-    """Mean reward of the last training batch."""
-    observed_staleness: int | None = None
-    """Largest (trainer version - oldest trajectory version) among trajectories trained on."""
-    last_weight_sync: str | None = None
-    """RFC 3339 time of the last completed weight publish."""
-    message: str = ""
-    observed_generation: int | None = None

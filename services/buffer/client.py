@@ -32,7 +32,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Protocol, Sequence, TypeVar
 
 import grpc
 
@@ -106,6 +106,22 @@ class Backoff:
                 log.debug("%s: retrying in %.2f s: %s", what, pause, exc)
                 time.sleep(pause)
 
+    async def run_async(self, attempt: Callable[[], Awaitable[T]],
+                        retryable: Callable[[BaseException], bool],
+                        still_wanted: Callable[[], bool]) -> T | None:
+        """`run` for a coroutine, given up (None) as soon as `still_wanted()` turns false.
+        A failure that is not retryable (INVALID_ARGUMENT: a bug upstream) raises at once."""
+        pauses = self.delays()
+        while still_wanted():
+            try:
+                return await attempt()
+            except Exception as exc:
+                pause = next(pauses, None) if retryable(exc) else None
+                if pause is None:
+                    raise
+            await asyncio.sleep(pause)
+        return None
+
 
 def _code(exc: BaseException) -> grpc.StatusCode | None:
     return exc.code() if isinstance(exc, grpc.RpcError) else None
@@ -153,17 +169,11 @@ class GrpcBufferClient:
             self._aio = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         stub = buffer_pb2_grpc.BufferStub(self._aio)
         req = _put_request(trajectories, group_size)
-        pauses = self.backoff.delays()
-        while still_wanted():
-            try:
-                return wire.put_result_from_proto(await stub.Put(req, timeout=self.rpc_timeout))
-            except grpc.aio.AioRpcError as exc:
-                pause = next(pauses, None) if _put_retryable(exc) else None
-                if pause is None:
-                    # INVALID_ARGUMENT and the like are a bug upstream; retrying cannot help.
-                    raise
-            await asyncio.sleep(pause)
-        return None
+
+        async def attempt() -> PutResult:
+            return wire.put_result_from_proto(await stub.Put(req, timeout=self.rpc_timeout))
+
+        return await self.backoff.run_async(attempt, _put_retryable, still_wanted)
 
     def get_batch(self, size: int, policy_version: int, timeout: float = 0.0,
                   allow_partial: bool = False) -> Batch:
@@ -221,16 +231,11 @@ class InProcessBufferClient:
 
     async def put_async(self, trajectories: Sequence[Trajectory], group_size: int | None = None,
                         *, still_wanted: Callable[[], bool] = lambda: True) -> PutResult | None:
-        pauses = self.backoff.delays()
-        while still_wanted():
-            try:
-                return await asyncio.to_thread(self.buffer.put, trajectories, group_size)
-            except BufferFull:
-                pause = next(pauses, None)
-                if pause is None:
-                    raise
-            await asyncio.sleep(pause)
-        return None
+        async def attempt() -> PutResult:
+            return await asyncio.to_thread(self.buffer.put, trajectories, group_size)
+
+        return await self.backoff.run_async(attempt, lambda e: isinstance(e, BufferFull),
+                                            still_wanted)
 
     def get_batch(self, size: int, policy_version: int, timeout: float = 0.0,
                   allow_partial: bool = False) -> Batch:

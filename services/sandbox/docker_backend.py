@@ -117,7 +117,7 @@ class DockerSandbox(Sandbox):
                 environment={"HOME": WORKSPACE, "LANG": "C.UTF-8"})
         except docker.errors.ImageNotFound as exc:
             raise SandboxError(f"image: {self.config.image} not found in the engine; build it "
-                               "with `python -m kiln.cli.sandbox image`") from exc
+                               "with `kiln sandbox image`") from exc
         except docker.errors.APIError as exc:
             raise SandboxError(f"container start failed: {exc}", retryable=True) from exc
 

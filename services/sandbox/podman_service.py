@@ -70,10 +70,12 @@ class PodmanService:
         conf.write_text(f"[engine]\nexit_command_delay = {EXEC_EXIT_DELAY_S}\n")
         env = {**os.environ, "CONTAINERS_CONF": str(conf)}
         log = open(self.root_dir / "service.log", "ab")
+        # Run in the service's own folder: conmon writes an `oom` marker file into its working
+        # directory when an exec session is OOM-killed.
         self.proc = subprocess.Popen(
             [*podman_base_args(self.root_dir), "system", "service", "--time", "0",
              self.base_url], stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-            start_new_session=True, env=env)
+            start_new_session=True, env=env, cwd=self.root_dir)
         log.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

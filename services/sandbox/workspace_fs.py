@@ -46,12 +46,15 @@ def _walk_parent(root: Path, rel: str, create: bool, uid: int, gid: int) -> tupl
         raise
 
 
-def read_beneath(root: Path, path: str, max_bytes: int | None = None) -> bytes:
+def _open_beneath(root: Path, path: str, flags: int, *, mode: int = 0, create: bool = False,
+                  uid: int = -1, gid: int = -1):
+    """A regular file beneath `root` opened with `flags` (plus O_NOFOLLOW), as a file object;
+    PathEscapeError for a symlink or anything that is not a regular file."""
     rel = workspace_relpath(path)
-    dfd, name = _walk_parent(root, rel, create=False, uid=-1, gid=-1)
+    dfd, name = _walk_parent(root, rel, create=create, uid=uid, gid=gid)
     try:
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+            fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode,
                          dir_fd=dfd)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
@@ -59,28 +62,21 @@ def read_beneath(root: Path, path: str, max_bytes: int | None = None) -> bytes:
             raise
     finally:
         os.close(dfd)
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise PathEscapeError(f"path: {path!r} is not a regular file")
+    f = os.fdopen(fd, "rb" if flags == os.O_RDONLY else "wb")
+    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        f.close()
+        raise PathEscapeError(f"path: {path!r} is not a regular file")
+    return f
+
+
+def read_beneath(root: Path, path: str, max_bytes: int | None = None) -> bytes:
+    with _open_beneath(root, path, os.O_RDONLY) as f:
         return f.read() if max_bytes is None else f.read(max_bytes)
 
 
 def write_beneath(root: Path, path: str, data: bytes, mode: int, uid: int, gid: int) -> None:
-    rel = workspace_relpath(path)
-    dfd, name = _walk_parent(root, rel, create=True, uid=uid, gid=gid)
-    try:
-        try:
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-                         | os.O_NONBLOCK, mode, dir_fd=dfd)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise PathEscapeError(f"path: {path!r} is a symlink") from None
-            raise
-    finally:
-        os.close(dfd)
-    with os.fdopen(fd, "wb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise PathEscapeError(f"path: {path!r} is not a regular file")
+    with _open_beneath(root, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode=mode, create=True,
+                       uid=uid, gid=gid) as f:
         os.fchown(f.fileno(), uid, gid)
         os.fchmod(f.fileno(), mode)
         f.write(data)

@@ -71,6 +71,8 @@ async def build(job: RLJob | None, args: argparse.Namespace):
         if stages is not None:
             # Let the step in progress finish; the checkpoint below then holds it.
             await asyncio.to_thread(stages.stop)
+            if stages.tracker is not None:
+                stages.tracker.close()
         path = await servicer.final_checkpoint()
         if path is not None:
             log.info("final checkpoint %s", path)
@@ -84,6 +86,7 @@ async def _stage_runner(job: RLJob, engine, engine_lock: threading.Lock, args: a
 
     from kiln.services.buffer.client import GrpcBufferClient
     from kiln.services.common.server import CHANNEL_OPTIONS
+    from kiln.services.common.tracking import Tracker
     from kiln.services.trainer.publisher import GrpcWeightPublisher
     from kiln.services.trainer.stages import StageRunner
 
@@ -106,7 +109,10 @@ async def _stage_runner(job: RLJob, engine, engine_lock: threading.Lock, args: a
             if exc.retryable:
                 raise
             log.info("weight-sync already holds version %d or newer", engine.policy_version)
-    return StageRunner(job, engine, engine_lock, GrpcBufferClient(buffer_addr), publisher, args.run_dir)
+    tracker = Tracker(args.run_dir / "tensorboard", run_name="trainer", group=job.metadata.name,
+                      spec=job.spec.tracking, config=job.spec.model_dump(mode="json", by_alias=True))
+    return StageRunner(job, engine, engine_lock, GrpcBufferClient(buffer_addr), publisher,
+                       args.run_dir, tracker)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -30,3 +30,29 @@ def observe_step(m: dict[str, float], stage: str, *, rl: bool) -> None:
         common.ICEPOP_MASK_FRACTION.set(m["icepop_mask_frac"])
         common.MISMATCH_ABS.set(m["mismatch_abs"])
         common.MISMATCH_KL.set(m["mismatch_kl"])
+
+
+#: Tracked per step (TensorBoard / W&B tag -> key of the step's metrics).
+TRACKED = {
+    "train/loss": "loss", "train/grad_norm": "grad_norm", "train/lr": "lr",
+    "train/reward": "reward_mean", "train/ratio_mask_frac": "ratio_mask_frac",
+    "train/icepop_mask_frac": "icepop_mask_frac", "train/kept_frac": "kept_frac",
+    "train/mismatch_abs": "mismatch_abs", "train/mismatch_kl": "mismatch_kl",
+    "train/tokens_per_s": "tokens_per_s", "train/step_seconds": "step_time_s",
+    "train/policy_version": "policy_version",
+}
+
+
+def tracked_scalars(m: dict[str, float], *, rl: bool) -> dict[str, float]:
+    """The step's metrics under their tracking tags; the off-policy ones (masks, mismatch,
+    staleness) for RL steps only, where they mean something."""
+    off_policy = ("mask", "mismatch", "kept")
+    out = {tag: m[key] for tag, key in TRACKED.items()
+           if key in m and (rl or not any(w in key for w in off_policy))}
+    counts = {int(k.removeprefix("staleness_")): v for k, v in m.items()
+              if k.startswith("staleness_")}
+    if rl and counts:
+        n = sum(counts.values())
+        out["train/staleness_mean"] = sum(k * v for k, v in counts.items()) / n
+        out["train/staleness_max"] = max(counts)
+    return out

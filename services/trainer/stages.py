@@ -23,9 +23,11 @@ from pathlib import Path
 
 from kiln.api.spec import RLJob, RLStage
 from kiln.services.buffer.client import BufferClient
+from kiln.services.common.tracking import Tracker
 from kiln.services.trainer.config import config_from_job, stage_by_name
 from kiln.services.trainer.engine import TrainerEngine
 from kiln.services.trainer.loop import StageSettings, StepBatch, WeightPublisher, run_stage
+from kiln.services.trainer.metrics import tracked_scalars
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +77,11 @@ class StageStatus:
 
 class StageRunner:
     def __init__(self, job: RLJob, engine: TrainerEngine, engine_lock: threading.Lock,
-                 buffer: BufferClient, publisher: WeightPublisher, run_dir: Path) -> None:
+                 buffer: BufferClient, publisher: WeightPublisher, run_dir: Path,
+                 tracker: Tracker | None = None) -> None:
         self.job, self.engine, self.lock = job, engine, engine_lock
         self.buffer, self.publisher, self.run_dir = buffer, publisher, run_dir
+        self.tracker = tracker
         self.status = StageStatus()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -130,7 +134,7 @@ class StageRunner:
                 publisher = _LockedPublisher(self.publisher, self.buffer, self.lock)
                 locked = _LockedEngine(self.engine, self.lock, lambda: self._set_lr(stage))
                 run_stage(locked, source, publisher, settings, should_stop=self._stop.is_set,
-                          on_step=lambda m: self._on_step())
+                          on_step=lambda m: self._on_step(m, rl))
                 source.ack()
             if not self._stop.is_set():
                 self.status.done = True
@@ -148,8 +152,10 @@ class StageRunner:
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
 
-    def _on_step(self) -> None:
+    def _on_step(self, m: dict[str, float], rl: bool) -> None:
         self.status.step = self.engine.stage_steps.get(self.status.stage, 0)
+        if self.tracker is not None:
+            self.tracker.log(int(m["step"]), tracked_scalars(m, rl=rl))
 
     def stop(self, timeout: float = 60.0) -> None:
         self._stop.set()

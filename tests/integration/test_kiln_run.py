@@ -7,7 +7,9 @@ same port and run directory. Afterwards the run's records must show:
 - loss masks that exclude the prompt and every observation;
 - nothing the buffer acknowledged lost across the kill (its accepted count, recovered from its
   log, never falls behind what rollout saw acknowledged);
-- a summary with held-out success before and after RL.
+- a summary with held-out success before and after RL;
+- TensorBoard event files under the run directory, from the trainer (step metrics) and the
+  driver (rollout, buffer, evaluations), read back with TensorBoard's own reader.
 """
 from __future__ import annotations
 
@@ -124,3 +126,21 @@ def test_kiln_run_end_to_end_with_a_buffer_kill(tmp_path):
                 assert runs[i - 1][0] == 1 and runs[i - 1][1][-1] in stops
         versions = [v for v in t.versions_per_token() if v >= 0]
         assert versions == sorted(versions)
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags: dict[str, list] = {}
+    for events in sorted(run.rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            tags.setdefault(tag, []).extend(acc.Scalars(tag))
+    for tag in ("train/loss", "train/grad_norm", "train/lr", "train/reward",
+                "train/ratio_mask_frac", "train/icepop_mask_frac", "train/mismatch_abs",
+                "train/mismatch_kl", "train/staleness_max", "train/tokens_per_s",
+                "rollout/pass_rate", "rollout/tokens_per_s", "buffer/depth",
+                "eval/chain-heldout/greedy_success", "eval/chain-heldout/sampled_success"):
+        assert tags.get(tag), f"no {tag} in the run's TensorBoard events ({sorted(tags)})"
+    # Every optimizer step of both stages, once (the trainer restarts nothing here).
+    assert sorted(e.step for e in tags["train/loss"]) == list(range(1, 8 + 6 + 1))
+    assert max(e.value for e in tags["train/staleness_max"]) <= TAU

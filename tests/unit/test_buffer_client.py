@@ -213,3 +213,31 @@ def test_make_client(tmp_path: Path) -> None:
     remote = make_client("127.0.0.1:1")
     assert isinstance(remote, GrpcBufferClient)
     remote.close()
+
+
+def test_put_async_retries_a_full_buffer_and_gives_up_when_no_longer_wanted(
+        served: tuple[TrajectoryBuffer, str]) -> None:
+    """The producer's Put: backpressure is waited out while the data is wanted, and abandoned
+    (nothing stored) once the stage it belongs to is over."""
+    buf, target = served
+    client = GrpcBufferClient(target, backoff=Backoff(initial=0.02, maximum=0.05, max_wait=30))
+    client.put(synthetic_group("a", 2) + synthetic_group("b", 2))  # capacity 4: full
+
+    async def scenario():
+        wanted = [True]
+        abandoned = asyncio.ensure_future(client.put_async(
+            synthetic_group("late", 2), 2, still_wanted=lambda: wanted[0]))
+        stored = asyncio.ensure_future(client.put_async(synthetic_group("c", 2), 2))
+        await asyncio.sleep(0.3)
+        assert not abandoned.done() and not stored.done()  # both waiting on the full buffer
+        wanted[0] = False
+        assert await abandoned is None
+        batch = await asyncio.to_thread(buf.try_get_batch, 2, 0)
+        await asyncio.to_thread(buf.ack_batch, batch.batch_id)  # room for one group
+        result = await asyncio.wait_for(stored, 10)
+        await client.aclose()
+        return result
+
+    result = asyncio.run(scenario())
+    assert result.accepted == 2
+    assert not any(i.startswith("late/") for i in buf.index.known)

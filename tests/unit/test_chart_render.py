@@ -140,3 +140,35 @@ def test_pod_monitor_labels_series_with_the_rljob_name() -> None:
     # It selects the labels the operator puts on every job pod.
     assert pm["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/part-of": "kiln",
                                                      "app.kubernetes.io/managed-by": "kiln-operator"}
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ("metrics.port=abc", "metrics.port: Invalid type. Expected: integer, given: string"),
+    ("operator.healthPort=70000", "operator.healthPort: Must be less than or equal to 65535"),
+    ("image.pullPolicy=Sometimes", "image.pullPolicy: image.pullPolicy must be one of the following"),
+    ("prometheusRule.forDuration=ten", "prometheusRule.forDuration: Does not match pattern"),
+    ("operater.verbose=true", "Additional property operater is not allowed"),
+])
+def test_bad_values_fail_lint_and_template_with_the_value_named(setting: str, message: str) -> None:
+    for command in (["lint", "--strict"], ["template", "kiln"]):
+        proc = subprocess.run([str(HELM), *command, str(CHART), "--set", setting],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode != 0, f"helm {command[0]} accepted --set {setting}"
+        assert message in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_values_schema_documents_every_default_value() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+
+    def walk(node: dict, vals: dict, path: str) -> list[str]:
+        missing = []
+        for key, value in vals.items():
+            sub = node.get("properties", {}).get(key)
+            if sub is None or not sub.get("description"):
+                missing.append(f"{path}{key}")
+            elif isinstance(value, dict) and "properties" in sub:
+                missing += walk(sub, value, f"{path}{key}.")
+        return missing
+
+    assert walk(schema, values, "") == []

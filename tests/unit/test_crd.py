@@ -87,3 +87,27 @@ def test_crd_schema_rejects_what_validate_rejects():
     doc["spec"]["sandbox"]["backend"] = "gvisor"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(doc, schema)
+
+
+def _undescribed(node: dict, path: str) -> list[str]:
+    """Fields (properties, and object-valued list items) without a description: what `kubectl
+    explain rljob.spec...` would show with nothing to say."""
+    missing = []
+    if path and not node.get("description"):
+        missing.append(path)
+    for name, child in node.get("properties", {}).items():
+        missing += _undescribed(child, f"{path}.{name}" if path else name)
+    items = node.get("items")
+    if isinstance(items, dict) and items.get("type") == "object":
+        missing += _undescribed(items, path + "[]")
+    return missing
+
+
+def test_every_crd_field_has_a_description():
+    schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert schema["description"]
+    assert _undescribed(schema, "") == []
+    # The check itself sees nested fields: a stage's rl.tau and a task set's generate.seed.
+    spec = schema["properties"]["spec"]["properties"]
+    assert "tau" in spec["stages"]["items"]["properties"]["rl"]["properties"]
+    assert spec["tasks"]["items"]["properties"]["generate"]["properties"]["seed"]["description"]

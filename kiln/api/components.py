@@ -1,0 +1,231 @@
+"""The RLJob's service sections: rollout, trainer, sandbox, weight sync, buffer, checkpoints and
+experiment tracking, with the resources each component's pods ask for.
+
+Part of the RLJob API; `kiln.api.spec` assembles the job from these and is the module to import.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+
+class Model(BaseModel):
+    """Base of every RLJob section: camelCase on the wire, unknown fields refused, every field
+    documented by its docstring (which becomes its description in the CRD)."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_default=True,
+    )
+
+
+Quantity = Annotated[
+    str,
+    Field(pattern=r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$", examples=["500m", "4Gi"]),
+]
+
+
+class Resources(Model):
+    """Requests (and limits) of one component's pod."""
+
+    cpu: Quantity = "1"
+    """CPU cores, as a Kubernetes quantity (e.g. `500m`, `4`)."""
+    memory: Quantity = "4Gi"
+    """Memory, as a Kubernetes quantity (e.g. `512Mi`, `16Gi`)."""
+    gpu: int = Field(0, ge=0)
+    """GPUs (`nvidia.com/gpu`) per pod."""
+
+
+# --------------------------------------------------------------------------------------- rollout
+
+
+class SamplingSpec(Model):
+    """How rollout samples actions."""
+
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature; 0 is greedy. Log-probs are recorded before it is applied."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: sample from the smallest set of tokens whose probability reaches topP."""
+    max_tokens_per_turn: int = Field(256, ge=1)
+    """Tokens one action (a think block plus a tool call or an answer) may take."""
+    max_total_tokens: int = Field(1024, ge=16)
+    """Prompt, actions and observations together; the episode ends when it is reached."""
+
+
+class RolloutSpec(Model):
+    """The rollout service: inference engines running the agent loop."""
+
+    replicas: int = Field(1, ge=0)
+    """Rollout pods (on a cluster); each runs one engine."""
+    engine: Literal["vllm", "megatron"] = "vllm"
+    """`vllm` (production; DSA checkpoints fall back to megatron, which vLLM cannot run on a
+    CPU) or `megatron` (the trainer's own model code: bit-exact with training, slow)."""
+    max_turns: int = Field(8, ge=1)
+    """Actions per episode; an episode without an answer by then gets reward 0."""
+    episode_timeout_seconds: float = Field(300, gt=0)
+    """Wall-clock limit of one episode; its sandbox is reclaimed after it plus grading."""
+    thinking: Literal["interleaved", "preserved", "turn-level", "off"] = "interleaved"
+    """`interleaved`: the model may open a `<think>` block before any action; `preserved`:
+    earlier turns' blocks stay in the context too. An episode is one task and its tool loop,
+    in which every block stays in the context, so the two behave the same. `off`: an empty
+    `<think></think>` is written before each action (context, not trained on). `turn-level`
+    is not implemented by the agent loop and is rejected."""
+    max_concurrent_episodes: int = Field(64, ge=1)
+    """Episodes in flight per rollout replica."""
+    kv_cache_bytes: int = Field(1 << 30, ge=1 << 20)
+    """KV cache reserved by each engine (vLLM otherwise takes most of the host's memory)."""
+    enforce_eager: bool = True
+    """Run vLLM without CUDA graphs / compilation (faster start-up, slower steps)."""
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    """Sampling settings of training episodes (evaluation adds one greedy attempt)."""
+    resources: Resources = Field(default_factory=Resources)
+    """Resources of each rollout pod."""
+
+    @model_validator(mode="after")
+    def _thinking_supported(self) -> RolloutSpec:
+        if self.thinking == "turn-level":
+            raise ValueError(f"thinking: {self.thinking!r} is not implemented by the agent loop; "
+                             "use 'interleaved', 'preserved' or 'off'")
+        return self
+
+
+# --------------------------------------------------------------------------------------- trainer
+
+
+class TrainerSpec(Model):
+    """The trainer service: Megatron-core, the policy loss, the optimizer, checkpoints."""
+
+    tensor_parallel: int = Field(1, ge=1)
+    """Tensor-parallel ranks the model is split over."""
+    pipeline_parallel: int = Field(1, ge=1)
+    """Pipeline-parallel stages (only 1 is supported)."""
+    checkpoint_interval: int = Field(50, ge=1)
+    """Write a checkpoint every this many optimizer steps (and on SIGTERM)."""
+    keep_checkpoints: int = Field(3, ge=1)
+    """Newest checkpoints kept; older ones are deleted."""
+    grad_clip: float = Field(1.0, ge=0)
+    """Global gradient-norm clip; 0 disables."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW's decoupled weight decay."""
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    """AdamW's first-moment decay."""
+    adam_beta2: float = Field(0.95, ge=0, lt=1)
+    """AdamW's second-moment decay. 0.95 rather than PyTorch's 0.999: the second moment then
+    follows the fast-changing gradients of a small model at a high learning rate (SFT of the
+    quickstart model reached a loss several times lower in the same number of steps)."""
+    resources: Resources = Field(default_factory=Resources)
+    """Resources of the trainer pod."""
+
+
+# --------------------------------------------------------------------------------------- sandbox
+
+
+class SandboxSpec(Model):
+    """The sandbox service: where tool calls run, with the limits every sandbox gets."""
+
+    backend: Literal["bubblewrap", "docker"] = "bubblewrap"
+    """`bubblewrap` (namespaces and cgroups; the local default) or `docker` (the Docker Engine
+    API: a dind sidecar on a cluster, podman's socket on one machine)."""
+    image: str | None = None
+    """Container image (docker backend)."""
+    rootfs: str | None = None
+    """Root filesystem directory (bubblewrap backend); the host's read-only /usr when unset."""
+    cpu: float = Field(1.0, gt=0)
+    """CPU cores per sandbox."""
+    memory: Quantity = "512Mi"
+    """Memory limit per sandbox; the process tree is OOM-killed beyond it."""
+    pids: int = Field(256, ge=8)
+    """Processes and threads alive at once per sandbox (holds fork bombs)."""
+    timeout_seconds: float = Field(30, gt=0)
+    """Wall-clock limit of one tool call."""
+    network: bool = False
+    """Give sandboxes the host's network; off, a sandbox has only its own loopback."""
+    max_concurrent: int = Field(32, ge=1)
+    """Sandboxes alive at once per sandbox replica."""
+    warm_pool: int = Field(0, ge=0)
+    """Sandboxes started ahead of demand (cuts start latency of container backends)."""
+    output_limit_bytes: int = Field(65536, ge=1024)
+    """Bytes of stdout and of stderr kept per tool call; the rest is cut behind a marker."""
+    replicas: int = Field(1, ge=0)
+    """Sandbox service pods (on a cluster)."""
+    resources: Resources = Field(default_factory=Resources)
+    """Resources of each sandbox service pod."""
+
+    @model_validator(mode="after")
+    def _docker_image(self) -> SandboxSpec:
+        if self.backend == "docker" and self.rootfs is not None:
+            raise ValueError("rootfs applies to the bubblewrap backend; use image with docker")
+        return self
+
+
+# ------------------------------------------------------------------------ weight sync and buffer
+
+
+class WeightSyncSpec(Model):
+    """The weight-sync service: moves each policy version from the trainer to rollout."""
+
+    bucket_bytes: int = Field(1 << 20, ge=4096)
+    """Tensors are streamed in checksummed buckets of about this size."""
+    timeout_seconds: float = Field(120, gt=0)
+    """A publish not complete after this long is abandoned (the trainer publishes again)."""
+    resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="2Gi"))
+    """Resources of the weight-sync pod."""
+
+
+class StorageSpec(Model):
+    """A PersistentVolumeClaim of the job."""
+
+    size: Quantity = "10Gi"
+    """Requested capacity."""
+    storage_class: str | None = None
+    """StorageClass; the cluster's default when unset."""
+    retain: bool = True
+    """Keep the PVC when the RLJob is deleted."""
+
+
+class BufferSpec(Model):
+    """The buffer service: the durable store of trajectories between rollout and trainer."""
+
+    capacity: int = Field(4096, ge=1)
+    """Trajectories held before producers are told to back off."""
+    storage: StorageSpec = Field(default_factory=StorageSpec)
+    """The buffer's volume (its append-only log)."""
+    resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="2Gi"))
+    """Resources of the buffer pod."""
+
+
+class CheckpointSpec(Model):
+    """Where the trainer's checkpoints live."""
+
+    storage: StorageSpec = Field(default_factory=lambda: StorageSpec(size="50Gi"))
+    """The checkpoints volume."""
+
+
+# -------------------------------------------------------------------------------------- tracking
+
+
+class WandbSpec(Model):
+    """Weights & Biases: each process that tracks (the trainer, the driver) logs a run in the
+    group named after the job. Needs the `wandb` package; online mode needs WANDB_API_KEY."""
+
+    project: str = Field("kiln", min_length=1)
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (user or team); the API key's default when unset."""
+    mode: Literal["online", "offline"] = "online"
+    """`offline` writes runs under the run directory for a later `wandb sync` (no network)."""
+
+
+class TrackingSpec(Model):
+    """Experiment tracking: loss, gradient norm, learning rate, reward, pass rate, mask
+    fractions, train/inference mismatch, staleness, throughput and evaluations."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files into the run directory (`tensorboard --logdir RUN_DIR`)."""
+    wandb: WandbSpec | None = None
+    """Also log to Weights & Biases when set."""

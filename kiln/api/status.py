@@ -1,0 +1,52 @@
+"""The RLJob's status: what `kubectl get rljobs` shows, written by the operator (and by the
+launcher locally). Part of the RLJob API; import it from `kiln.api.spec`."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from kiln.api.components import Model
+
+Phase = Literal["Pending", "Running", "Succeeded", "Failed", "Suspended"]
+
+
+class Condition(Model):
+    """One observation of the job's state, Kubernetes-style."""
+
+    type: str
+    """What the condition is about: `Valid` (the spec was accepted) or `Ready` (the trainer
+    and buffer serve)."""
+    status: Literal["True", "False", "Unknown"]
+    """Whether the condition holds."""
+    reason: str = ""
+    """One CamelCase word saying why."""
+    message: str = ""
+    """Details for a human."""
+    last_transition_time: str | None = None
+    """RFC 3339 time the status last changed."""
+
+
+class RLJobStatus(Model):
+    """What `kubectl get rljobs` shows; written by the operator, by the launcher locally."""
+
+    phase: Phase = "Pending"
+    """Pending, Running, Succeeded, Failed or Suspended."""
+    conditions: list[Condition] = Field(default_factory=list)
+    """The Valid and Ready conditions."""
+    stage: str | None = None
+    """The stage the trainer is running."""
+    policy_version: int = 0
+    """The policy version the trainer holds."""
+    step: int = 0
+    """Optimizer steps taken in the current stage."""
+    reward: float | None = None
+    """Mean reward of the last training batch."""
+    observed_staleness: int | None = None
+    """Largest (trainer version - oldest trajectory version) among trajectories trained on."""
+    last_weight_sync: str | None = None
+    """RFC 3339 time of the last completed weight publish."""
+    message: str = ""
+    """Why the job is in its phase, when that needs saying."""
+    observed_generation: int | None = None
+    """The metadata.generation of the spec the status describes."""
