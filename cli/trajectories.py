@@ -60,7 +60,7 @@ def main(args: argparse.Namespace) -> int:
     if args.limit:
         rows = rows[: args.limit]
     for t in rows:
-        spans = ", ".join(f"[{s['start']},{s['end']})@v{s['version']}" for s in t["version_spans"])
+        spans = ", ".join(f"[{s['start']},{s['end']})@v{s['policy_version']}" for s in t["version_spans"])
         parts = ", ".join(f"{k}={v:g}" for k, v in t["reward_parts"].items())
         print(f"=== {t['id'][:12]}  stage {t['stage']}  task {t['task_id']}  group {t['group_id'][:8]}")
         print(f"    reward {t['reward']:g} ({parts})  verifier: {t['verifier_output']}  flags: {t['flags']}")

@@ -51,3 +51,38 @@ def test_top_level_help_lists_every_command() -> None:
     bad = subprocess.run([sys.executable, "-m", "kiln.cli", "nope"], capture_output=True,
                          text=True, timeout=30)
     assert bad.returncode == 2 and "invalid choice: 'nope'" in bad.stderr
+
+
+def test_trajectories_prints_turns_spans_and_reward(tmp_path, capsys) -> None:
+    import dataclasses
+    import json
+
+    from kiln.cli.main import main
+    from kiln.models.tiny import train_tokenizer
+    from kiln.trajectory import Trajectory, VersionSpan
+
+    tok = train_tokenizer([f"<task>{i}</task><call>step {i}</call><obs>{i}</obs>" for i in range(50)],
+                          tmp_path / "model", vocab_size=300,
+                          special_tokens=["<task>", "</task>", "<call>", "</call>", "<obs>", "</obs>"])
+    from transformers import AutoTokenizer
+
+    t = AutoTokenizer.from_pretrained(str(tok))
+    prompt, action, obs = (t.encode(x, add_special_tokens=False)
+                           for x in ("<task>7</task>", "<call>step 7</call>", "<obs>54</obs>"))
+    traj = Trajectory(id="abc123", task_id="chain-7", group_id="g1", tokens=prompt + action + obs,
+                      loss_mask=[0] * len(prompt) + [1] * len(action) + [0] * len(obs),
+                      logp_infer=[0.0] * (len(prompt) + len(action) + len(obs)),
+                      version_spans=[VersionSpan(len(prompt), len(prompt) + len(action), 3)],
+                      prompt_len=len(prompt), reward=1.0, reward_parts={"correct": 1.0},
+                      verifier_output="correct")
+    run = tmp_path / "run"
+    (run / "rollout").mkdir(parents=True)
+    (run / "job.yaml").write_text(f"spec:\n  model:\n    path: {tok}\n")
+    (run / "rollout" / "trajectories.jsonl").write_text(
+        json.dumps({"stage": "rl", **dataclasses.asdict(traj)}) + "\n")
+    assert main(["trajectories", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "stage rl  task chain-7" in out and "reward 1 (correct=1)" in out
+    assert f"versions [{len(prompt)},{len(prompt) + len(action)})@v3" in out
+    assert "prompt: <task>7</task>" in out and "action: <call>step 7</call>" in out
+    assert "observation: <obs>54</obs>" in out

@@ -171,3 +171,18 @@ def test_core_bootstrap_and_operator_import_no_heavy_package_at_runtime():
     res = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == ""
+
+
+def test_license_file_matches_pyproject():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["license"] == {"text": "Apache-2.0"}
+    text = (REPO / "LICENSE").read_text()
+    assert text.startswith("Apache License\nVersion 2.0, January 2004")
+    assert "END OF TERMS AND CONDITIONS" in text
+
+
+def test_no_source_file_is_over_400_lines():
+    long = [f"{path.relative_to(REPO)}: {n}" for _, path in _modules()
+            if not path.name.endswith(("_pb2.py", "_pb2_grpc.py"))
+            and (n := len(path.read_text().splitlines())) > 400]
+    assert long == []
