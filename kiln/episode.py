@@ -1,15 +1,26 @@
-"""The environment's side of an episode, as rollout and sandbox both see it, torch-free.
+"""An episode as rollout and the sandbox service both see it, torch-free.
 
 An episode is one task played through an environment's tools: rollout opens it (`EpisodeInfo`:
-the prompt and the strings an action stops at), sends each action the model generated and gets
-a `StepResult` back (the observation to append, or the end of the episode with its reward), and
-for SFT asks for a `Demonstration` (the environment's scripted solver's episode). The wire form
-is `kiln.v1.Environment` (protos/kiln/v1/env.proto); the sandbox service serves it and
-`kiln.services.sandbox.client` is its client.
+the messages the model starts from and the tools on offer), sends what each reply asked for
+(`Action`: tool calls, or a final answer) and gets a `StepResult` back (the tools' outputs, or
+the end of the episode with its reward); for SFT it asks for a `Demonstration` (the
+environment's scripted solution, its tool calls run for real). The wire form is
+`kiln.v1.Environment` (protos/kiln/v1/env.proto); the sandbox service serves it and
+`kiln.services.sandbox.client` is its client. How these become tokens is rollout's business
+(`kiln.services.rollout.formats`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from kiln.env import ToolCall, ToolSpec
+
+
+@dataclass
+class Message:
+    role: str
+    """`system` or `user` (the episode's opening), `assistant`, `tool`."""
+    content: str
 
 
 @dataclass
@@ -17,18 +28,36 @@ class EpisodeInfo:
     episode_id: str
     task_id: str
     env: str
-    prompt: str
-    """Text the model starts from."""
-    stop: list[str]
-    """An action ends at the first of these strings (each one token of the model's tokenizer)."""
+    messages: list[Message]
+    """What the model starts from: an optional system message, then the task."""
+    tools: list[ToolSpec]
+
+
+@dataclass
+class Action:
+    """What one model reply asked for."""
+
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    content: str = ""
+    """The reply's text; the final answer when there are no tool calls."""
+    unparseable: bool = False
+    """The reply could not be read as tool calls or an answer; `problem` says why."""
+    problem: str = ""
+
+
+@dataclass
+class ToolOutput:
+    tool_call_id: str
+    name: str
+    content: str
 
 
 @dataclass
 class StepResult:
-    """What one action led to: an observation, or the end of the episode and its reward."""
+    """What one action led to: the tools' outputs, or the end of the episode and its reward."""
 
-    observation: str = ""
-    """Text to append after the action (never trained on); empty when `done`."""
+    outputs: list[ToolOutput] = field(default_factory=list)
+    """One per tool call, to show the model (never trained on); empty when `done`."""
     done: bool = False
     reward: float = 0.0
     """Set when `done`."""
@@ -40,12 +69,23 @@ class StepResult:
 
 
 @dataclass
+class Turn:
+    """One assistant turn (of a demonstration, or of an episode's transcript) and what its tool
+    calls returned."""
+
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    """None: `content` is the final answer."""
+    outputs: list[ToolOutput] = field(default_factory=list)
+
+
+@dataclass
 class Demonstration:
-    """An expert episode, as text segments; actions are trained on, the rest is not."""
+    """An expert episode: the assistant turns are trained on, the rest is not."""
 
     task_id: str
-    segments: list[tuple[str, bool]]
-    """(text, trained) in order: the prompt first (never trained), then actions (trained) and
-    observations (not)."""
+    messages: list[Message]
+    tools: list[ToolSpec]
+    turns: list[Turn]
     reward: float
     verifier_output: str

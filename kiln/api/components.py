@@ -75,6 +75,13 @@ class RolloutSpec(Model):
     in which every block stays in the context, so the two behave the same. `off`: an empty
     `<think></think>` is written before each action (context, not trained on). `turn-level`
     is not implemented by the agent loop and is rejected."""
+    tool_call_format: Literal["auto", "tags", "hermes", "llama3"] = "auto"
+    """How the model's prompts, replies and tool calls are written. `hermes` (Qwen, Hermes:
+    `<tool_call>{json}</tool_call>`) and `llama3` (a JSON object per call) render the
+    conversation with the tokenizer's chat template (`tools=`); `tags` is Kiln's plain text
+    protocol without a chat template (`<call>NAME ARG</call>`, `<obs>`, `<answer>`), which the
+    quickstart's tiny models use. `auto`: the chat template when it renders tools (llama3 for
+    Llama models, hermes otherwise), else `tags`."""
     max_concurrent_episodes: int = Field(64, ge=1)
     """Episodes in flight per rollout replica."""
     kv_cache_bytes: int = Field(1 << 30, ge=1 << 20)

@@ -66,8 +66,13 @@ def _structural(node: Any) -> Any:
         options = node.pop(key)
         non_null = [o for o in options if o.get("type") != "null"]
         nullable = len(non_null) != len(options)
+        types = {o.get("type") for o in non_null}
         if len(non_null) == 1:
             merged = dict(non_null[0])
+        elif len(types) > 1:
+            # A value of several JSON types (a built-in name or a {plugin: ...} object): a
+            # structural schema cannot say so; the API's own validation does.
+            merged = {"x-kubernetes-preserve-unknown-fields": True}
         else:
             merged = _merge_variants(non_null)
         merged.update(node)

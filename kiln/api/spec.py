@@ -21,7 +21,8 @@ from kiln.api.status import Condition, Phase, RLJobStatus
 
 __all__ = [
     "API_GROUP", "API_VERSION", "KIND", "PLURAL", "BufferSpec", "CheckpointSpec", "Condition",
-    "EvalSpec", "ModelInit", "ModelSpec", "Phase", "Quantity", "RLJob", "RLJobSpec", "RLJobStatus",
+    "EvalSpec", "GENERATED_ENVS", "ModelInit", "ModelSpec", "Phase", "PluginRef", "Quantity", "RLJob",
+    "RLJobSpec", "RLJobStatus",
     "RLSettings", "RLStage", "Resources", "RolloutSpec", "SFTStage", "SamplingSpec", "SandboxSpec",
     "Stage", "StorageSpec", "TaskGenerator", "TaskSetSpec", "TrackingSpec", "TrainerSpec",
     "WandbSpec", "WeightSyncSpec",
@@ -118,26 +119,51 @@ class TaskGenerator(_Model):
     every task takes numSteps calls."""
 
 
+BuiltinEnv = Literal["chain", "lookup", "terminal", "swe", "search", "code"]
+#: Built-in environments whose tasks can be generated (`generate`) rather than read from a file.
+GENERATED_ENVS = ("chain", "lookup")
+
+
+class PluginRef(_Model):
+    """A user's plugin: `module.path:Name` importable where the sandbox service runs (for a
+    local run, with its folder on PYTHONPATH), or the name of an entry point of the group
+    `kiln.environments` (environments) or `kiln.rewards` (rewards)."""
+
+    plugin: str = Field(min_length=1, pattern=r"^[A-Za-z_][\w.-]*(:[A-Za-z_]\w*)?$")
+    """The reference, e.g. `my_pkg.my_env:MyEnv`."""
+
+
 class TaskSetSpec(_Model):
     """A named set of tasks of one environment."""
 
     name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
     """Name stages refer to (lowercase letters, digits, dashes)."""
-    env: Literal["chain", "terminal", "swe", "search", "code"]
-    """Environment type; fixes the tools offered and the verifier. `chain` is the built-in
-    multi-step calculator task used by the quickstart."""
+    env: BuiltinEnv | PluginRef
+    """The environment: a built-in one by name (`chain`, the quickstart's multi-step calculator;
+    `lookup`, the terminal quickstart's; `terminal`, `swe`, `search`, `code`), or a user's
+    `{plugin: "module:Class"}`. It fixes the prompt, the tools offered and the grade."""
     path: str | None = None
     """JSONL file of task records (format per environment, see the README)."""
     generate: TaskGenerator | None = None
-    """Generate tasks instead of reading `path` (only `chain`)."""
+    """Generate tasks instead of reading `path` (built-in `chain` and `lookup` only)."""
+    reward: PluginRef | None = None
+    """A custom reward, `{plugin: "module:function"}`: called with (task, grade, transcript)
+    after the environment's own grade, it returns the reward (a number, or a `kiln.env.Grade`
+    whose parts are kept beside the environment's)."""
 
     @model_validator(mode="after")
     def _source(self) -> TaskSetSpec:
         if (self.path is None) == (self.generate is None):
             raise ValueError("exactly one of path or generate must be set")
-        if self.generate is not None and self.env != "chain":
-            raise ValueError(f"generate is only available for env 'chain', not {self.env!r}")
+        if self.generate is not None and self.env not in GENERATED_ENVS:
+            raise ValueError(f"generate is only available for env {' or '.join(GENERATED_ENVS)}, "
+                             f"not {self.env_name!r}")
         return self
+
+    @property
+    def env_name(self) -> str:
+        """The built-in name, or the plugin reference."""
+        return self.env if isinstance(self.env, str) else self.env.plugin
 
 
 # --------------------------------------------------------------------------------------- stages

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import socket
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from kiln.api.spec import RLJob
@@ -42,6 +44,7 @@ async def build(job: RLJob | None, args: argparse.Namespace):
     from kiln.services.buffer.client import GrpcBufferClient
     from kiln.services.rollout.agent import Limits
     from kiln.services.rollout.engine import EngineSettings, SamplingOptions, engine_kind, start_engine
+    from kiln.services.rollout.formats import choose_format, make_format
     from kiln.services.rollout.producer import Producer
     from kiln.services.rollout.servicer import RolloutServicer
     from kiln.services.sandbox.client import GrpcEnvClient
@@ -52,6 +55,9 @@ async def build(job: RLJob | None, args: argparse.Namespace):
     spec = job.spec
     sandbox, buffer_addr, sync_addr = _addr("SANDBOX"), _addr("BUFFER"), _addr("WEIGHT_SYNC")
     tokenizer = AutoTokenizer.from_pretrained(spec.model.tokenizer or spec.model.path)
+    model_type = json.loads((Path(spec.model.path) / "config.json").read_text()).get("model_type", "")
+    fmt = make_format(choose_format(spec.rollout.tool_call_format, tokenizer, model_type),
+                      tokenizer, thinking=spec.rollout.thinking)
     # vLLM has no CPU path for DSA checkpoints; the trainer's own model code generates instead.
     engine = await start_engine(engine_kind(spec.rollout.engine, spec.model.path),
                                 EngineSettings.from_job(job))
@@ -61,7 +67,7 @@ async def build(job: RLJob | None, args: argparse.Namespace):
     s = spec.rollout.sampling
     buffer = GrpcBufferClient(buffer_addr)
     producer = Producer(
-        engine, env, tokenizer, buffer,
+        engine, env, fmt, buffer,
         sampling=SamplingOptions(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens_per_turn,
                                  seed=None),
         limits=Limits(spec.rollout.max_turns, s.max_tokens_per_turn, s.max_total_tokens,

@@ -29,8 +29,9 @@ from pathlib import Path
 from kiln.episode import Demonstration
 from kiln.services.buffer.client import BufferClient
 from kiln.services.common import metrics
-from kiln.services.rollout.agent import Limits, Tokenizer, demonstration_trajectory, run_episode
+from kiln.services.rollout.agent import Limits, demonstration_trajectory, run_episode
 from kiln.services.rollout.engine import Engine, SamplingOptions
+from kiln.services.rollout.formats import Format
 from kiln.services.rollout.wire import ModeRequest, RolloutMode
 from kiln.services.sandbox.client import EnvClient
 from kiln.trajectory import Trajectory
@@ -61,10 +62,10 @@ class Mode:
 
 
 class Producer:
-    def __init__(self, engine: Engine, env: EnvClient, tokenizer: Tokenizer, buffer: BufferClient,
+    def __init__(self, engine: Engine, env: EnvClient, fmt: Format, buffer: BufferClient,
                  *, sampling: SamplingOptions, limits: Limits, max_concurrent: int,
                  samples_path: Path | None = None, sample_every: int = 10) -> None:
-        self.engine, self.env, self.tokenizer, self.buffer = engine, env, tokenizer, buffer
+        self.engine, self.env, self.fmt, self.buffer = engine, env, fmt, buffer
         self.sampling, self.limits = sampling, limits
         self.max_concurrent = max_concurrent
         self.mode = Mode()
@@ -167,11 +168,11 @@ class Producer:
                 # a finite pool it revisits, which a tiny model learns from far faster than
                 # from a stream of ever-new demonstrations.
                 demo = await self._demonstration(task_set, index)
-                trajs = [demonstration_trajectory(demo, self.tokenizer, version=self.engine.policy_version,
+                trajs = [demonstration_trajectory(demo, self.fmt, version=self.engine.policy_version,
                                                   group_id=gid)]
             else:
                 results = await asyncio.gather(*[
-                    run_episode(self.engine, self.env, self.tokenizer, task_set=task_set, index=index,
+                    run_episode(self.engine, self.env, self.fmt, task_set=task_set, index=index,
                                 sampling=self.sampling, limits=self.limits, group_id=gid)
                     for _ in range(group)], return_exceptions=True)
                 trajs = [r for r in results if isinstance(r, Trajectory)]
@@ -232,7 +233,7 @@ class Producer:
         async def one(index: int, temperature: float) -> float:
             async with sem:
                 t = await run_episode(
-                    self.engine, self.env, self.tokenizer, task_set=task_set, index=index,
+                    self.engine, self.env, self.fmt, task_set=task_set, index=index,
                     sampling=dataclasses.replace(self.sampling, temperature=temperature, seed=None),
                     limits=self.limits)
                 return t.reward

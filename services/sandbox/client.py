@@ -1,7 +1,7 @@
 """The sandbox service's client for episodes: how rollout plays an environment.
 
-`EnvClient` is the protocol the agent loop uses (it speaks text: open an episode, send an
-action, get the observation or the reward). `GrpcEnvClient` is the rollout service's, over
+`EnvClient` is the protocol the agent loop uses: open an episode (its messages and tools), send
+what each model reply asked for (`Action`), get the tools' outputs or the end of the episode. `GrpcEnvClient` is the rollout service's, over
 `kiln.v1.Environment`; `LocalEnvClient` calls an in-process `EpisodeManager` the same way, so an
 agent loop runs in one process in tests.
 """
@@ -11,15 +11,15 @@ from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
-from kiln.episode import Demonstration, EpisodeInfo, StepResult
+from kiln.episode import Action, Demonstration, EpisodeInfo, StepResult
 from kiln.protos.kiln.v1 import env_pb2, env_pb2_grpc
 from kiln.services.sandbox import wire
 
 if TYPE_CHECKING:
     from kiln.services.sandbox.episodes import EpisodeManager
 
-__all__ = ["Demonstration", "EnvClient", "EpisodeInfo", "GrpcEnvClient", "LocalEnvClient",
-           "StepResult"]
+__all__ = ["Action", "Demonstration", "EnvClient", "EpisodeInfo", "GrpcEnvClient",
+           "LocalEnvClient", "StepResult"]
 
 
 class EnvClient(Protocol):
@@ -28,7 +28,7 @@ class EnvClient(Protocol):
         ...
 
     async def open(self, task_set: str, index: int, max_actions: int) -> EpisodeInfo: ...
-    async def step(self, episode_id: str, action: str) -> StepResult: ...
+    async def step(self, episode_id: str, action: Action) -> StepResult: ...
     async def close(self, episode_id: str) -> None: ...
     async def demonstrate(self, task_set: str, index: int, seed: int) -> Demonstration: ...
 
@@ -50,9 +50,8 @@ class GrpcEnvClient:
             timeout=self.timeout)
         return wire.episode_from_proto(ep)
 
-    async def step(self, episode_id: str, action: str) -> StepResult:
-        r = await self.stub.Step(env_pb2.StepRequest(episode_id=episode_id, action=action),
-                                 timeout=self.timeout)
+    async def step(self, episode_id: str, action: Action) -> StepResult:
+        r = await self.stub.Step(wire.action_to_proto(episode_id, action), timeout=self.timeout)
         return wire.step_from_proto(r)
 
     async def close(self, episode_id: str) -> None:
@@ -79,11 +78,11 @@ class LocalEnvClient:
     async def open(self, task_set: str, index: int, max_actions: int) -> EpisodeInfo:
         return self.manager.open(task_set, index, owner=self.owner, max_actions=max_actions)
 
-    async def step(self, episode_id: str, action: str) -> StepResult:
+    async def step(self, episode_id: str, action: Action) -> StepResult:
         return await self.manager.step(episode_id, action)
 
     async def close(self, episode_id: str) -> None:
         await self.manager.close(episode_id)
 
     async def demonstrate(self, task_set: str, index: int, seed: int) -> Demonstration:
-        return self.manager.demonstrate(task_set, index, seed)
+        return await self.manager.demonstrate(task_set, index, seed)

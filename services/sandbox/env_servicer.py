@@ -27,7 +27,11 @@ class EnvironmentServicer(env_pb2_grpc.EnvironmentServicer):
 
     async def Step(self, request, context):
         try:
-            out = await self.manager.step(request.episode_id, request.action)
+            action = wire.action_from_proto(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            out = await self.manager.step(request.episode_id, action)
         except EpisodeError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return wire.step_to_proto(out)
@@ -38,7 +42,7 @@ class EnvironmentServicer(env_pb2_grpc.EnvironmentServicer):
 
     async def Demonstrate(self, request, context):
         try:
-            demo = self.manager.demonstrate(request.task_set, request.index, request.seed)
+            demo = await self.manager.demonstrate(request.task_set, request.index, request.seed)
         except EpisodeError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return wire.demonstration_to_proto(demo)

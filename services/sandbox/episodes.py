@@ -1,43 +1,43 @@
-"""Episodes: the environment side of the agent loop, as the rollout service sees it.
+"""Episodes: every environment of the job, played by rollout one action at a time.
 
-An episode is a task plus the sandbox its tool calls run in. The rollout service sends each
-action text the model produced; `EpisodeManager.step` parses it with the environment's protocol,
-runs the tool call in the episode's sandbox (created on the first call, destroyed when the
-episode closes) and returns the observation text, or ends the episode with the verifier's reward.
-Task sets come from the job (`spec.tasks`): generated (`generate`) or read from JSONL (`path`).
+An episode is a task, its environment and the sandbox its tool calls run in. `open` gives the
+task's messages and tools; `step` takes what a model reply asked for (tool calls, a final
+answer, or a reply that could not be read), runs the calls with the environment in the
+episode's sandbox and returns their outputs, or ends the episode with the environment's grade
+(and the task set's custom reward, when it has one). The sandbox is created, and the task set up
+in it, the first time the episode needs it: an episode that never calls a tool (or whose grade
+reads no state) costs no sandbox. `demonstrate` plays the environment's scripted solution for
+SFT, with its tool calls run for real unless the solver knows their outputs.
 
-Episodes are served for the `chain` environment; the terminal, swe, search and code environments
-have verifiers (`environments/`) and are used through `kiln sandbox verify`, but their
-multi-turn tool protocols are not served as episodes yet (OpenEpisode says so).
+Task sets come from the job (`spec.tasks`): generated (`generate`, built-in `chain` and `lookup`)
+or read from a JSONL file (`path`; relative paths inside resolve against its folder); the
+environment is built in or a user's plugin (`env: {plugin: "module:Class"}`).
 
-Not covered: gRPC (`env_servicer.py`), tokens and log-probs (the rollout service).
+Not covered: gRPC (`env_servicer.py`), tokens and log-probs (rollout).
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 from kiln.api.spec import RLJob, TaskSetSpec
-from kiln.episode import Demonstration, EpisodeInfo, StepResult
+from kiln.env import Environment, Grade, PluginError, Task, ToolResult, load_plugin
+from kiln.episode import Action, Demonstration, Turn, EpisodeInfo, Message, StepResult, ToolOutput
 from kiln.services.common import metrics
 
 from .config import BubblewrapConfig, DockerConfig, config_from_spec
-from .environments import chain
+from .environments.tasks import builtin_environment
 from .factory import make_sandbox, reap_orphans
 from .interface import Sandbox
 
 log = logging.getLogger(__name__)
-
-
-# The expert's blind spot fires on 3 of 4 trailing-zero copies: imitation still learns the
-# mistake (greedy decoding makes it), but sampling sometimes copies right, which is what RL
-# needs to discover the fix. At 1.0 the SFT model never samples a correct copy.
-DEMONSTRATION_MISTAKE_RATE = 0.75
 
 
 class EpisodeError(ValueError):
@@ -45,33 +45,86 @@ class EpisodeError(ValueError):
 
 
 @dataclass
+class TaskSet:
+    name: str
+    env_name: str
+    environment: Environment
+    tasks: list[Task]
+    reward_fn: Callable[..., Any] | None = None
+
+
+@dataclass
 class _Episode:
     id: str
-    task: chain.ChainTask
+    task_set: TaskSet
+    task: Task
     max_actions: int
     owner: str
     sandbox: Sandbox | None = None
     actions: int = 0
     done: bool = False
+    turns: list[Turn] = field(default_factory=list)
     last_used: float = field(default_factory=time.monotonic)
 
 
-def load_task_set(spec: TaskSetSpec, base_dir: Path) -> list[chain.ChainTask]:
-    if spec.env != "chain":
-        raise EpisodeError(
-            f"spec.tasks[{spec.name}]: env {spec.env!r} is verified by `kiln sandbox verify` but "
-            "not yet served as episodes; only 'chain' is")
+def load_task_set(spec: TaskSetSpec, base_dir: Path) -> TaskSet:
+    """The task set a job's `spec.tasks` entry names, its environment made. EpisodeError
+    (naming the entry) for anything that cannot load."""
+    where = f"spec.tasks[{spec.name}]"
+    try:
+        if isinstance(spec.env, str):
+            env_cls = builtin_environment(spec.env)
+        else:
+            env_cls = load_plugin(spec.env.plugin, "environment")
+        reward_fn = load_plugin(spec.reward.plugin, "reward") if spec.reward else None
+    except PluginError as exc:
+        raise EpisodeError(f"{where}: {exc}") from None
     if spec.generate is not None:
-        gen = spec.generate
+        env = env_cls(base_dir)
         try:
-            sampler = None if gen.length_tail is None else chain.ZipfRepeats(gen.num_steps, gen.length_tail)
-            return chain.generate_tasks(gen.count, gen.seed, split=gen.split, num_steps=gen.num_steps,
-                                        sample_repeats=sampler)
+            tasks = env.generate_tasks(spec.generate)
         except ValueError as exc:
             # A setting the environment cannot hold; retrying will not help.
-            raise EpisodeError(f"spec.tasks[{spec.name}].generate: {exc}") from exc
-    path = Path(spec.path)
-    return chain.read_tasks(path if path.is_absolute() else base_dir / path)
+            raise EpisodeError(f"{where}.generate: {exc}") from exc
+    else:
+        path = Path(spec.path)
+        path = path if path.is_absolute() else base_dir / path
+        env = env_cls(path.parent)
+        try:
+            records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            tasks = env.load_tasks(records)
+        except (OSError, ValueError) as exc:
+            raise EpisodeError(f"{where}.path: {path}: {exc}") from None
+    if not tasks:
+        raise EpisodeError(f"{where}: no tasks")
+    return TaskSet(spec.name, spec.env_name, env, tasks, reward_fn)
+
+
+class _LazySandbox:
+    """The episode's sandbox, created and set up for the task on first use."""
+
+    def __init__(self, manager: "EpisodeManager", ep: _Episode) -> None:
+        self.manager, self.ep = manager, ep
+
+    async def _get(self) -> Sandbox:
+        if self.ep.sandbox is None:
+            await self.manager._start_sandbox(self.ep)
+        return self.ep.sandbox
+
+    async def exec(self, cmd, **kwargs):
+        sandbox = await self._get()
+        async with self.manager._slots:
+            result = await sandbox.exec(cmd, **kwargs)
+        if result.timed_out or result.oom_killed:
+            metrics.SANDBOX_FAILURES.labels(self.manager.config.type,
+                                            "timeout" if result.timed_out else "oom").inc()
+        return result
+
+    async def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
+        return await (await self._get()).read_file(path, max_bytes)
+
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        await (await self._get()).write_file(path, data, mode)
 
 
 class EpisodeManager:
@@ -83,35 +136,44 @@ class EpisodeManager:
         reaped = reap_orphans(self.config)
         if reaped:
             log.info("reaped %d sandboxes left by a previous run", len(reaped))
-        self.task_sets: dict[str, tuple[str, list[chain.ChainTask]]] = {}
-        for ts in job.spec.tasks:
-            if ts.env == "chain":
-                self.task_sets[ts.name] = (ts.env, load_task_set(ts, base_dir))
+        self.task_sets: dict[str, TaskSet] = {
+            ts.name: load_task_set(ts, base_dir) for ts in job.spec.tasks}
         self.default_max_actions = job.spec.rollout.max_turns
         # An episode outlives its deadline plus grading; after that its sandbox is reclaimed.
         self.idle_ttl = idle_ttl or job.spec.rollout.episode_timeout_seconds + 60
         self._episodes: dict[str, _Episode] = {}
         self._slots = asyncio.Semaphore(job.spec.sandbox.max_concurrent)
 
-    def task(self, task_set: str, index: int) -> chain.ChainTask:
-        if task_set not in self.task_sets:
-            raise EpisodeError(f"task set {task_set!r} is not served (known: {sorted(self.task_sets)})")
-        tasks = self.task_sets[task_set][1]
-        if not 0 <= index < len(tasks):
-            raise EpisodeError(f"task set {task_set!r} has {len(tasks)} tasks; index {index} is out of range")
-        return tasks[index]
-
     def task_set_sizes(self) -> dict[str, tuple[str, int]]:
-        """Task set name -> (environment type, number of tasks)."""
-        return {name: (env, len(tasks)) for name, (env, tasks) in self.task_sets.items()}
+        """Task set name -> (environment, number of tasks)."""
+        return {name: (ts.env_name, len(ts.tasks)) for name, ts in self.task_sets.items()}
+
+    def task(self, task_set: str, index: int) -> Task:
+        return self._lookup(task_set, index)[1]
+
+    def _lookup(self, task_set: str, index: int) -> tuple[TaskSet, Task]:
+        ts = self.task_sets.get(task_set)
+        if ts is None:
+            raise EpisodeError(f"task set {task_set!r} is not served (known: {sorted(self.task_sets)})")
+        if not 0 <= index < len(ts.tasks):
+            raise EpisodeError(f"task set {task_set!r} has {len(ts.tasks)} tasks; index {index} is out of range")
+        return ts, ts.tasks[index]
+
+    def _opening(self, ts: TaskSet, task: Task) -> tuple[list[Message], list]:
+        env = ts.environment
+        system = env.system_prompt(task)
+        messages = ([Message("system", system)] if system else []) + [
+            Message("user", env.user_prompt(task))]
+        return messages, env.tools(task)
 
     def open(self, task_set: str, index: int, *, owner: str = "", max_actions: int = 0) -> EpisodeInfo:
-        task = self.task(task_set, index)
+        ts, task = self._lookup(task_set, index)
         eid = uuid.uuid4().hex
-        self._episodes[eid] = _Episode(eid, task, max_actions or self.default_max_actions, owner)
-        return EpisodeInfo(eid, task.id, "chain", task.prompt, list(chain.STOP_TAGS))
+        self._episodes[eid] = _Episode(eid, ts, task, max_actions or self.default_max_actions, owner)
+        messages, tools = self._opening(ts, task)
+        return EpisodeInfo(eid, task.id, ts.env_name, messages, tools)
 
-    async def step(self, episode_id: str, action: str) -> StepResult:
+    async def step(self, episode_id: str, action: Action) -> StepResult:
         ep = self._episodes.get(episode_id)
         if ep is None:
             raise EpisodeError(f"episode {episode_id!r} does not exist (closed or expired)")
@@ -119,40 +181,64 @@ class EpisodeManager:
             raise EpisodeError(f"episode {episode_id!r} has already ended")
         ep.last_used = time.monotonic()
         ep.actions += 1
-        parsed = chain.parse_action(action)
-        if isinstance(parsed, chain.Answer):
-            return self._finish(ep, parsed.value, [])
-        if isinstance(parsed, chain.Invalid):
-            out = self._finish(ep, None, ["invalid_action"])
-            out.verifier_output = parsed.reason
-            return out
+        env, sandbox = ep.task_set.environment, _LazySandbox(self, ep)
+        turn = Turn(action.content, list(action.tool_calls))
+        ep.turns.append(turn)
+        if action.unparseable:
+            if getattr(env, "end_on_invalid_action", False):
+                return await self._finish(ep, None, ["invalid_action"], note=action.problem)
+            turn.outputs = [ToolOutput("", "", f"error: {action.problem}")]
+        elif not action.tool_calls:
+            return await self._finish(ep, action.content, [])
+        for call in action.tool_calls:
+            try:
+                result = await env.call_tool(sandbox, ep.task, call)
+            except Exception as exc:  # a plugin's bug must not take the service down
+                log.exception("tool %s of %s failed", call.name, ep.task_set.env_name)
+                result = ToolResult(f"error: the tool failed: {type(exc).__name__}: {exc}")
+            turn.outputs.append(ToolOutput(call.id, call.name, result.output))
+            if result.done:
+                return await self._finish(ep, result.answer, [])
         if ep.actions >= ep.max_actions:
-            return self._finish(ep, None, ["max_actions"])
-        observation = await self._run_tool(ep, chain.tool_call(ep.task, parsed))
-        return StepResult(observation=observation)
+            return await self._finish(ep, None, ["max_actions"])
+        return StepResult(outputs=list(turn.outputs))
 
-    async def _run_tool(self, ep: _Episode, call: chain.Call) -> str:
+    async def _start_sandbox(self, ep: _Episode) -> None:
         async with self._slots:
-            if ep.sandbox is None:
-                start = time.perf_counter()
-                ep.sandbox = make_sandbox(self.config)
-                try:
-                    await ep.sandbox.start()
-                except Exception:
-                    metrics.SANDBOX_FAILURES.labels(self.config.type, "start").inc()
-                    ep.sandbox = None
-                    raise
-                metrics.SANDBOX_START_SECONDS.labels(self.config.type).observe(time.perf_counter() - start)
-                metrics.SANDBOX_ACTIVE.labels(self.config.type).inc()
-            result = await ep.sandbox.exec(chain.tool_command(call))
-        if result.timed_out or result.oom_killed:
-            metrics.SANDBOX_FAILURES.labels(self.config.type, "timeout" if result.timed_out else "oom").inc()
-        return chain.format_observation(result.stdout, result.exit_code)
+            start = time.perf_counter()
+            sandbox = make_sandbox(self.config)
+            try:
+                await sandbox.start()
+            except Exception:
+                metrics.SANDBOX_FAILURES.labels(self.config.type, "start").inc()
+                await sandbox.destroy()
+                raise
+            metrics.SANDBOX_START_SECONDS.labels(self.config.type).observe(time.perf_counter() - start)
+            metrics.SANDBOX_ACTIVE.labels(self.config.type).inc()
+        ep.sandbox = sandbox
+        await ep.task_set.environment.setup(sandbox, ep.task)
 
-    def _finish(self, ep: _Episode, answer: str | None, flags: list[str]) -> StepResult:
+    async def _finish(self, ep: _Episode, answer: str | None, flags: list[str],
+                      note: str = "") -> StepResult:
         ep.done = True
-        reward, parts, output = chain.verify(ep.task, answer)
-        return StepResult(done=True, reward=reward, reward_parts=parts, verifier_output=output, flags=flags)
+        grade = await self._grade(ep.task_set, ep.task, _LazySandbox(self, ep), answer, ep.turns)
+        output = f"{note}; {grade.output}" if note else grade.output
+        return StepResult(done=True, reward=grade.reward, reward_parts=grade.parts,
+                          verifier_output=output, flags=flags + grade.flags)
+
+    async def _grade(self, ts: TaskSet, task: Task, sandbox, answer: str | None,
+                     transcript: list[Turn]) -> Grade:
+        grade = await ts.environment.grade(sandbox, task, answer)
+        if ts.reward_fn is None:
+            return grade
+        custom = ts.reward_fn(task, grade, transcript)
+        if asyncio.iscoroutine(custom):
+            custom = await custom
+        if isinstance(custom, Grade):
+            return Grade(custom.reward, {**grade.parts, **custom.parts, "verifier": grade.reward},
+                         custom.output or grade.output, grade.flags + custom.flags)
+        return Grade(float(custom), {**grade.parts, "verifier": grade.reward}, grade.output,
+                     grade.flags)
 
     async def close(self, episode_id: str) -> None:
         ep = self._episodes.pop(episode_id, None)
@@ -171,9 +257,36 @@ class EpisodeManager:
         for eid in list(self._episodes):
             await self.close(eid)
 
-    def demonstrate(self, task_set: str, index: int, seed: int) -> Demonstration:
-        """The scripted solver's episode of a task."""
-        task = self.task(task_set, index)
-        turns = chain.scripted_solver(task, random.Random(seed), mistake_rate=DEMONSTRATION_MISTAKE_RATE)
-        reward, _, output = chain.verify(task, chain.final_answer(turns))
-        return Demonstration(task.id, chain.render(task, turns), reward, output)
+    async def demonstrate(self, task_set: str, index: int, seed: int) -> Demonstration:
+        """The environment's scripted solution of a task, played for real. EpisodeError if the
+        environment has no solver."""
+        ts, task = self._lookup(task_set, index)
+        solution = ts.environment.demonstrate(task, random.Random(seed))
+        if solution is None:
+            raise EpisodeError(f"task set {task_set!r}: environment {ts.env_name} has no scripted "
+                               "solver (or this task no reference solution) to demonstrate")
+        ep = _Episode(uuid.uuid4().hex, ts, task, len(solution) + 1, "demonstration")
+        sandbox = _LazySandbox(self, ep)
+        answer = None
+        try:
+            for step in solution:
+                turn = Turn(step.content, list(step.tool_calls))
+                ep.turns.append(turn)
+                if not step.tool_calls:
+                    answer = step.content
+                    break
+                for i, call in enumerate(step.tool_calls):
+                    if step.outputs is not None:
+                        result = ToolResult(step.outputs[i])
+                    else:
+                        result = await ts.environment.call_tool(sandbox, task, call)
+                    turn.outputs.append(ToolOutput(call.id, call.name, result.output))
+                    if result.done:
+                        answer = result.answer
+            grade = await self._grade(ts, task, sandbox, answer, ep.turns)
+        finally:
+            if ep.sandbox is not None:
+                await ep.sandbox.destroy()
+                metrics.SANDBOX_ACTIVE.labels(self.config.type).dec()
+        messages, tools = self._opening(ts, task)
+        return Demonstration(task.id, messages, tools, ep.turns, grade.reward, grade.output)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import BubblewrapConfig, DockerConfig
-from .environments.base import TaskBase, VerifyResult
+from kiln.env import Grade, Task
 from .environments.tasks import load_taskset, make_environment
 from .factory import make_sandbox
 
@@ -17,7 +17,7 @@ from .factory import make_sandbox
 @dataclass
 class TaskOutcome:
     task_id: str
-    result: VerifyResult | None
+    result: Grade | None
     error: str | None = None
 
     @property
@@ -25,8 +25,8 @@ class TaskOutcome:
         return self.result is not None and self.result.reward == 1.0
 
 
-async def run_solution(config: BubblewrapConfig | DockerConfig, task: TaskBase, base_dir: Path,
-                       solution: bytes | None) -> VerifyResult:
+async def run_solution(config: BubblewrapConfig | DockerConfig, task: Task, base_dir: Path,
+                       solution: bytes | None) -> Grade:
     """Set the task up, play `solution` (None: nothing, as an agent that gave up), verify."""
     env = make_environment(task.type, base_dir)
     if isinstance(config, DockerConfig) and task.image:
@@ -37,7 +37,7 @@ async def run_solution(config: BubblewrapConfig | DockerConfig, task: TaskBase, 
         answer = None
         if solution is not None:
             answer = await env.apply_solution(sandbox, task, solution)
-        return await env.verify(sandbox, task, answer)
+        return await env.grade(sandbox, task, answer)
 
 
 async def verify_taskset(config: BubblewrapConfig | DockerConfig, taskset: Path,

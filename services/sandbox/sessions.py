@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import BubblewrapConfig, DockerConfig, SandboxLimits, check_owner
-from .environments.base import TaskBase, VerifyResult
+from kiln.env import Grade, Task
 from .environments.tasks import make_environment, parse_task
 from .factory import make_sandbox, reap_orphans
 from .interface import Sandbox, SandboxError
@@ -59,7 +59,7 @@ class Session:
     owner: str
     sandbox: Sandbox
     ttl_s: float
-    task: TaskBase | None = None
+    task: Task | None = None
     last_used: float = field(default_factory=time.monotonic)
 
     def touch(self) -> None:
@@ -215,13 +215,13 @@ class SessionManager:
         return len(ids)
 
     async def verify(self, session_id: str, task: dict | None = None,
-                     answer: str | None = None) -> VerifyResult:
+                     answer: str | None = None) -> Grade:
         session = self.get(session_id)
         parsed = parse_task(task, "task") if task is not None else session.task
         if parsed is None:
             raise ValueError("task: the session was created without a task, so Verify needs one")
         env = make_environment(parsed.type, self.pool.tasks_dir)
-        return await env.verify(session.sandbox, parsed, answer)
+        return await env.grade(session.sandbox, parsed, answer)
 
     async def expire(self) -> int:
         now = time.monotonic()

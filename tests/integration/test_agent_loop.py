@@ -14,9 +14,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from kiln.api.validate import load_job
+from kiln.env import ToolCall
+from kiln.episode import Action
 from kiln.models.tiny import make_tiny_model, train_tokenizer
 from kiln.services.rollout.agent import Limits, demonstration_trajectory, run_episode
 from kiln.services.rollout.engine import EngineSettings, SamplingOptions
+from kiln.services.rollout.formats import make_format
 from kiln.services.rollout.torch_engine import TorchEngine
 from kiln.services.sandbox.client import LocalEnvClient
 from kiln.services.sandbox.environments import chain
@@ -33,22 +36,22 @@ def setup(tmp_path_factory):
     model = make_tiny_model(root / "model", tok_dir, hidden_size=64, num_layers=1, num_heads=2,
                             num_kv_heads=1, intermediate_size=128, seed=0)
     job = load_job(REPO / "deploy" / "examples" / "quickstart.yaml")
-    return model, AutoTokenizer.from_pretrained(str(model)), job
+    return model, make_format("tags", AutoTokenizer.from_pretrained(str(model))), job
 
 
 def test_episode_records_versions_masks_and_reward(setup):
-    model, tok, job = setup
+    model, fmt, job = setup
 
     async def main():
         engine = await TorchEngine.start(EngineSettings(model=str(model), dtype="float32", seed=1))
         env = LocalEnvClient(EpisodeManager(job, base_dir=REPO, owner="test-agent"))
         sampling = SamplingOptions(temperature=1.0, max_tokens=16)
         trajs = await asyncio.gather(*[
-            run_episode(engine, env, tok, task_set="chain-train", index=i, sampling=sampling,
+            run_episode(engine, env, fmt, task_set="chain-train", index=i, sampling=sampling,
                         limits=Limits(max_turns=3, max_tokens_per_turn=16, max_total_tokens=128),
                         group_id="g") for i in range(4)])
         demo = await env.demonstrate("chain-train", 0, seed=0)
-        return trajs, demonstration_trajectory(demo, tok, version=engine.policy_version)
+        return trajs, demonstration_trajectory(demo, fmt, version=engine.policy_version)
 
     trajs, demo = asyncio.run(main())
     for t in trajs:
@@ -64,56 +67,64 @@ def test_episode_records_versions_masks_and_reward(setup):
     text_by_mask = {0: [], 1: []}
     for tokid, m in zip(demo.tokens, demo.loss_mask):
         text_by_mask[m].append(tokid)
-    trained = tok.decode(text_by_mask[1], skip_special_tokens=False)
-    untrained = tok.decode(text_by_mask[0], skip_special_tokens=False)
+    trained = fmt.tokenizer.decode(text_by_mask[1], skip_special_tokens=False)
+    untrained = fmt.tokenizer.decode(text_by_mask[0], skip_special_tokens=False)
     assert "<call>" in trained and "<answer>" in trained and "<obs>" not in trained
     assert "<obs>" in untrained and "<task>" in untrained
 
 
+def _reply(fmt, episode, text: str) -> Action:
+    """A reply the model could have sampled, read by the tags format as rollout reads it."""
+    return fmt.conversation(episode).read_reply(fmt.tokenizer.encode(text, add_special_tokens=False))
+
+
 def test_episode_steps_through_the_sandboxed_tool(setup):
-    """Drive an episode with the solver's own actions: observations come from the sandbox."""
-    _, _, job = setup
+    """Drive an episode with the solver's own actions: outputs come from the sandbox."""
+    _, fmt, job = setup
 
     async def main():
         m = EpisodeManager(job, base_dir=REPO, owner="test-agent2")
         task = m.task("chain-train", 5)
-        eid = m.open("chain-train", 5).episode_id
-        observations, out = [], None
+        ep = m.open("chain-train", 5)
+        outputs, out = [], None
         current = str(task.start)
         for i in range(task.repeats):
             # Both tools: `step V` is the calculator on V + the task's step.
-            action = f"<call>step {current}</call>" if i % 2 == 0 else f"<call>calc {current}{task.step}</call>"
-            out = await m.step(eid, action)
+            text = f"<call>step {current}</call>" if i % 2 == 0 else f"<call>calc {current}{task.step}</call>"
+            out = await m.step(ep.episode_id, _reply(fmt, ep, text))
             assert not out.done
-            observations.append(out.observation)
-            current = out.observation[len("<obs>"):-len("</obs>")]
-        out = await m.step(eid, f"<answer>{current}</answer>")
-        await m.close(eid)
-        return task, observations, out
+            outputs.append(out.outputs[0].content)
+            current = outputs[-1]
+        out = await m.step(ep.episode_id, _reply(fmt, ep, f"<answer>{current}</answer>"))
+        await m.close(ep.episode_id)
+        return task, outputs, out
 
-    task, observations, out = asyncio.run(main())
-    assert observations[-1] == f"<obs>{task.answer}</obs>"
+    task, outputs, out = asyncio.run(main())
+    assert outputs[-1] == str(task.answer)
     assert out.done and out.reward == 1.0
 
 
 def test_invalid_action_and_turn_budget_end_with_zero_reward(setup):
-    _, _, job = setup
+    _, fmt, job = setup
 
     async def main():
         m = EpisodeManager(job, base_dir=REPO, owner="test-agent3")
-        eid = m.open("chain-train", 1).episode_id
-        bad = await m.step(eid, "hello</call>")
-        eid2 = m.open("chain-train", 1, max_actions=2).episode_id
-        first = await m.step(eid2, "<call>calc 1+1</call>")
-        second = await m.step(eid2, "<call>calc 2+2</call>")
+        ep = m.open("chain-train", 1)
+        bad = await m.step(ep.episode_id, _reply(fmt, ep, "hello</call>"))
+        ep2 = m.open("chain-train", 1, max_actions=2)
+        # `step` takes an integer: this call does not fit the tool's schema.
+        misfit = _reply(fmt, ep2, "<call>step 1+1</call>")
+        first = await m.step(ep2.episode_id, Action([ToolCall("calc", {"expression": "1+1"})]))
+        second = await m.step(ep2.episode_id, _reply(fmt, ep2, "<call>calc 2+2</call>"))
         with pytest.raises(ValueError):
-            await m.step(eid2, "<call>calc 3+3</call>")
+            await m.step(ep2.episode_id, _reply(fmt, ep2, "<call>calc 3+3</call>"))
         await m.close_all()
-        return bad, first, second
+        return bad, misfit, first, second
 
-    bad, first, second = asyncio.run(main())
+    bad, misfit, first, second = asyncio.run(main())
     assert bad.done and bad.reward == 0.0 and "invalid_action" in bad.flags
-    assert first.observation == "<obs>2</obs>" and not first.done
+    assert misfit.unparseable and "does not match" in misfit.problem
+    assert first.outputs[0].content == "2" and not first.done
     assert second.done and second.reward == 0.0 and "max_actions" in second.flags
 
 
@@ -122,7 +133,7 @@ def test_demonstrations_are_fixed_per_task_and_asked_for_once(setup):
     its sandboxes) once; later draws reuse it under a fresh trajectory id."""
     from kiln.services.rollout.producer import DEMONSTRATE, Mode, Producer
 
-    model, tok, job = setup
+    model, fmt, job = setup
 
     class CountingEnv(LocalEnvClient):
         calls: list[int] = []
@@ -144,7 +155,7 @@ def test_demonstrations_are_fixed_per_task_and_asked_for_once(setup):
 
     async def main():
         env, sink = CountingEnv(EpisodeManager(job, base_dir=REPO, owner="test-demo")), Collect()
-        producer = Producer(Versioned(), env, tok, sink, sampling=SamplingOptions(),
+        producer = Producer(Versioned(), env, fmt, sink, sampling=SamplingOptions(),
                             limits=Limits(max_turns=8, max_tokens_per_turn=24, max_total_tokens=200),
                             max_concurrent=4)
         producer.start()
@@ -164,21 +175,22 @@ def test_demonstrations_are_fixed_per_task_and_asked_for_once(setup):
 
 
 def test_thinking_off_writes_an_empty_block_before_each_action(setup):
-    from kiln.services.rollout.agent import EMPTY_THINK
+    from kiln.services.rollout.formats.tags import EMPTY_THINK
 
-    model, tok, job = setup
+    model, fmt, job = setup
 
     async def main():
         engine = await TorchEngine.start(EngineSettings(model=str(model), dtype="float32", seed=2))
         env = LocalEnvClient(EpisodeManager(job, base_dir=REPO, owner="test-think"))
         return await asyncio.gather(*[
-            run_episode(engine, env, tok, task_set="chain-train", index=i,
+            run_episode(engine, env, fmt, task_set="chain-train", index=i,
                         sampling=SamplingOptions(temperature=1.0, max_tokens=16),
                         limits=Limits(max_turns=3, max_tokens_per_turn=16, max_total_tokens=128,
                                       thinking="off"))
             for i in range(3)])
 
-    block = tok.encode(EMPTY_THINK, add_special_tokens=False)
+    fmt = make_format("tags", fmt.tokenizer, thinking="off")
+    block = fmt.tokenizer.encode(EMPTY_THINK, add_special_tokens=False)
     for t in asyncio.run(main()):
         t.check()
         # Every run of generated tokens starts right after the empty block, which is context.

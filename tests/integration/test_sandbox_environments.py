@@ -57,7 +57,7 @@ async def _swe_attempt(config, shell: str):
         await env.setup(sb, task)
         res = await sb.exec(shell)
         assert res.exit_code == 0, res.stderr
-        return await env.verify(sb, task)
+        return await env.grade(sb, task)
 
 
 FIX = ("python3 - <<'EOF'\np='calc/ops.py'; s=open(p).read()\n"
@@ -99,9 +99,9 @@ def test_search_tools_and_answer_file(config):
     async def go():
         async with make_sandbox(config) as sb:
             await env.setup(sb, task)
-            missing = await env.verify(sb, task)
+            missing = await env.grade(sb, task)
             await sb.write_file("answer.txt", b"The Seln River.\n")
-            return missing, await env.verify(sb, task)
+            return missing, await env.grade(sb, task)
 
     missing, found = asyncio.run(go())
     assert missing.reward == 0.0 and "no_answer" in missing.flags

@@ -258,10 +258,21 @@ def test_chain_environment_scores_the_answer():
     env = chain.ChainEnvironment()
     task = _task(37, "*7%97+5", 1)  # 70
     assert env.type == "chain" and env.task_model is ChainTask
-    result = asyncio.run(env.verify(None, task, "70"))  # the sandbox is not consulted
+    result = asyncio.run(env.grade(None, task, "70"))  # the sandbox is not consulted
     assert (result.reward, result.parts["correct"]) == (1.0, 1.0)
-    assert asyncio.run(env.verify(None, task, "7")).reward == 0.0
+    assert asyncio.run(env.grade(None, task, "7")).reward == 0.0
     assert asyncio.run(env.apply_solution(None, task, b"70\n")) == "70"
+
+
+def test_chain_demonstration_is_the_scripted_solver_with_its_outputs():
+    env = chain.ChainEnvironment()
+    task = _task(37, "*7%97+5", 2)  # 70, then 10 (70 ends in 0: the blind spot may fire)
+    turns = env.demonstrate(task, random.Random(0))
+    solver = chain.scripted_solver(task, random.Random(0), mistake_rate=0.75)
+    assert [t.tool_calls[0].arguments["value"] for t in turns[:-1]] == [
+        a.text.removeprefix("<call>step ").removesuffix("</call>") for a in solver[0:-1:2]]
+    assert [t.outputs for t in turns[:-1]] == [[o.text[5:-6]] for o in solver[1::2]]
+    assert turns[-1].tool_calls == [] and turns[-1].content == chain.final_answer(solver)
 
 
 def test_zipf_repeats_follows_the_documented_law():
@@ -318,11 +329,11 @@ def test_load_task_set_wires_the_spec_fields(tmp_path):
     from kiln.services.sandbox.episodes import EpisodeError, load_task_set
 
     fixed = TaskSetSpec.model_validate({"name": "a", "env": "chain", "generate": {"count": 20, "seed": 1}})
-    assert [t.model_dump() for t in load_task_set(fixed, tmp_path)] == [
+    assert [t.model_dump() for t in load_task_set(fixed, tmp_path).tasks] == [
         t.model_dump() for t in chain.generate_tasks(20, 1)]
     tailed = TaskSetSpec.model_validate({"name": "b", "env": "chain", "generate": {
         "count": 400, "seed": 1, "numSteps": 2, "lengthTail": 1.0}})
-    counts = [t.repeats for t in load_task_set(tailed, tmp_path)]
+    counts = [t.repeats for t in load_task_set(tailed, tmp_path).tasks]
     assert max(counts) == 8 and counts.count(1) > counts.count(2) > counts.count(8) > 0
     too_long = TaskSetSpec.model_validate({"name": "c", "env": "chain", "generate": {
         "count": 5, "numSteps": 4, "lengthTail": 1.0}})

@@ -90,7 +90,8 @@ class EnvironmentServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Demonstrate(self, request, context):
-        """An expert demonstration of one task (the environment's scripted solver), for SFT.
+        """An expert demonstration of one task (the environment's scripted solver, its tool calls
+        run for real), for SFT. FAILED_PRECONDITION for an environment without a solver.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

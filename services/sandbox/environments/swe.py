@@ -14,12 +14,18 @@ TaskSet record:
 
 The repository is checked out on the host and copied into /workspace (with its .git).
 
+Tools: `bash`, `view` (a file with line numbers, or a folder's listing), `str_replace` (replace
+one exact, unique occurrence of a string in a file), `create` (a new file), `submit`. The tests
+that grade (FAIL_TO_PASS, PASS_TO_PASS) run only after the episode; a `test_patch` (the tests
+the fix must make pass, SWE-bench style) is applied only then, so the agent never sees it.
+
 Exploit check: before any test runs, every protected file (tests, conftest.py, and modules
 that could hijack the test runner: sitecustomize.py, unittest/pytest shadows, .pth files) is
 compared by SHA-256 with the original commit, and new protected files are looked for. Any
 difference gives reward 0 and the flag `tests_modified`, without running the tests. Each test
 then runs in its own process, after every process the agent left behind is killed.
-Reference solution: `{id}.patch`, applied with `git apply`.
+Reference solution: `{id}.patch`, applied with `git apply`; `gold_patch` in the record (optional)
+is the demonstration SFT imitates.
 
 Not covered: building per-repo images with dependencies (the docker backend takes a task
 `image` for that); test ids are opaque strings handed to `test_command`.
@@ -40,8 +46,21 @@ from typing import Literal
 
 from pydantic import Field
 
-from ..interface import Sandbox
-from .base import Environment, TaskBase, VerifyResult, kill_leftovers
+from kiln.env import AssistantTurn, Grade, SandboxHandle, ToolCall, ToolResult, ToolSpec, string_tool
+from .base import BASH, SUBMIT, TOOL_OUTPUT_CHARS, Environment, Task, kill_leftovers, truncate, unknown_tool
+
+VIEW = ToolSpec("view", "Show a file with line numbers (optionally lines start..end), or list a "
+                "folder.", {"type": "object", "properties": {
+                    "path": {"type": "string", "description": "path relative to the repository"},
+                    "start": {"type": "integer", "description": "first line (1-based)"},
+                    "end": {"type": "integer", "description": "last line"}},
+                    "required": ["path"]})
+STR_REPLACE = string_tool("str_replace", "Replace the one occurrence of `old` in a file by `new`.",
+                          path="path relative to the repository", old="exact text to replace "
+                          "(must occur exactly once)", new="replacement text")
+CREATE = string_tool("create", "Create a new file.", path="path relative to the repository",
+                     content="the file's content")
+TOOLS = [BASH, VIEW, STR_REPLACE, CREATE, SUBMIT]
 
 DEFAULT_PROTECTED = [
     "tests/*", "test/*", "*/tests/*", "*/test/*", "test_*.py", "*/test_*.py", "*_test.py",
@@ -52,7 +71,7 @@ DEFAULT_PROTECTED = [
 ]
 
 
-class SweTask(TaskBase):
+class SweTask(Task):
     type: Literal["swe"] = "swe"
     repo: str = Field(min_length=1)
     commit: str = Field(min_length=1)
@@ -61,6 +80,12 @@ class SweTask(TaskBase):
     pass_to_pass: list[str] = Field(default_factory=list)
     test_command: str = "python3 -m unittest {test}"
     test_files: list[str] = Field(default_factory=list)
+    test_patch: str = ""
+    """A diff adding the tests that grade; applied only after the episode."""
+    gold_patch: str = ""
+    """The reference fix (a diff), for demonstrations."""
+    command_timeout_seconds: float = Field(60.0, gt=0)
+    """Wall-clock limit of one `bash` call of the agent."""
 
 
 def _checkout(repo: Path, commit: str, dest: Path) -> None:
@@ -91,10 +116,87 @@ class SweEnvironment(Environment):
     task_model = SweTask
     solution_name = "{id}.patch"
 
+    def system_prompt(self, task: SweTask) -> str:
+        return ("You are fixing an issue in the repository in /workspace. Explore it, edit the "
+                "code with the tools, then call submit.")
+
+    def user_prompt(self, task: SweTask) -> str:
+        return task.problem_statement
+
+    def tools(self, task: SweTask) -> list[ToolSpec]:
+        return TOOLS
+
+    async def call_tool(self, sandbox: SandboxHandle, task: SweTask, call: ToolCall) -> ToolResult:
+        args = call.arguments
+        if call.name == "bash":
+            return await self.run_bash(sandbox, call, task.command_timeout_seconds)
+        if call.name == "submit":
+            return ToolResult("submitted", done=True)
+        if call.name not in ("view", "str_replace", "create"):
+            return unknown_tool(call, TOOLS)
+        path = args.get("path")
+        if not isinstance(path, str) or not path:
+            return ToolResult(f"error: {call.name} needs a string argument `path`")
+        if call.name == "view":
+            return await self._view(sandbox, path, args.get("start"), args.get("end"))
+        if call.name == "create":
+            content = args.get("content")
+            if not isinstance(content, str):
+                return ToolResult("error: create needs a string argument `content`")
+            try:
+                await sandbox.read_file(path, 1)
+                return ToolResult(f"error: {path} exists; edit it with str_replace")
+            except FileNotFoundError:
+                pass
+            except (ValueError, OSError) as exc:
+                return ToolResult(f"error: {exc}")
+            await sandbox.write_file(path, content.encode())
+            return ToolResult(f"created {path}")
+        old, new = args.get("old"), args.get("new")
+        if not isinstance(old, str) or not isinstance(new, str) or not old:
+            return ToolResult("error: str_replace needs string arguments `old` (non-empty) and `new`")
+        try:
+            text = (await sandbox.read_file(path)).decode("utf-8")
+        except (FileNotFoundError, ValueError, OSError, UnicodeDecodeError) as exc:
+            return ToolResult(f"error: cannot read {path}: {exc}")
+        count = text.count(old)
+        if count != 1:
+            return ToolResult(f"error: `old` occurs {count} times in {path}; it must occur once")
+        await sandbox.write_file(path, text.replace(old, new).encode())
+        return ToolResult(f"edited {path}")
+
+    async def _view(self, sandbox: SandboxHandle, path: str, start, end) -> ToolResult:
+        try:
+            data = await sandbox.read_file(path)
+        except IsADirectoryError:
+            data = None
+        except FileNotFoundError:
+            return ToolResult(f"error: {path} does not exist")
+        except ValueError as exc:  # not a regular file: perhaps a folder
+            data = None
+            if "not a regular file" not in str(exc):
+                return ToolResult(f"error: {exc}")
+        if data is None:
+            res = await sandbox.exec(["ls", "-la", path], timeout=10)
+            return ToolResult(truncate(res.stdout or res.stderr, TOOL_OUTPUT_CHARS))
+        lines = data.decode("utf-8", "replace").splitlines()
+        lo = max(1, int(start)) if isinstance(start, int) else 1
+        hi = min(len(lines), int(end)) if isinstance(end, int) else len(lines)
+        shown = "\n".join(f"{i:6d}  {lines[i - 1]}" for i in range(lo, hi + 1))
+        return ToolResult(truncate(shown, TOOL_OUTPUT_CHARS))
+
+    def demonstrate(self, task: SweTask, rng) -> list[AssistantTurn] | None:
+        if not task.gold_patch:
+            return None
+        write = ToolCall("create", {"path": ".kiln-fix.patch", "content": task.gold_patch})
+        apply = ToolCall("bash", {"command": "git apply .kiln-fix.patch && rm .kiln-fix.patch"})
+        return [AssistantTurn(tool_calls=[write]), AssistantTurn(tool_calls=[apply]),
+                AssistantTurn(tool_calls=[ToolCall("submit", {})])]
+
     def _patterns(self, task: SweTask) -> list[str]:
         return DEFAULT_PROTECTED + list(task.test_files)
 
-    async def setup(self, sandbox: Sandbox, task: SweTask) -> None:
+    async def setup(self, sandbox: SandboxHandle, task: SweTask) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             dest = Path(tmp) / "repo"
             await asyncio.to_thread(_checkout, self.resolve(task.repo), task.commit, dest)
@@ -107,7 +209,7 @@ class SweEnvironment(Environment):
         if not res.ok:
             raise RuntimeError(f"task {task.id}: unpacking the repo failed: {res.stderr[-2000:]}")
 
-    async def _tampered(self, sandbox: Sandbox, task: SweTask) -> list[str] | None:
+    async def _tampered(self, sandbox: SandboxHandle, task: SweTask) -> list[str] | None:
         """Protected files that differ from the commit; None if the listing was cut short."""
         with tempfile.TemporaryDirectory() as tmp:
             dest = Path(tmp) / "repo"
@@ -133,23 +235,29 @@ class SweEnvironment(Environment):
                 changed.append(rel)
         return changed
 
-    async def _run_test(self, sandbox: Sandbox, task: SweTask, test: str) -> tuple[bool, str]:
+    async def _run_test(self, sandbox: SandboxHandle, task: SweTask, test: str) -> tuple[bool, str]:
         cmd = task.test_command.replace("{test}", shlex.quote(test))
         res = await sandbox.exec(cmd, timeout=task.timeout_seconds)
         return res.ok, f"== {test}: {'PASS' if res.ok else 'FAIL'} (exit {res.exit_code})\n" \
                        f"{res.stderr[-1500:]}"
 
-    async def verify(self, sandbox: Sandbox, task: SweTask, answer: str | None = None
-                     ) -> VerifyResult:
+    async def grade(self, sandbox: SandboxHandle, task: SweTask, answer: str | None = None
+                    ) -> Grade:
         await kill_leftovers(sandbox)
         changed = await self._tampered(sandbox, task)
         if changed is None:
-            return VerifyResult(0.0, output="file listing too long to check",
-                                flags=["verifier_error"])
+            return Grade(0.0, output="file listing too long to check", flags=["verifier_error"])
         if changed:
-            return VerifyResult(0.0, parts={"f2p": 0.0, "p2p": 0.0},
-                                output="protected files changed: " + ", ".join(changed),
-                                flags=["tests_modified"])
+            return Grade(0.0, parts={"f2p": 0.0, "p2p": 0.0},
+                         output="protected files changed: " + ", ".join(changed),
+                         flags=["tests_modified"])
+        if task.test_patch:
+            await sandbox.write_file(".kiln-tests.patch", task.test_patch.encode())
+            res = await sandbox.exec("git apply .kiln-tests.patch; rc=$?; rm -f .kiln-tests.patch; "
+                                     "exit $rc", timeout=60)
+            if not res.ok:
+                return Grade(0.0, parts={"f2p": 0.0, "p2p": 0.0}, flags=["verifier_error"],
+                             output=f"the test patch does not apply: {res.stderr[-2000:]}")
         logs, f2p_ok, p2p_ok = [], 0, 0
         for test in task.fail_to_pass:
             ok, log = await self._run_test(sandbox, task, test)
@@ -162,9 +270,9 @@ class SweEnvironment(Environment):
         f2p = f2p_ok / len(task.fail_to_pass)
         p2p = p2p_ok / len(task.pass_to_pass) if task.pass_to_pass else 1.0
         reward = 1.0 if f2p == 1.0 and p2p == 1.0 else 0.0
-        return VerifyResult(reward, parts={"f2p": f2p, "p2p": p2p}, output="\n".join(logs)[-8000:])
+        return Grade(reward, parts={"f2p": f2p, "p2p": p2p}, output="\n".join(logs)[-8000:])
 
-    async def apply_solution(self, sandbox: Sandbox, task: SweTask, solution: bytes
+    async def apply_solution(self, sandbox: SandboxHandle, task: SweTask, solution: bytes
                              ) -> str | None:
         await sandbox.write_file(".kiln-solution.patch", solution)
         res = await sandbox.exec("git apply .kiln-solution.patch; rc=$?; "

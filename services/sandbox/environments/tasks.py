@@ -1,10 +1,12 @@
-"""Loading TaskSets: JSONL files of task records, validated with the environments' models.
+"""The built-in environments by name, and task sets of typed records (`kiln sandbox verify`).
 
-Each line is one JSON object whose `type` names its environment. A line that is not JSON, has
-an unknown type, or misses or mangles a field is rejected with the file, line, task id and
-field named (`TaskSetError`, a ValueError: fix the file, retrying will not help).
+In a task set file for `kiln sandbox verify` each line is one JSON object whose `type` names its
+built-in environment. A line that is not JSON, has an unknown type, or misses or mangles a field
+is rejected with the file, line, task id and field named (`TaskSetError`, a ValueError: fix the
+file, retrying will not help). The job's task sets name their environment in the job instead
+(`episodes.load_task_set`).
 
-Not covered: task synthesis (`kiln synth`), sampling and difficulty filters.
+Not covered: task synthesis, sampling and difficulty filters.
 """
 from __future__ import annotations
 
@@ -13,15 +15,16 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from .base import Environment, TaskBase
+from .base import Environment, Task
+from .chain import ChainEnvironment
 from .code import CodeEnvironment
 from .search import SearchEnvironment
 from .swe import SweEnvironment
 from .terminal import TerminalEnvironment
 
 ENVIRONMENTS: dict[str, type[Environment]] = {
-    "terminal": TerminalEnvironment, "swe": SweEnvironment, "search": SearchEnvironment,
-    "code": CodeEnvironment,
+    "chain": ChainEnvironment, "terminal": TerminalEnvironment, "swe": SweEnvironment,
+    "search": SearchEnvironment, "code": CodeEnvironment,
 }
 
 
@@ -29,16 +32,19 @@ class TaskSetError(ValueError):
     pass
 
 
-def make_environment(kind: str, base_dir: Path | None = None) -> Environment:
+def builtin_environment(kind: str) -> type[Environment]:
     try:
-        cls = ENVIRONMENTS[kind]
+        return ENVIRONMENTS[kind]
     except KeyError:
         raise ValueError(f"type: unknown environment {kind!r} "
                          f"({' | '.join(ENVIRONMENTS)})") from None
-    return cls(base_dir)
 
 
-def parse_task(record: dict, where: str = "task") -> TaskBase:
+def make_environment(kind: str, base_dir: Path | None = None) -> Environment:
+    return builtin_environment(kind)(base_dir)
+
+
+def parse_task(record: dict, where: str = "task") -> Task:
     task_id = record.get("id", "<no id>") if isinstance(record, dict) else "<not an object>"
     if not isinstance(record, dict):
         raise TaskSetError(f"{where}: expected a JSON object")
@@ -55,8 +61,8 @@ def parse_task(record: dict, where: str = "task") -> TaskBase:
         raise TaskSetError(f"{where}, task {task_id!r}: {problems}") from None
 
 
-def load_taskset(path: Path) -> list[TaskBase]:
-    tasks: list[TaskBase] = []
+def load_taskset(path: Path) -> list[Task]:
+    tasks: list[Task] = []
     seen: set[str] = set()
     for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():

@@ -84,13 +84,19 @@ def evaluate_expression(expr: str) -> int:
     return value
 
 
-def format_observation(stdout: str, exit_code: int) -> str:
-    """The tool's result as the text appended to the context. Errors are one word, so a model
-    cannot be fed arbitrary text through the observation. (`expr` exits 1 when the result is 0.)"""
+def tool_output(stdout: str, exit_code: int) -> str:
+    """The tool's result as the model sees it: the integer, or `error`. Errors are one word, so
+    a model cannot be fed arbitrary text through the observation. (`expr` exits 1 when the
+    result is 0.)"""
     value = stdout.strip()
     if exit_code in (0, 1) and re.fullmatch(r"-?[0-9]{1,40}", value):
-        return f"<obs>{value}</obs>"
-    return "<obs>error</obs>"
+        return value
+    return "error"
+
+
+def format_observation(stdout: str, exit_code: int) -> str:
+    """`tool_output` as it appears in the text protocol: `<obs>70</obs>`."""
+    return f"<obs>{tool_output(stdout, exit_code)}</obs>"
 
 
 def run_tool_locally(call: Call) -> str:

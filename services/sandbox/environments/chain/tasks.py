@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Literal
 
 from pydantic import Field, model_validator
 
-from ..base import TaskBase
+from ..base import Task
 from .calculator import evaluate_expression
 
 #: The step every task repeats: multiply, reduce modulo, add (`*7%97+5`); Python's precedence
@@ -28,10 +28,11 @@ Split = Literal["train", "heldout"]
 HELDOUT_EVERY = 5
 
 
-class ChainTask(TaskBase):
+class ChainTask(Task):
     """One task record (a JSONL line of a chain TaskSet): apply `step` to `start`, `repeats`
     times, each time to the previous result."""
 
+    type: Literal["chain"] = "chain"
     prompt: str
     """The prompt text, `<task>START STEP xREPEATS</task>`, e.g. `<task>37 *7%97+5 x4</task>`."""
     start: int = Field(ge=0, le=9_999)

@@ -1,0 +1,104 @@
+"""The chat-template format: the tokenizer's own chat template renders the conversation (with
+`tools=`), and replies carry the model family's tool calls (`toolcalls.py`: hermes, llama3).
+
+Token exactness. The model's reply tokens are kept as sampled. What follows them is found by
+rendering the conversation twice with the template, before and after the tools' outputs, and
+tokenizing only the difference: the tail of the assistant message the template writes after
+what the model sampled (e.g. the newline after `<|im_end|>`), the tool messages, and the next
+reply's header. Earlier replies go into the template as their raw sampled text, so a template
+never re-serializes a call differently from how it was sampled. A template that rewrites
+earlier turns (one that drops past think blocks, say) cannot be rendered this way; the
+conversation says so (ValueError) rather than train on tokens the model did not see.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from kiln.env import ToolCall
+from kiln.episode import Action, EpisodeInfo, ToolOutput
+from kiln.services.rollout.formats import toolcalls
+
+#: Written before each reply when thinking is off (as Qwen3's template does).
+EMPTY_THINK = "<think>\n\n</think>\n\n"
+
+
+class ChatConversation:
+    def __init__(self, fmt: "ChatFormat", episode: EpisodeInfo) -> None:
+        self.fmt, self.episode = fmt, episode
+        self.messages: list[dict[str, Any]] = [{"role": m.role, "content": m.content}
+                                               for m in episode.messages]
+        self.tools = [t.to_openai() for t in episode.tools] or None
+        self._rendered = self._render(add_generation_prompt=True)
+        self._reply_text = ""
+        self._calls = 0
+
+    def _render(self, add_generation_prompt: bool) -> str:
+        return self.fmt.tokenizer.apply_chat_template(
+            self.messages, tools=self.tools, add_generation_prompt=add_generation_prompt,
+            tokenize=False)
+
+    def prompt(self) -> list[int]:
+        return self.fmt.encode(self._rendered)
+
+    def action_prefix(self) -> list[int]:
+        return list(self.fmt.prefix)
+
+    def read_reply(self, token_ids: list[int]) -> Action:
+        tok = self.fmt.tokenizer
+        raw = tok.decode(self.fmt.prefix + list(token_ids), skip_special_tokens=False,
+                         clean_up_tokenization_spaces=False)
+        self._reply_text = raw
+        content = raw
+        for end in self.fmt.end_texts:
+            if content.endswith(end):
+                content = content[: -len(end)]
+                break
+        self.messages.append({"role": "assistant", "content": content})
+        action = toolcalls.parse(content, self.fmt.name, self.episode.tools)
+        for call in action.tool_calls:
+            self._calls += 1
+            call.id = f"call_{self._calls}"
+        return action
+
+    def observation(self, outputs: list[ToolOutput]) -> list[int]:
+        before = self._render(add_generation_prompt=False)
+        if not before.startswith(self._rendered):
+            raise ValueError("the chat template renders earlier turns differently once a reply "
+                             "is added; its conversations cannot be kept token-exact")
+        assistant = before[len(self._rendered):]
+        if not assistant.startswith(self._reply_text):
+            raise ValueError("the chat template does not write an assistant reply as sampled "
+                             f"(it wrote {assistant[:80]!r} for {self._reply_text[:80]!r}); its "
+                             "conversations cannot be kept token-exact")
+        for o in outputs:
+            self.messages.append({"role": "tool", "content": o.content, "name": o.name,
+                                  "tool_call_id": o.tool_call_id})
+        after = self._render(add_generation_prompt=True)
+        if not after.startswith(before):
+            raise ValueError("the chat template renders earlier turns differently once a tool "
+                             "message is added; its conversations cannot be kept token-exact")
+        self._rendered = after
+        return self.fmt.encode(assistant[len(self._reply_text):] + after[len(before):])
+
+
+class ChatFormat:
+    def __init__(self, tokenizer: Any, name: str, *, thinking: str = "interleaved") -> None:
+        if name not in toolcalls.FORMATS:
+            raise ValueError(f"tool-call format {name!r} is not one of {toolcalls.FORMATS}")
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"tool-call format {name}: the tokenizer has no chat template")
+        self.tokenizer, self.name = tokenizer, name
+        eos = tokenizer.eos_token_id
+        self.stop_token_ids = [eos] if eos is not None else []
+        self.end_texts = [tokenizer.eos_token] if tokenizer.eos_token else []
+        self.prefix = self.encode(EMPTY_THINK) if thinking == "off" else []
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def conversation(self, episode: EpisodeInfo) -> ChatConversation:
+        return ChatConversation(self, episode)
+
+    def reply_ids(self, content: str, tool_calls: list[ToolCall]) -> list[int]:
+        text = toolcalls.render(tool_calls, content, self.name)
+        return self.encode(text) + self.stop_token_ids

@@ -1,0 +1,99 @@
+"""The tags format: a plain-text protocol without a chat template, for models trained on it.
+
+    <task>37 *7%97+5 x4</task>          the task's text (the user message) is the prompt
+    <call>step 37</call>                a reply that calls a tool: NAME, a space, its argument
+    <obs>70</obs>                       the tool's output
+    <answer>45</answer>                 a reply that answers (the episode ends)
+
+A reply may start with `<think>...</think>`. A tool's one argument is the first required
+property of its schema, and must fit it. Every tag is one token of the tokenizer, and a reply
+stops at `</call>` or `</answer>`.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from kiln.env import ToolCall, ToolSpec
+from kiln.episode import Action, EpisodeInfo, ToolOutput
+from kiln.services.rollout.formats.toolcalls import checked
+
+STOP_TAGS = ("</call>", "</answer>")
+#: Written before each reply when thinking is off.
+EMPTY_THINK = "<think></think>"
+_THINK = r"(?:<think>[^<]*</think>)?"
+_CALL_RE = re.compile(_THINK + r"<call>([A-Za-z_]\w*) (.*)</call>", re.S)
+_ANSWER_RE = re.compile(_THINK + r"<answer>([^<]*)</answer>")
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _argument_name(tool: ToolSpec) -> str:
+    required = tool.parameters.get("required") or list(tool.parameters.get("properties", {}))
+    if not required:
+        raise ValueError(f"tool {tool.name!r} takes no argument; the tags format needs one")
+    return required[0]
+
+
+class TagsConversation:
+    def __init__(self, fmt: "TagsFormat", episode: EpisodeInfo) -> None:
+        self.fmt, self.episode = fmt, episode
+        self.tools = {t.name: t for t in episode.tools}
+
+    def prompt(self) -> list[int]:
+        return _encode(self.fmt.tokenizer, "".join(m.content for m in self.episode.messages
+                                                   if m.role == "user"))
+
+    def action_prefix(self) -> list[int]:
+        return list(self.fmt.prefix)
+
+    def read_reply(self, token_ids: list[int]) -> Action:
+        text = self.fmt.tokenizer.decode(self.fmt.prefix + list(token_ids),
+                                         skip_special_tokens=False).strip()
+        if m := _ANSWER_RE.fullmatch(text):
+            return Action(content=m.group(1).strip())
+        if m := _CALL_RE.fullmatch(text):
+            name, arg = m.group(1), m.group(2)
+            tool = self.tools.get(name)
+            if tool is None:
+                return Action(content=text, unparseable=True, problem=f"unknown tool {name!r}")
+            # The argument is taken as written; its schema (a pattern) says what fits.
+            call = ToolCall(name, {_argument_name(tool): arg})
+            problem = checked([call], list(self.tools.values()))
+            if problem:
+                return Action(content=text, unparseable=True, problem=problem)
+            return Action([call])
+        return Action(content=text, unparseable=True,
+                      problem=f"not one <call>NAME ARG</call> or <answer>TEXT</answer>: {text[:80]!r}")
+
+    def observation(self, outputs: list[ToolOutput]) -> list[int]:
+        return _encode(self.fmt.tokenizer, "".join(f"<obs>{o.content}</obs>" for o in outputs))
+
+
+class TagsFormat:
+    name = "tags"
+
+    def __init__(self, tokenizer: Any, *, thinking: str = "interleaved") -> None:
+        self.tokenizer = tokenizer
+        self.stop_token_ids = []
+        for tag in STOP_TAGS:
+            ids = _encode(tokenizer, tag)
+            if len(ids) != 1:
+                raise ValueError(f"tool-call format tags: {tag!r} is {len(ids)} tokens in this "
+                                 "tokenizer; the format's tags must be single (special) tokens")
+            self.stop_token_ids.append(ids[0])
+        self.prefix = _encode(tokenizer, EMPTY_THINK) if thinking == "off" else []
+
+    def conversation(self, episode: EpisodeInfo) -> TagsConversation:
+        return TagsConversation(self, episode)
+
+    def reply_ids(self, content: str, tool_calls: list[ToolCall]) -> list[int]:
+        if len(tool_calls) > 1:
+            raise ValueError("the tags format takes one tool call per reply")
+        if tool_calls:
+            (call,) = tool_calls
+            value = next(iter(call.arguments.values()), "")
+            return _encode(self.tokenizer, f"<call>{call.name} {value}</call>")
+        return _encode(self.tokenizer, f"<answer>{content}</answer>")
