@@ -13,7 +13,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "validate", help="check RLJob manifests against the schema",
         description="Check RLJob manifests: YAML syntax, schema, value ranges and cross-field "
                     "rules. Prints FILE:LINE: FIELD: what was expected and found, one line per "
-                    "problem; exits 0 when every file is valid, 1 otherwise.")
+                    "problem; exits 0 when every file is valid, 1 otherwise. Plugins a job names "
+                    "(env or reward `{plugin: module:Name}`) are imported and checked: put their "
+                    "folder on PYTHONPATH.")
     p.add_argument("files", nargs="+", type=Path, metavar="FILE", help="RLJob manifest(s)")
     p.add_argument("-q", "--quiet", action="store_true", help="print problems only")
     p.set_defaults(func=run)
@@ -22,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     failed = 0
     for path in args.files:
-        jobs, problems = validate_file(path)
+        jobs, problems = validate_file(path, plugins=True)
         for problem in problems:
             print(problem, file=sys.stderr)
         if problems:

@@ -185,6 +185,21 @@ class Environment(abc.ABC):
         """A scripted solution for SFT, or None if the environment has no solver."""
         return None
 
+    def tokenizer_corpus(self, tasks: Sequence[Task]) -> list[str]:
+        """Texts a tokenizer for this environment's episodes is trained on (a local tiny
+        model's): the prompts, the tools, and the scripted solutions' calls."""
+        texts: list[str] = []
+        rng = random.Random(0)
+        for tool in self.tools(tasks[0]) if tasks else []:
+            texts += [tool.name, tool.description, json.dumps(tool.parameters)]
+        for task in tasks:
+            texts += [self.system_prompt(task), self.user_prompt(task)]
+            for turn in self.demonstrate(task, rng) or []:
+                texts.append(turn.content)
+                texts += [json.dumps({"name": c.name, "arguments": c.arguments})
+                          for c in turn.tool_calls]
+        return [t for t in texts if t]
+
 
 # ------------------------------------------------------------------------------------ plugins
 

@@ -51,6 +51,34 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# ChatML with tools, as Qwen2.5's template does it but compact (a tiny model's context is short):
+# the tools are one line each in a system message, calls are `<tool_call>{json}</tool_call>` in
+# the assistant's reply (the hermes format), and a tool's output comes back as a user message
+# wrapped in `<tool_response>`. Earlier assistant turns are written as they are.
+CHAT_TEMPLATE_WITH_TOOLS = (
+    "{%- set first = messages[0] if messages else {} -%}"
+    "{%- if tools -%}"
+    "{{ '<|im_start|>system\n' }}"
+    "{%- if first['role'] == 'system' %}{{ first['content'] + '\n' }}{% endif -%}"
+    "{{ 'Tools:\n' }}"
+    "{%- for tool in tools -%}"
+    "{{ tool['function']['name'] + '(' + (tool['function']['parameters']['properties'] | list"
+    " | join(', ')) + '): ' + tool['function']['description'] + '\n' }}"
+    "{%- endfor -%}"
+    "{{ 'Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\n' }}"
+    "{%- elif first['role'] == 'system' -%}"
+    "{{ '<|im_start|>system\n' + first['content'] + '<|im_end|>\n' }}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'tool' -%}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{%- elif message['role'] != 'system' -%}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif -%}"
+)
+
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -71,6 +99,7 @@ def train_tokenizer(
     special_tokens: list[str] = DEFAULT_SPECIAL_TOKENS,
     split_digits: bool = False,
     pad_to_multiple: int = VOCAB_MULTIPLE,
+    chat_template: str = CHAT_TEMPLATE,
 ) -> Path:
     """Train a byte-level BPE tokenizer on `texts` and save it as a Hugging Face tokenizer
     directory at `out_dir` (created if needed). Returns `out_dir`.
@@ -130,7 +159,7 @@ def train_tokenizer(
         clean_up_tokenization_spaces=False,
         model_max_length=1 << 20,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     fast.save_pretrained(str(out_dir))
     return out_dir
 

@@ -53,16 +53,28 @@ def prepare_model(job: RLJob, out=sys.stdout) -> None:
     init = job.spec.model.init
     if init is None:
         raise ValueError(f"spec.model.path: {path} holds no config.json and spec.model.init is not set")
-    from kiln.models.tiny import make_tiny_model, train_tokenizer
-    from kiln.services.sandbox.environments import chain
+    from kiln.models.tiny import (CHAT_TEMPLATE, CHAT_TEMPLATE_WITH_TOOLS, DEFAULT_SPECIAL_TOKENS,
+                                  make_tiny_model, train_tokenizer)
+    from kiln.services.sandbox.environments.chain import SPECIAL_TOKENS as TAGS
+    from kiln.services.sandbox.episodes import load_task_set
 
     t0 = time.monotonic()
+    # The tokenizer learns the job's own episodes: each environment's corpus (its prompts,
+    # tools and scripted solutions) once, over all its task sets.
+    by_env: dict[type, tuple[object, list]] = {}
+    for ts in job.spec.tasks:
+        loaded = load_task_set(ts, Path.cwd())
+        env, tasks = by_env.setdefault(type(loaded.environment), (loaded.environment, []))
+        tasks += loaded.tasks
+    texts = [t for env, tasks in by_env.values() for t in env.tokenizer_corpus(tasks[:2000])]
+    tags = job.spec.rollout.tool_call_format == "tags"
     tok_dir = path.with_name(path.name + ".tokenizer")
     # Pad the vocabulary only as far as tensor parallelism needs: unused tokens slow a tiny
     # tied-embedding model's learning (see train_tokenizer).
-    train_tokenizer(chain.corpus_for_tokenizer(), tok_dir, vocab_size=init.vocab_size,
-                    special_tokens=list(chain.SPECIAL_TOKENS), split_digits=True,
-                    pad_to_multiple=job.spec.trainer.tensor_parallel)
+    train_tokenizer(texts, tok_dir, vocab_size=init.vocab_size,
+                    special_tokens=list(TAGS) if tags else DEFAULT_SPECIAL_TOKENS,
+                    chat_template=CHAT_TEMPLATE if tags else CHAT_TEMPLATE_WITH_TOOLS,
+                    split_digits=True, pad_to_multiple=job.spec.trainer.tensor_parallel)
     make_tiny_model(path, tok_dir, arch=init.arch, hidden_size=init.hidden_size,
                     num_layers=init.num_layers, num_heads=init.num_heads,
                     num_kv_heads=init.num_kv_heads, intermediate_size=init.intermediate_size,
@@ -93,7 +105,7 @@ def main(args: argparse.Namespace) -> int:
         print("kiln run: give a job file, or --resume RUN_DIR", file=sys.stderr)
         return 2
     try:
-        job = load_job(job_file if args.resume else args.job)
+        job = load_job(job_file if args.resume else args.job, plugins=True)
     except ManifestError as exc:
         print(f"kiln run: invalid job:\n{exc}", file=sys.stderr)
         return 2

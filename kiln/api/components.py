@@ -86,6 +86,9 @@ class RolloutSpec(Model):
     """Episodes in flight per rollout replica."""
     kv_cache_bytes: int = Field(1 << 30, ge=1 << 20)
     """KV cache reserved by each engine (vLLM otherwise takes most of the host's memory)."""
+    sample_every: int = Field(10, ge=1)
+    """Every this many finished trajectories, one is also kept in the rollout's
+    trajectories.jsonl (what `kiln trajectories` shows)."""
     enforce_eager: bool = True
     """Run vLLM without CUDA graphs / compilation (faster start-up, slower steps)."""
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)

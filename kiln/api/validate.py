@@ -5,6 +5,10 @@ the file, the line, the field path as written in the manifest (`spec.stages[1].r
 what was expected and found. User mistakes never raise; `load_job(path)` raises `ManifestError`
 (a `ValueError`) carrying the problems, for callers that need a single valid job.
 
+With `plugins=True` the plugins a job names (`env: {plugin: ...}`, `reward: {plugin: ...}`) are
+imported and checked too (`kiln validate` and `kiln run` do; the operator does not, since user
+code lives in the job's image, not the operator's).
+
 Not covered: semantic checks that need the filesystem or a cluster (does the model directory
 exist?); those are made by the launcher and the operator when they act on the job.
 """
@@ -139,14 +143,50 @@ def validate_document(data: Any, *, file: str, node: yaml.Node | None = None,
     try:
         return RLJob.model_validate(data), []
     except ValidationError as exc:
+        # loc -> messages, in order. A field that takes a name or a {plugin: ...} mapping gets
+        # one line, not one per alternative pydantic tried.
+        found: dict[tuple[Any, ...], list[str]] = {}
         for err in exc.errors():
-            loc = _strip_tag(tuple(err["loc"]))
+            loc = tuple(p for p in _strip_tag(tuple(err["loc"])) if not _is_union_branch(p))
             # Errors raised by a model validator point at the model; the message names the field.
-            problems.append(Problem(prefix, _node_line(node, loc), _format_loc(loc), _message(err)))
-        return None, problems
+            found.setdefault(loc, []).append(_message(err))
+        return None, [Problem(prefix, _node_line(node, loc), _format_loc(loc), _join(messages))
+                      for loc, messages in found.items()]
 
 
-def validate_text(text: str, *, file: str) -> tuple[list[RLJob], list[Problem]]:
+def plugin_problems(job: RLJob, *, file: str, node: yaml.Node | None = None) -> list[Problem]:
+    """One problem per plugin of `job` that cannot be imported or is not what it must be."""
+    from kiln.env import PluginError, load_plugin
+
+    problems = []
+    for i, ts in enumerate(job.spec.tasks):
+        for field, kind in (("env", "environment"), ("reward", "reward")):
+            ref = getattr(ts, field)
+            if ref is None or isinstance(ref, str):
+                continue
+            try:
+                load_plugin(ref.plugin, kind)
+            except PluginError as exc:
+                loc = ("spec", "tasks", i, field, "plugin")
+                problems.append(Problem(file, _node_line(node, loc), _format_loc(loc),
+                                        f"{ref.plugin!r}: {exc}"))
+    return problems
+
+
+def _is_union_branch(part: Any) -> bool:
+    return isinstance(part, str) and (part.startswith("literal[") or part == "PluginRef")
+
+
+def _join(messages: list[str]) -> str:
+    """One message for a field: as is, or a name-or-plugin union's alternatives in one."""
+    literal = next((m for m in messages if m.startswith("expected one of")), None)
+    if len(messages) == 1 or literal is None:
+        return "; ".join(dict.fromkeys(messages))
+    head, sep, found = literal.rpartition(", found ")
+    return f"{head.replace(' or ', ', ')} or a {{plugin: \"module:Name\"}} mapping{sep}{found}"
+
+
+def validate_text(text: str, *, file: str, plugins: bool = False) -> tuple[list[RLJob], list[Problem]]:
     try:
         nodes = list(yaml.compose_all(text, Loader=yaml.SafeLoader))
         docs = list(yaml.safe_load_all(text))
@@ -162,13 +202,15 @@ def validate_text(text: str, *, file: str) -> tuple[list[RLJob], list[Problem]]:
     multi = len(docs) > 1
     for i, (data, node) in enumerate(zip(docs, nodes)):
         job, probs = validate_document(data, file=file, node=node, doc_index=i if multi else None)
-        if job is not None:
+        if job is not None and plugins:
+            probs = plugin_problems(job, file=file, node=node)
+        if job is not None and not probs:
             jobs.append(job)
         problems.extend(probs)
     return jobs, problems
 
 
-def validate_file(path: str | Path) -> tuple[list[RLJob], list[Problem]]:
+def validate_file(path: str | Path, *, plugins: bool = False) -> tuple[list[RLJob], list[Problem]]:
     path = Path(path)
     try:
         text = path.read_text()
@@ -176,12 +218,12 @@ def validate_file(path: str | Path) -> tuple[list[RLJob], list[Problem]]:
         return [], [Problem(str(path), None, "", f"cannot read file: {exc.strerror}")]
     except UnicodeDecodeError:
         return [], [Problem(str(path), None, "", "not a UTF-8 text file")]
-    return validate_text(text, file=str(path))
+    return validate_text(text, file=str(path), plugins=plugins)
 
 
-def load_job(path: str | Path) -> RLJob:
+def load_job(path: str | Path, *, plugins: bool = False) -> RLJob:
     """The single valid RLJob in `path`, or ManifestError naming every problem."""
-    jobs, problems = validate_file(path)
+    jobs, problems = validate_file(path, plugins=plugins)
     if problems:
         raise ManifestError(problems)
     if len(jobs) != 1:

@@ -73,7 +73,7 @@ async def build(job: RLJob | None, args: argparse.Namespace):
         limits=Limits(spec.rollout.max_turns, s.max_tokens_per_turn, s.max_total_tokens,
                       thinking=spec.rollout.thinking),
         max_concurrent=spec.rollout.max_concurrent_episodes,
-        samples_path=args.run_dir / "trajectories.jsonl")
+        samples_path=args.run_dir / "trajectories.jsonl", sample_every=spec.rollout.sample_every)
     producer.start()
     sync_channel = grpc.aio.insecure_channel(sync_addr, options=CHANNEL_OPTIONS)
 

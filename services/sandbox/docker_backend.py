@@ -227,11 +227,16 @@ class DockerSandbox(Sandbox):
     def _resolve(self, path: str) -> str:
         rel = workspace_relpath(path)
         full = f"{WORKSPACE}/{rel}"
-        out, err = CappedBuffer(8192), CappedBuffer(8192)
         # `realpath -m` resolves every symlink on the way; any difference from the literal
-        # path means a symlink is involved, which could point anywhere.
-        self._run_exec(["realpath", "-m", "--", full], "/", {}, out, err)
-        real = out.text().strip()
+        # path means a symlink is involved, which could point anywhere. It always prints a
+        # path: an empty answer is podman 4.3 losing an exec's output under load (about one
+        # exec in 200), so ask again rather than call it a symlink.
+        for _ in range(3):
+            out, err = CappedBuffer(8192), CappedBuffer(8192)
+            code = self._run_exec(["realpath", "-m", "--", full], "/", {}, out, err)
+            real = out.text().strip()
+            if real or code != 0:
+                break
         if real != full:
             raise PathEscapeError(f"path: {path!r} goes through a symlink (resolves to {real!r})")
         return full

@@ -161,3 +161,61 @@ def test_cli_exit_codes_and_no_traceback(tmp_path):
     assert "spec.stages[0].rl.gropuSize: unknown field" in res.stderr
     assert "missing.yaml: cannot read file" in res.stderr
     assert "2 of 3 file(s) invalid" in res.stderr
+
+
+PLUGINS = REPO / "deploy" / "examples" / "plugins"
+
+
+def _with_tasks(tasks: list[dict]) -> str:
+    data = yaml.safe_load(GOOD)
+    data["spec"]["tasks"] += tasks
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def test_plugins_are_imported_and_checked(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    (tmp_path / "not_an_env.py").write_text("class Thing:\n    pass\n\ndef reward(task):\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    text = _with_tasks([
+        {"name": "ok", "env": {"plugin": "echo_env:EchoFileEnv"},
+         "reward": {"plugin": "echo_env:shorter_is_better"}, "path": "x.jsonl"},
+        {"name": "missing", "env": {"plugin": "no_such_module:Env"}, "path": "x.jsonl"},
+        {"name": "attr", "env": {"plugin": "echo_env:Nope"}, "path": "x.jsonl"},
+        {"name": "kind", "env": {"plugin": "not_an_env:Thing"}, "path": "x.jsonl"},
+        {"name": "sig", "env": "terminal", "path": "x.jsonl", "reward": {"plugin": "not_an_env:reward"}},
+        {"name": "ep", "env": {"plugin": "no-entry-point"}, "path": "x.jsonl"},
+    ])
+    assert validate_text(text, file="job.yaml")[1] == []  # not imported unless asked
+    _, problems = validate_text(text, file="job.yaml", plugins=True)
+    got = {p.path: p.message for p in problems}
+    assert set(got) == {"spec.tasks[2].env.plugin", "spec.tasks[3].env.plugin",
+                        "spec.tasks[4].env.plugin", "spec.tasks[5].reward.plugin",
+                        "spec.tasks[6].env.plugin"}
+    assert "No module named 'no_such_module'" in got["spec.tasks[2].env.plugin"]
+    assert "has no attribute 'Nope'" in got["spec.tasks[3].env.plugin"]
+    assert "not a subclass of kiln.env.Environment" in got["spec.tasks[4].env.plugin"]
+    assert "must take (task, grade, transcript)" in got["spec.tasks[5].reward.plugin"]
+    assert "nor an entry point of group 'kiln.environments'" in got["spec.tasks[6].env.plugin"]
+    lines = text.splitlines()
+    for p in problems:
+        assert "plugin" in lines[p.line - 1], p
+
+
+def test_env_takes_a_builtin_name_or_a_plugin_mapping() -> None:
+    _, problems = validate_text(_with_tasks([{"name": "x", "env": "gvisor", "path": "x.jsonl"}]),
+                                file="job.yaml")
+    assert [str(p) for p in problems] == [
+        "job.yaml:12: spec.tasks[1].env: expected one of 'chain', 'lookup', 'terminal', 'swe', "
+        "'search', 'code' or a {plugin: \"module:Name\"} mapping, found 'gvisor'"]
+
+
+def test_validate_command_checks_the_plugin_example_job() -> None:
+    env = {"PYTHONPATH": str(PLUGINS), "PATH": "/usr/bin:/bin"}
+    job = REPO / "deploy" / "examples" / "plugin.yaml"
+    ok = subprocess.run([sys.executable, "-m", "kiln.cli", "validate", str(job)],
+                        capture_output=True, text=True, timeout=60, env=env)
+    assert ok.returncode == 0, ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "kiln.cli", "validate", str(job)],
+                         capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+    assert bad.returncode == 1
+    assert "spec.tasks[0].env.plugin: 'echo_env:EchoFileEnv': cannot import module 'echo_env'" in bad.stderr

@@ -15,7 +15,7 @@ from kiln.env import AssistantTurn, Grade, SandboxHandle, ToolCall, ToolResult, 
 from ..base import Environment, Task, unknown_tool
 from .calculator import tool_command, tool_output
 from .protocol import MAX_EXPR_CHARS, Call, Step, tool_call
-from .solver import final_answer, scripted_solver
+from .solver import corpus_for_tokenizer, final_answer, scripted_solver
 from .tasks import ChainTask, ZipfRepeats, generate_tasks
 
 #: The expert's blind spot fires on 3 of 4 trailing-zero copies: imitation still learns the
@@ -95,6 +95,10 @@ class ChainEnvironment(Environment):
                                      outputs=[observation.text[len("<obs>"):-len("</obs>")]]))
         out.append(AssistantTurn(content=final_answer(turns) or ""))
         return out
+
+    def tokenizer_corpus(self, tasks) -> list[str]:
+        """The text between the protocol's tags in expert episodes (see corpus_for_tokenizer)."""
+        return corpus_for_tokenizer()
 
     async def apply_solution(self, sandbox: SandboxHandle, task: ChainTask, solution: bytes
                              ) -> str | None:

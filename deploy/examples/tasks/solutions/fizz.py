@@ -1,0 +1,2 @@
+def fizz(n):
+    return "Fizz" if n % 3 == 0 else str(n)
