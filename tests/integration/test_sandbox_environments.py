@@ -121,7 +121,7 @@ def test_code_tool_runs_python(config):
 
 def test_verify_reports_missing_solution(config, tmp_path):
     outcomes = asyncio.run(verify_taskset(config, EXAMPLES / "code.jsonl", tmp_path))
-    assert [o.passed for o in outcomes] == [False, False]
+    assert [o.passed for o in outcomes] == [False, False, False]
     assert "no reference solution" in outcomes[0].error
 
 

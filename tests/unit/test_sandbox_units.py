@@ -125,7 +125,7 @@ def test_example_corpus_search_finds_the_evidence():
 
 
 def test_example_tasksets_load():
-    for name, count in (("terminal", 2), ("swe", 1), ("search", 2), ("code", 2)):
+    for name, count in (("terminal", 2), ("swe", 1), ("search", 2), ("code", 3)):
         tasks = load_taskset(EXAMPLES / f"{name}.jsonl")
         assert len(tasks) == count and all(t.type == name for t in tasks)
 

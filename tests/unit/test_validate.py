@@ -205,7 +205,7 @@ def test_env_takes_a_builtin_name_or_a_plugin_mapping() -> None:
     _, problems = validate_text(_with_tasks([{"name": "x", "env": "gvisor", "path": "x.jsonl"}]),
                                 file="job.yaml")
     assert [str(p) for p in problems] == [
-        "job.yaml:12: spec.tasks[1].env: expected one of 'chain', 'lookup', 'terminal', 'swe', "
+        "job.yaml:14: spec.tasks[1].env: expected one of 'chain', 'lookup', 'terminal', 'swe', "
         "'search', 'code' or a {plugin: \"module:Name\"} mapping, found 'gvisor'"]
 
 
