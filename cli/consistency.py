@@ -88,7 +88,13 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from kiln.services.rollout.engine import engine_kind, is_dsa_checkpoint
 
+    from kiln.models.support import model_problems
+
     is_dsa = is_dsa_checkpoint(args.model)
+    problems = model_problems(args.model, engine=engine_kind(args.engine, args.model), dtype=args.dtype)
+    if problems:
+        print(f"kiln consistency: --model {args.model}: {problems[0]}", file=sys.stderr)
+        return 2
     if is_dsa and args.engine == "vllm":
         print("kiln consistency: --engine vllm cannot run a DSA checkpoint (config.json kiln_dsa); "
               "use --engine megatron", file=sys.stderr)

@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("kiln.cli.validate", "check RLJob manifests against the schema"),
     "crd": ("kiln.cli.crd", "print the RLJob CustomResourceDefinition"),
     "trajectories": ("kiln.cli.trajectories", "print trajectories of a run human-readably"),
+    "export": ("kiln.cli.export", "write a run's trained policy as a Hugging Face checkpoint"),
     "sandbox": ("kiln.cli.sandbox", "run commands and verifiers in sandboxes"),
     "consistency": ("kiln.cli.consistency", "compare rollout and trainer log-probs"),
 }

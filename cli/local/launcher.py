@@ -124,6 +124,16 @@ def main(args: argparse.Namespace) -> int:
               "spec.model.init is not set", file=sys.stderr)
         return 2
     prepare_model(job, out)
+    from kiln.models.support import model_problems
+    from kiln.services.rollout.engine import engine_kind
+
+    spec = job.spec
+    problems = model_problems(Path(spec.model.path), dtype=spec.model.dtype,
+                              engine=engine_kind(spec.rollout.engine, spec.model.path),
+                              tensor_parallel=spec.trainer.tensor_parallel)
+    if problems:
+        print(f"kiln run: spec.model.path: {spec.model.path}: {problems[0]}", file=sys.stderr)
+        return 2
 
     try:
         tracker = Tracker(run_dir / "tensorboard", run_name="driver", group=job.metadata.name,
@@ -179,6 +189,11 @@ def main(args: argparse.Namespace) -> int:
         return 1
     if interrupted:
         return 130
+    from kiln.cli.export import final_hf
+
+    final = final_hf(run_dir, job)
+    if final is not None:
+        out.write(f"final weights (Hugging Face checkpoint): {final}\n")
     summary = write_summary(job, run_dir, state, wall_seconds=time.time() - started)
     write_report(run_dir, rl_stages={s.name for s in job.spec.stages if s.type == "rl"})
     out.write(json.dumps(summary, indent=2) + "\n")

@@ -5,6 +5,9 @@ loss settings, optimizer-reset policy) and runs `loop.run_stage` in a worker thr
 batches from the buffer and publishing weights through weight-sync. Steps already taken in the
 stage (recorded in the engine's checkpoints) are not repeated after a restart.
 
+A finished stage's final weights are also written as a Hugging Face checkpoint,
+`<run dir>/stages/<stage>/`.
+
 SFT stages publish only at their end: their demonstrations are stamped with the rollout's
 current version, and publishing every step would make them look stale. RL stages publish every
 `rl.syncInterval` steps. At a stage start the buffer is told the stage's group size and tau and
@@ -137,9 +140,13 @@ class StageRunner:
                           on_step=lambda m: self._on_step(m, rl))
                 source.ack()
             if not self._stop.is_set():
+                # The stage's final weights, kept as a Hugging Face checkpoint under its name
+                # (a later stage or `kiln run`'s final-hf starts from it).
+                with self.lock:
+                    path = self.engine.export_hf(stage_export_dir(self.run_dir, stage.name))
                 self.status.done = True
-                log.info("stage %s done at step %d, policy version %d", stage.name, self.status.step,
-                         self.engine.policy_version)
+                log.info("stage %s done at step %d, policy version %d; weights in %s", stage.name,
+                         self.status.step, self.engine.policy_version, path)
         except Exception as exc:  # reported through status; the driver decides what to do
             log.exception("stage %s failed", stage.name)
             self.status.failed, self.status.message = True, f"{type(exc).__name__}: {exc}"
@@ -161,6 +168,11 @@ class StageRunner:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+
+
+def stage_export_dir(run_dir: Path, stage: str) -> Path:
+    """Where the trainer keeps a finished stage's final weights (a Hugging Face checkpoint)."""
+    return Path(run_dir) / "stages" / stage
 
 
 def lr_factor(step: int, stage) -> float:

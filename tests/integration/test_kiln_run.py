@@ -8,6 +8,8 @@ same port and run directory. Afterwards the run's records must show:
 - nothing the buffer acknowledged lost across the kill (its accepted count, recovered from its
   log, never falls behind what rollout saw acknowledged);
 - a summary with held-out success before and after RL;
+- `final-hf/`, the last stage's weights as a Hugging Face checkpoint transformers loads, and
+  each stage's own under trainer/stages/;
 - TensorBoard event files under the run directory, from the trainer (step metrics) and the
   driver (rollout, buffer, evaluations), read back with TensorBoard's own reader.
 """
@@ -144,3 +146,9 @@ def test_kiln_run_end_to_end_with_a_buffer_kill(tmp_path):
     # Every optimizer step of both stages, once (the trainer restarts nothing here).
     assert sorted(e.step for e in tags["train/loss"]) == list(range(1, 8 + 6 + 1))
     assert max(e.value for e in tags["train/staleness_max"]) <= TAU
+
+    from transformers import AutoModelForCausalLM
+
+    assert {p.name for p in (run / "trainer" / "stages").iterdir()} == {"sft", "rl"}
+    final = AutoModelForCausalLM.from_pretrained(str(run / "final-hf"))
+    assert final.config.vocab_size == len(tok)

@@ -1,0 +1,109 @@
+"""`kiln export RUN_DIR [--step N] --out DIR`: a run's trained policy as a Hugging Face checkpoint.
+
+The trainer's checkpoint of step N (default: the newest) is loaded into the trainer's own model
+code and written as a Hugging Face directory: model.safetensors, config.json,
+generation_config.json and the tokenizer with its chat template, which `transformers` and vLLM
+load directly. `kiln run` leaves the same for the last stage in `RUN_DIR/final-hf/`, and every
+finished stage's weights in `RUN_DIR/trainer/stages/<stage>/`.
+
+Not covered: checkpoints of tensorParallel > 1 (each rank holds a shard; the trainer's own
+stage exports gather them).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export", help="write a run's trained policy as a Hugging Face checkpoint",
+        description="Write the policy of a run's trainer checkpoint (the newest, or --step N) as a "
+                    "Hugging Face checkpoint directory (safetensors, config, generation config, "
+                    "tokenizer and chat template) that transformers and vLLM load.")
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="run directory of `kiln run`")
+    p.add_argument("--out", type=Path, required=True, help="directory to write (replaced)")
+    p.add_argument("--step", type=int, default=None,
+                   help="optimizer step of the checkpoint to export (default: the newest)")
+    p.set_defaults(func=run)
+
+
+def checkpoint_for(run_dir: Path, step: int | None) -> Path:
+    """The checkpoint directory of `step` (None: the newest); ValueError saying what exists."""
+    from kiln.services.trainer.checkpoint import list_checkpoints, step_dir_name
+
+    root = run_dir / "trainer" / "checkpoints"
+    found = list_checkpoints(root)
+    if not found:
+        raise ValueError(f"{root} holds no checkpoint (did the run take a step?)")
+    if step is None:
+        return found[-1]
+    for path in found:
+        if path.name == step_dir_name(step):
+            return path
+    steps = ", ".join(p.name.removeprefix("step_").lstrip("0") or "0" for p in found)
+    raise ValueError(f"--step {step}: no checkpoint of that step under {root} (steps: {steps})")
+
+
+def export_run(run_dir: Path, out: Path, step: int | None = None) -> Path:
+    """Export checkpoint `step` of the run in `run_dir` to `out`; returns `out`."""
+    import torch
+
+    from kiln.api.validate import load_job
+    from kiln.services.trainer.config import TrainerConfig
+    from kiln.services.trainer.engine import TrainerEngine
+
+    job_file = run_dir / "job.yaml"
+    if not job_file.exists():
+        raise ValueError(f"{run_dir} holds no job.yaml; not a run directory of `kiln run`")
+    job = load_job(job_file)
+    ckpt = checkpoint_for(run_dir, step)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    if meta.get("tensor_parallel", 1) != 1:
+        raise ValueError(f"{ckpt} was written by {meta['tensor_parallel']} tensor-parallel ranks; "
+                         "export it from its stage's weights in RUN_DIR/trainer/stages/ instead")
+    dtype = job.spec.model.dtype if job.spec.model.dtype != "float16" else "float32"
+    engine = TrainerEngine(TrainerConfig(model_dir=Path(job.spec.model.path), params_dtype=dtype,
+                                         checkpoint_dir=ckpt.parent, seed=job.spec.seed),
+                           resume=False)
+    engine.load_checkpoint(ckpt)
+    with torch.no_grad():
+        return engine.export_hf(out)
+
+
+def final_hf(run_dir: Path, job) -> Path | None:
+    """`RUN_DIR/final-hf/`: the last stage's exported weights (hard links where possible)."""
+    from kiln.services.trainer.stages import stage_export_dir
+
+    src = stage_export_dir(run_dir / "trainer", job.spec.stages[-1].name)
+    if not (src / "config.json").exists():
+        return None
+    dst = run_dir / "final-hf"
+    tmp = run_dir / ".final-hf.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp, copy_function=_link_or_copy)
+    shutil.rmtree(dst, ignore_errors=True)
+    tmp.replace(dst)
+    return dst
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    import os
+
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        out = export_run(args.run_dir.resolve(), args.out.resolve(), args.step)
+    except ValueError as exc:
+        print(f"kiln export: {exc}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
