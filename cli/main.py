@@ -21,6 +21,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("kiln.cli.export", "write a run's trained policy as a Hugging Face checkpoint"),
     "sandbox": ("kiln.cli.sandbox", "run commands and verifiers in sandboxes"),
     "consistency": ("kiln.cli.consistency", "compare rollout and trainer log-probs"),
+    "serve": ("kiln.cli.serve", "serve a checkpoint behind the OpenAI chat-completions API"),
+    "prepare-model": ("kiln.cli.prepare_model", "create the job's model (spec.model.init) if missing"),
+    "dev-cluster": ("kiln.cli.devcluster.command",
+                    "a local stand-in cluster: fake API, the operator, pods as processes"),
 }
 
 DESCRIPTION = ("Kiln trains LLM agents with reinforcement learning: the same RLJob manifest "

@@ -185,6 +185,17 @@ class Environment(abc.ABC):
         """A scripted solution for SFT, or None if the environment has no solver."""
         return None
 
+    def grade_demonstration(self, task: Task, turns: list[AssistantTurn]) -> Grade | None:
+        """The grade of a scripted solution whose turns all carry their outputs, when the
+        environment can tell it without a sandbox (None: the calls are replayed in one and
+        graded as an episode would be)."""
+        return None
+
+    def tokenizer_words(self, tasks: Sequence[Task]) -> list[str]:
+        """Strings a local tiny model's tokenizer keeps as one token each (default: none;
+        everything is learned as merges from `tokenizer_corpus`)."""
+        return []
+
     def tokenizer_corpus(self, tasks: Sequence[Task]) -> list[str]:
         """Texts a tokenizer for this environment's episodes is trained on (a local tiny
         model's): the prompts, the tools, and the scripted solutions' calls."""

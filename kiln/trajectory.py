@@ -11,6 +11,7 @@ This module is the torch-free domain type. The wire format is `kiln.v1.Trajector
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -62,6 +63,17 @@ class Trajectory:
     @property
     def newest_version(self) -> int:
         return max((s.policy_version for s in self.version_spans), default=0)
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict (the JSONL form `kiln trajectories` and `kiln serve` write)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Trajectory":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kept = {k: v for k, v in data.items() if k in fields}
+        kept["version_spans"] = [VersionSpan(**s) for s in kept.get("version_spans", [])]
+        return cls(**kept)
 
     def versions_per_token(self) -> list[int]:
         """The policy version of every token; -1 for tokens not generated (prompt/observation)."""

@@ -53,8 +53,10 @@ CHAT_TEMPLATE = (
 
 # ChatML with tools, as Qwen2.5's template does it but compact (a tiny model's context is short):
 # the tools are one line each in a system message, calls are `<tool_call>{json}</tool_call>` in
-# the assistant's reply (the hermes format), and a tool's output comes back as a user message
-# wrapped in `<tool_response>`. Earlier assistant turns are written as they are.
+# the assistant's reply (the hermes format; a tiny model learns it from its demonstrations, so no
+# instructions are written), and a tool's output comes back as a `tool` message (Qwen wraps it in
+# a user message's `<tool_response>`: five more tokens a turn, between what a tool printed and
+# the next call that copies it). Earlier assistant turns are written as they are.
 CHAT_TEMPLATE_WITH_TOOLS = (
     "{%- set first = messages[0] if messages else {} -%}"
     "{%- if tools -%}"
@@ -65,15 +67,22 @@ CHAT_TEMPLATE_WITH_TOOLS = (
     "{{ tool['function']['name'] + '(' + (tool['function']['parameters']['properties'] | list"
     " | join(', ')) + '): ' + tool['function']['description'] + '\n' }}"
     "{%- endfor -%}"
-    "{{ 'Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\n' }}"
+    "{{ '<|im_end|>\n' }}"
     "{%- elif first['role'] == 'system' -%}"
     "{{ '<|im_start|>system\n' + first['content'] + '<|im_end|>\n' }}"
     "{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'tool' -%}"
-    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{{ '<|im_start|>tool\n' + message['content'] + '<|im_end|>\n' }}"
     "{%- elif message['role'] != 'system' -%}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    # Calls given as structured tool_calls (a history an outside agent sends back) are written
+    # as hermes calls; Kiln's own turns carry their calls in the content, as sampled.
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "{{ '<tool_call>\n' + ({'name': call['function']['name'], 'arguments': call['function']['arguments']}"
+    " | tojson) + '\n</tool_call>' }}"
+    "{%- endfor -%}"
+    "{{ '<|im_end|>\n' }}"
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif -%}"
@@ -100,6 +109,7 @@ def train_tokenizer(
     split_digits: bool = False,
     pad_to_multiple: int = VOCAB_MULTIPLE,
     chat_template: str = CHAT_TEMPLATE,
+    pre_tokenization: str = "gpt2",
 ) -> Path:
     """Train a byte-level BPE tokenizer on `texts` and save it as a Hugging Face tokenizer
     directory at `out_dir` (created if needed). Returns `out_dir`.
@@ -113,6 +123,10 @@ def train_tokenizer(
     part in every softmax, and 44 of them slowed SFT of the quickstart's 0.43 M-parameter model
     several-fold (held-out success 0.32 instead of 0.70 after 1000 steps, same data and seed).
     Pass `pad_to_multiple=1` when no tensor parallelism is needed.
+    `pre_tokenization`: how text is cut into words before merges are learned. "gpt2" is GPT-2's
+    byte-level rule; "qwen2" is the rule transformers applies when it loads a qwen2-architecture
+    checkpoint's tokenizer (its Qwen2Tokenizer rebuilds the pipeline from the vocabulary and
+    merges), so every merge learned is one the loaded tokenizer uses.
     Deterministic for the same texts and arguments.
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -128,11 +142,22 @@ def train_tokenizer(
     out_dir.mkdir(parents=True, exist_ok=True)
 
     tok = Tokenizer(models.BPE())
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    # With `split_digits`, every digit is its own pre-token, so no merge joins two digits: a
-    # tiny model then copies and computes numbers digit by digit.
-    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-                         if split_digits else byte_level)
+    if pre_tokenization == "qwen2":
+        from tokenizers import Regex
+        from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+        # Qwen's rule already cuts every digit apart.
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    elif pre_tokenization == "gpt2":
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        # With `split_digits`, every digit is its own pre-token, so no merge joins two digits: a
+        # tiny model then copies and computes numbers digit by digit.
+        tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                             if split_digits else byte_level)
+    else:
+        raise ValueError(f"pre_tokenization={pre_tokenization!r} is not 'gpt2' or 'qwen2'")
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -124,7 +124,7 @@ def pvc(job: JobRef, component: str, storage: StorageSpec, image: str) -> dict[s
     }
 
 
-def service(job: JobRef, component: str, image: str) -> dict[str, Any]:
+def service(job: JobRef, component: str, image: str, openai_port: int | None = None) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "selector": naming.selector_labels(job, component),
         "ports": [
@@ -133,6 +133,9 @@ def service(job: JobRef, component: str, image: str) -> dict[str, Any]:
             {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"},
         ],
     }
+    if openai_port:  # the rollout's OpenAI endpoint for outside agents (spec.rollout.openaiPort)
+        spec["ports"].append({"name": "openai", "port": openai_port, "targetPort": "openai",
+                              "protocol": "TCP", "appProtocol": "http"})
     if component in HEADLESS:
         spec["clusterIP"] = "None"
         # Peers find each other before they report ready (the trainer waits for the buffer).
@@ -167,6 +170,7 @@ def desired_children(job: JobRef, spec: RLJobSpec, *, active: bool = True,
     return [
         config_map(job, spec),
         *pvcs(job, spec),
-        *(service(job, c, spec.image) for c in naming.COMPONENTS),
+        *(service(job, c, spec.image, spec.rollout.openai_port if c == "rollout" else None)
+          for c in naming.COMPONENTS),
         *workloads(job, spec, hashes, active=active, dind_image=dind_image),
     ]

@@ -26,6 +26,14 @@ class OperatorConfig(BaseModel):
     """Deadline of one health or status RPC to a job's service."""
     address_template: str = DEFAULT_ADDRESS
     """gRPC address of a job's component; {name}, {namespace} and {component} are filled in."""
+    repair_interval: float = Field(30.0, gt=0)
+    """Seconds between re-applies of each job's children (drift repair)."""
+    unavailable_seconds: float = Field(900.0, gt=0)
+    """How long the stage driver waits for a job's service that does not answer before it
+    fails the job."""
+    address_map: str = ""
+    """A JSON file mapping "namespace/service" to host:port, consulted before the template
+    (written by the development cluster's node agent; empty in a real cluster)."""
     dind_image: str = DIND_IMAGE
     """Docker-in-pod sidecar image for sandboxes with the docker backend."""
 

@@ -4,8 +4,11 @@ Each handler turns the event into calls of the pure functions and the reconciler
 - create, update (of `spec`) and resume apply the desired children; a spec that fails
   validation, or changes an immutable field, is refused: nothing is applied, the reason goes
   to `status.message` and the `Valid` condition, and a Warning event is posted;
-- the timer reads each job's trainer and buffer (gRPC) and keeps status current; a phase change
-  posts an event;
+- a daemon per job drives its stages (`kiln.operator.driving`): what is finished and each
+  evaluation go to status, and the final phase (Succeeded, or Failed with the reason);
+- the timer reads each job's trainer and buffer (gRPC) and keeps status current (a phase change
+  posts an event), and re-applies the children every `repair_interval` (a deleted or hand-edited
+  child comes back; fields others added are left alone);
 - delete runs under the finalizer `kiln.dev/pvc-retention` and applies the PVC retention policy;
   every other child goes with its owner reference.
 
@@ -24,13 +27,14 @@ from typing import Any
 
 import kopf
 
-from kiln.api.spec import API_GROUP, API_VERSION, KIND, PLURAL
-from kiln.operator import metrics
+from kiln.api.spec import API_GROUP, API_VERSION, KIND, PLURAL, RLJob
+from kiln.operator import driving, metrics
 from kiln.operator.config import OperatorConfig
 from kiln.operator.kube import Kube, load_credentials
 from kiln.operator.naming import FINALIZER, JobRef
 from kiln.operator.reconcile import accepted_spec, finalize, parse_spec, reconcile
-from kiln.operator.status import GrpcStatusReader, derive_status, rfc3339, set_condition
+from kiln.operator.status import (Addresses, GrpcStatusReader, derive_status, rfc3339,
+                                  set_condition)
 
 RESOURCE = (API_GROUP, API_VERSION, PLURAL)
 # The timer ticks often and reads a job only when `status_interval` has passed, so the
@@ -75,7 +79,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Log
     load_credentials()
     memo.config = config
     memo.kube = Kube()
-    memo.reader = GrpcStatusReader(config.address_template, timeout=config.grpc_timeout)
+    memo.addresses = Addresses(config.address_template, config.address_map)
+    memo.reader = GrpcStatusReader(timeout=config.grpc_timeout, addresses=memo.addresses)
     logger.info("kiln operator configured: %s", config.model_dump())
 
 
@@ -135,7 +140,8 @@ def reconcile_job(body: kopf.Body, name: str, namespace: str, uid: str, patch: k
         _track(namespace, name, "Failed")
         return
     job = JobRef(name=name, namespace=namespace, uid=uid)
-    result = reconcile(memo.kube, job, spec, dind_image=memo.config.dind_image)
+    result = reconcile(memo.kube, job, spec, dind_image=memo.config.dind_image,
+                       active=_active(spec, status))
     if result.refused:
         # The job keeps running on the spec it was accepted with.
         _refuse(body, patch, status, "ImmutableFieldChanged", result.refused, None)
@@ -163,6 +169,17 @@ def reconcile_job(body: kopf.Body, name: str, namespace: str, uid: str, patch: k
     metrics.RECONCILES.labels("applied").inc()
 
 
+def _active(spec: Any, status: dict[str, Any]) -> bool:
+    """Whether the job's services should run: not suspended and not finished (a finished job
+    gives its nodes back; its checkpoints and buffer stay in their PVCs)."""
+    return not spec.suspend and status.get("phase") != "Succeeded"
+
+
+def _done(status: dict[str, Any]) -> bool:
+    """The driver recorded an outcome (Succeeded, or Failed for a reason a retry won't fix)."""
+    return status.get("phase") in ("Succeeded", "Failed")
+
+
 def _valid(status: dict[str, Any]) -> bool:
     return not any(c.get("type") == "Valid" and c.get("status") == "False"
                    and c.get("reason") == "InvalidSpec" for c in status.get("conditions") or [])
@@ -177,19 +194,24 @@ def _refused(status: dict[str, Any]) -> bool:
 def refresh_status(body: kopf.Body, name: str, namespace: str, uid: str, memo: kopf.Memo,
                    **_: Any) -> None:
     status = dict(body.get("status") or {})
-    if not status.get("phase") or not _valid(status) or status["phase"] == "Suspended":
-        return  # not reconciled yet, refused, or suspended: nothing runs to be observed
+    if not status.get("phase") or not _valid(status):
+        return  # not reconciled yet, or refused
+    if body.meta.get("deletionTimestamp"):
+        return  # being deleted: a repair now would bring back what the finalizer removes
     if status.get("observedGeneration") != body.meta.get("generation"):
         return  # a spec change is being reconciled; its handler sets the phase first
     # `memo` here is this object's own copy of the operator's memo.
     now = time.monotonic()
+    job = JobRef(name=name, namespace=namespace, uid=uid)
+    if now - memo.get("last_repair", now) >= memo.config.repair_interval:
+        _repair(body, name, job, status, memo)
+    memo.setdefault("last_repair", now)
+    if status["phase"] == "Suspended" or _done(status):
+        return  # nothing runs to be observed
     if now - memo.get("last_read", -1e9) < memo.config.status_interval:
         return
     memo.last_read = now
-    obs = memo.reader.read(JobRef(name=name, namespace=namespace, uid=uid))
-    stages = body.spec.get("stages") or []
-    if stages and obs.stage_done and obs.stage == stages[-1].get("name"):
-        obs.finished = True
+    obs = memo.reader.read(job)
     new = derive_status(status, obs, now=rfc3339())
     if _refused(status):
         # The refusal (an immutable field) is what the user must read; keep it as the message.
@@ -207,6 +229,68 @@ def refresh_status(body: kopf.Body, name: str, namespace: str, uid: str, memo: k
         return
     _event_phase(body, status.get("phase"), new["phase"], new.get("message", ""))
     _track(namespace, name, new["phase"])
+
+
+def _repair(body: kopf.Body, name: str, job: JobRef, status: dict[str, Any],
+            memo: kopf.Memo) -> None:
+    """Re-apply the children (level-triggered drift repair)."""
+    memo.last_repair = time.monotonic()
+    spec, _problems = parse_spec(name, dict(body.spec))
+    if spec is None:
+        return
+    result = reconcile(memo.kube, job, spec, dind_image=memo.config.dind_image,
+                       active=_active(spec, status))
+    repaired = {k: v for k, v in result.actions.items() if v != "unchanged"}
+    if repaired:
+        logging.getLogger("kiln.operator").info(
+            "%s/%s: repaired %s", job.namespace, job.name,
+            ", ".join(f"{k} ({v})" for k, v in repaired.items()))
+        kopf.event(body, type="Normal", reason="Repaired",
+                   message="re-applied " + ", ".join(sorted(repaired)))
+
+
+# How long a stopping daemon may take to notice (it checks between polls).
+_DRIVE_POLL = 2.0
+
+
+@kopf.daemon(*RESOURCE, initial_delay=1.0, cancellation_timeout=30.0)
+def drive_job(stopped: kopf.DaemonStopped, body: kopf.Body, name: str, namespace: str,
+              uid: str, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    """Drive the job's stages whenever it is accepted, active and not finished. `body` is kopf's
+    live view of the object: a suspend or a spec change is seen between polls."""
+    job = JobRef(name=name, namespace=namespace, uid=uid)
+
+    def current() -> dict[str, Any]:
+        return dict(body.get("status") or {})
+
+    while not stopped.is_set():
+        status = current()
+        ready = (status.get("phase") in ("Pending", "Running") and _valid(status)
+                 and status.get("observedGeneration") == body.meta.get("generation"))
+        if not ready:
+            stopped.wait(_DRIVE_POLL)
+            continue
+        spec, _problems = parse_spec(name, dict(body.spec))
+        if spec is None or spec.suspend:
+            stopped.wait(_DRIVE_POLL)
+            continue
+        rljob = RLJob.model_validate({"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
+                                      "metadata": {"name": name}, "spec": dict(body.spec)})
+        outcome = driving.drive(
+            rljob, job, memo.kube, lambda component: memo.addresses(job, component), current,
+            stopped, lambda: bool(body.spec.get("suspend")), poll_seconds=_DRIVE_POLL,
+            unavailable_seconds=memo.config.unavailable_seconds)
+        logger.info("driver: %s", outcome)
+        if outcome == "succeeded":
+            kopf.event(body, type="Normal", reason="Succeeded", message="every stage completed")
+            # Give the nodes back: the services scale to zero, PVCs stay.
+            reconcile(memo.kube, job, spec, dind_image=memo.config.dind_image, active=False)
+            _track(namespace, name, "Succeeded")
+        elif outcome == "failed":
+            kopf.event(body, type="Warning", reason="Failed",
+                       message=str(current().get("message", ""))[:1000])
+            _track(namespace, name, "Failed")
+        stopped.wait(_DRIVE_POLL)
 
 
 @kopf.on.delete(*RESOURCE)

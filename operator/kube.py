@@ -142,6 +142,12 @@ class Kube:
         self._call("PATCH", object_path(manifest_ref), body=patch,
                    content_type="application/merge-patch+json", what=what)
 
+    def merge_patch_status(self, manifest_ref: dict[str, Any], status: dict[str, Any]) -> None:
+        """Merge `status` into the object's status subresource."""
+        self._call("PATCH", object_path(manifest_ref) + "/status", body={"status": status},
+                   content_type="application/merge-patch+json",
+                   what=f"status of {manifest_ref['metadata']['name']}")
+
     def patch_status_if_unchanged(self, manifest_ref: dict[str, Any], resource_version: str,
                                   fields: dict[str, Any]) -> bool:
         """Set status fields unless the object changed since `resource_version` was read.

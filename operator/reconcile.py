@@ -63,14 +63,15 @@ def accepted_spec(kube: Kube, job: JobRef) -> RLJobSpec | None:
 
 
 def reconcile(kube: Kube, job: JobRef, spec: RLJobSpec, *,
-              dind_image: str = DIND_IMAGE) -> Result:
+              dind_image: str = DIND_IMAGE, active: bool | None = None) -> Result:
+    """`active`: whether the services run (default: unless suspended)."""
     result = Result()
     previous = accepted_spec(kube, job)
     if previous is not None:
         result.refused = children.immutable_changes(previous, spec)
         if result.refused:
             return result
-    for manifest in children.desired_children(job, spec, active=not spec.suspend,
+    for manifest in children.desired_children(job, spec, active=not spec.suspend if active is None else active,
                                               dind_image=dind_image):
         key = f"{manifest['kind']}/{manifest['metadata']['name']}"
         result.actions[key] = kube.apply(manifest)

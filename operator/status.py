@@ -14,9 +14,12 @@ Not covered: writing the status to the cluster or posting events (`kiln.operator
 """
 from __future__ import annotations
 
+import json
+import os
 import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
@@ -82,13 +85,47 @@ class StaticStatusReader:
         pass
 
 
+class Addresses:
+    """Where a job's component listens: the address template, unless an address map names it.
+
+    The map (a JSON file of {"namespace/service": "host:port"}, read again when it changes) is
+    for clusters whose Services are not reachable by DNS from the operator, such as the local
+    development cluster (`kiln dev-cluster`), whose node agent writes it."""
+
+    def __init__(self, template: str = DEFAULT_ADDRESS, map_file: str = "") -> None:
+        self.template, self.map_file = template, map_file
+        self._map: dict[str, str] = {}
+        self._mtime = -1.0
+
+    def __call__(self, job: JobRef, component: str) -> str:
+        if self.map_file:
+            self._reload()
+            found = self._map.get(f"{job.namespace}/{job.child(component)}")
+            if found:
+                return found
+        return self.template.format(name=job.name, namespace=job.namespace, component=component)
+
+    def _reload(self) -> None:
+        try:
+            mtime = os.stat(self.map_file).st_mtime
+        except FileNotFoundError:
+            return
+        if mtime != self._mtime:
+            try:
+                self._map = json.loads(Path(self.map_file).read_text())
+                self._mtime = mtime
+            except (OSError, ValueError):
+                pass  # caught mid-write; the next call reads it again
+
+
 class GrpcStatusReader:
     """Reads a job's services over gRPC: trainer and buffer health, the buffer's status (largest
     staleness served), weight-sync's latest committed version (a new one stamps
     `lastWeightSync`), and the trainer's progress (stage, step, reward, policy version)."""
 
-    def __init__(self, address_template: str = DEFAULT_ADDRESS, timeout: float = 2.0) -> None:
-        self.address_template = address_template
+    def __init__(self, address_template: str = DEFAULT_ADDRESS, timeout: float = 2.0,
+                 addresses: Addresses | None = None) -> None:
+        self.addresses = addresses or Addresses(address_template)
         self.timeout = timeout
         self._channels: dict[str, grpc.Channel] = {}
         self._published: dict[tuple[str, str], int] = {}
@@ -102,8 +139,7 @@ class GrpcStatusReader:
             return ch
 
     def address(self, job: JobRef, component: str) -> str:
-        return self.address_template.format(name=job.name, namespace=job.namespace,
-                                            component=component)
+        return self.addresses(job, component)
 
     def _health(self, address: str) -> tuple[bool, str]:
         stub = health_pb2_grpc.HealthStub(self._channel(address))

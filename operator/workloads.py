@@ -123,6 +123,23 @@ def _model_volume(spec: RLJobSpec) -> tuple[list[dict[str, Any]], list[dict[str,
     )
 
 
+def model_init_container(spec: RLJobSpec, res: Resources) -> list[dict[str, Any]]:
+    """`kiln prepare-model` before the service, when the spec asks for a model to be made
+    (`spec.model.init`); it is deterministic, so every pod that makes one makes the same."""
+    if spec.model.init is None:
+        return []
+    return [{
+        "name": "prepare-model",
+        "image": spec.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["kiln", "prepare-model", "--job", JOB_FILE],
+        "resources": resources(res),
+        "volumeMounts": [{"name": "job", "mountPath": JOB_FILE, "subPath": "job.yaml",
+                          "readOnly": True}],
+        "securityContext": _service_security(),
+    }]
+
+
 def pod_template(job: JobRef, spec: RLJobSpec, component: str, config_hash: str,
                  containers: list[dict[str, Any]], volumes: list[dict[str, Any]],
                  init_containers: list[dict[str, Any]] = (), grace_seconds: int = 30) -> dict[str, Any]:
@@ -175,6 +192,7 @@ def trainer(job: JobRef, spec: RLJobSpec, config_hash: str, active: bool) -> dic
                {"name": "run", "persistentVolumeClaim": {"claimName": job.child("checkpoints")}},
                *volumes]
     template = pod_template(job, spec, "trainer", config_hash, [container], volumes,
+                            model_init_container(spec, spec.trainer.resources),
                             grace_seconds=120)  # room to write a checkpoint on SIGTERM
     return {
         "apiVersion": "apps/v1",
@@ -193,8 +211,12 @@ def trainer(job: JobRef, spec: RLJobSpec, config_hash: str, active: bool) -> dic
 def rollout(job: JobRef, spec: RLJobSpec, config_hash: str, active: bool) -> dict[str, Any]:
     volumes, mounts, env = _model_volume(spec)
     container = service_container(job, spec, "rollout", spec.rollout.resources, env, mounts)
+    if spec.rollout.openai_port:
+        container["ports"].append({"name": "openai", "containerPort": spec.rollout.openai_port,
+                                   "protocol": "TCP"})
     volumes = [_job_volume(job), {"name": "run", "emptyDir": {}}, *volumes]
-    template = pod_template(job, spec, "rollout", config_hash, [container], volumes)
+    template = pod_template(job, spec, "rollout", config_hash, [container], volumes,
+                            model_init_container(spec, spec.rollout.resources))
     return _deployment(job, spec, "rollout", spec.rollout.replicas if active else 0, template)
 
 

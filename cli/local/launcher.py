@@ -45,48 +45,10 @@ def _dump(job: RLJob) -> str:
     return yaml.safe_dump(job.model_dump(mode="json", by_alias=True, exclude_none=True), sort_keys=False)
 
 
-def prepare_model(job: RLJob, out=sys.stdout) -> None:
-    """Create the job's model if it asks for one and none exists yet (nothing is downloaded)."""
-    path = Path(job.spec.model.path)
-    if (path / "config.json").exists():
-        return
-    init = job.spec.model.init
-    if init is None:
-        raise ValueError(f"spec.model.path: {path} holds no config.json and spec.model.init is not set")
-    from kiln.models.tiny import (CHAT_TEMPLATE, CHAT_TEMPLATE_WITH_TOOLS, DEFAULT_SPECIAL_TOKENS,
-                                  make_tiny_model, train_tokenizer)
-    from kiln.services.sandbox.environments.chain import SPECIAL_TOKENS as TAGS
-    from kiln.services.sandbox.episodes import load_task_set
-
-    t0 = time.monotonic()
-    # The tokenizer learns the job's own episodes: each environment's corpus (its prompts,
-    # tools and scripted solutions) once, over all its task sets.
-    by_env: dict[type, tuple[object, list]] = {}
-    for ts in job.spec.tasks:
-        loaded = load_task_set(ts, Path.cwd())
-        env, tasks = by_env.setdefault(type(loaded.environment), (loaded.environment, []))
-        tasks += loaded.tasks
-    texts = [t for env, tasks in by_env.values() for t in env.tokenizer_corpus(tasks[:2000])]
-    tags = job.spec.rollout.tool_call_format == "tags"
-    tok_dir = path.with_name(path.name + ".tokenizer")
-    # Pad the vocabulary only as far as tensor parallelism needs: unused tokens slow a tiny
-    # tied-embedding model's learning (see train_tokenizer).
-    train_tokenizer(texts, tok_dir, vocab_size=init.vocab_size,
-                    special_tokens=list(TAGS) if tags else DEFAULT_SPECIAL_TOKENS,
-                    chat_template=CHAT_TEMPLATE if tags else CHAT_TEMPLATE_WITH_TOOLS,
-                    split_digits=True, pad_to_multiple=job.spec.trainer.tensor_parallel)
-    make_tiny_model(path, tok_dir, arch=init.arch, hidden_size=init.hidden_size,
-                    num_layers=init.num_layers, num_heads=init.num_heads,
-                    num_kv_heads=init.num_kv_heads, intermediate_size=init.intermediate_size,
-                    max_position_embeddings=init.max_position_embeddings, seed=init.seed,
-                    tie_word_embeddings=init.tie_word_embeddings,
-                    dtype=job.spec.model.dtype, perturb_norms=False)
-    out.write(f"created model {path} ({time.monotonic() - t0:.1f} s)\n")
-
-
 def main(args: argparse.Namespace) -> int:
     from kiln.cli.local import processes
-    from kiln.cli.local.driver import Driver
+    from kiln.cli.local.progress import LocalProgress
+    from kiln.driver import Driver, FileStore, RunState
     from kiln.cli.local.report import write_report, write_summary
     from kiln.services.buffer.client import GrpcBufferClient
     from kiln.services.common.tracking import Tracker
@@ -123,8 +85,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"kiln run: spec.model.path: {job.spec.model.path} holds no config.json and "
               "spec.model.init is not set", file=sys.stderr)
         return 2
-    prepare_model(job, out)
+    from kiln.cli.local.model import prepare_model
     from kiln.models.support import model_problems
+
+    prepare_model(job, out)
     from kiln.services.rollout.engine import engine_kind
 
     spec = job.spec
@@ -171,8 +135,10 @@ def main(args: argparse.Namespace) -> int:
                 services[name] = processes.restart(services[name], job_file, run_dir, addrs)
             return dead
 
-        driver = Driver(job, run_dir, trainer, rollout, buffer, supervise=supervise,
-                        tracker=tracker)
+        shown = LocalProgress(run_dir, out)
+        driver = Driver(job, trainer, rollout, buffer, RunState.load(FileStore(run_dir / "state.json")),
+                        say=shown.say, on_progress=shown.progress, on_event=shown.event,
+                        supervise=supervise, tracker=tracker)
         state = driver.run()
     except KeyboardInterrupt:
         interrupted = True

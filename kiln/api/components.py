@@ -73,8 +73,14 @@ class RolloutSpec(Model):
     """`interleaved`: the model may open a `<think>` block before any action; `preserved`:
     earlier turns' blocks stay in the context too. An episode is one task and its tool loop,
     in which every block stays in the context, so the two behave the same. `off`: an empty
-    `<think></think>` is written before each action (context, not trained on). `turn-level`
-    is not implemented by the agent loop and is rejected."""
+    `<think></think>` is written before each action (context, not trained on). `turn-level`:
+    the model may think on the first turn and every `thinkEvery`-th turn (an empty block is
+    written before the others), and each thought is dropped from later turns' context; the
+    episode is then trained as one trajectory per stretch whose context only grew. Needs a
+    chat-template tool-call format."""
+    think_every: int = Field(0, ge=0)
+    """With `thinking: turn-level`: the model may also think on every this-many-th turn after
+    the first (0: on the first turn alone)."""
     tool_call_format: Literal["auto", "tags", "hermes", "llama3"] = "auto"
     """How the model's prompts, replies and tool calls are written. `hermes` (Qwen, Hermes:
     `<tool_call>{json}</tool_call>`) and `llama3` (a JSON object per call) render the
@@ -91,6 +97,10 @@ class RolloutSpec(Model):
     trajectories.jsonl (what `kiln trajectories` shows)."""
     enforce_eager: bool = True
     """Run vLLM without CUDA graphs / compilation (faster start-up, slower steps)."""
+    openai_port: int | None = Field(None, ge=1, le=65535)
+    """Also serve the OpenAI chat-completions API on this port, so that an outside agent
+    scaffold can play episodes with the policy (each request names its episode; a reward call
+    ends it and its trajectories go to the buffer). Unset: not served."""
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     """Sampling settings of training episodes (evaluation adds one greedy attempt)."""
     resources: Resources = Field(default_factory=Resources)
@@ -98,9 +108,9 @@ class RolloutSpec(Model):
 
     @model_validator(mode="after")
     def _thinking_supported(self) -> RolloutSpec:
-        if self.thinking == "turn-level":
-            raise ValueError(f"thinking: {self.thinking!r} is not implemented by the agent loop; "
-                             "use 'interleaved', 'preserved' or 'off'")
+        if self.thinking == "turn-level" and self.tool_call_format == "tags":
+            raise ValueError("thinking: 'turn-level' needs a chat-template toolCallFormat (hermes, "
+                             "llama3 or auto), not 'tags', which has no turns to re-render")
         return self
 
 

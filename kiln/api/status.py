@@ -27,13 +27,28 @@ class Condition(Model):
     """RFC 3339 time the status last changed."""
 
 
+class EvaluationResult(Model):
+    """One held-out evaluation, before or after a stage."""
+
+    policy_version: int = 0
+    """The policy version evaluated."""
+    tasks: int = 0
+    """How many tasks of the set were run."""
+    greedy_success: float = 0.0
+    """Fraction solved with greedy decoding."""
+    sampled_success: float = 0.0
+    """Fraction solved with the stage's sampling temperature."""
+    seconds: float = 0.0
+    """How long the evaluation took."""
+
+
 class RLJobStatus(Model):
     """What `kubectl get rljobs` shows; written by the operator, by the launcher locally."""
 
     phase: Phase = "Pending"
     """Pending, Running, Succeeded, Failed or Suspended."""
     conditions: list[Condition] = Field(default_factory=list)
-    """The Valid and Ready conditions."""
+    """The Valid, Ready and Driving conditions."""
     stage: str | None = None
     """The stage the trainer is running."""
     policy_version: int = 0
@@ -50,3 +65,7 @@ class RLJobStatus(Model):
     """Why the job is in its phase, when that needs saying."""
     observed_generation: int | None = None
     """The metadata.generation of the spec the status describes."""
+    finished_stages: list[str] = Field(default_factory=list)
+    """Stages the driver completed, in order (a restarted operator resumes after them)."""
+    evaluations: dict[str, EvaluationResult] = Field(default_factory=dict)
+    """Held-out results keyed "stage/before|after/task set"."""

@@ -15,6 +15,11 @@ reply and keep every thought in the context (the trajectory is the literal token
 model saw, so nothing is rewritten between turns; within one task's tool loop the two modes
 coincide). `off` writes an empty think block before each reply, as chat templates do to switch
 reasoning off: those tokens are context (loss mask 0, no version), not generated.
+`turn-level` lets the model think on the turns the job's rule says (`formats.thinks_on`) and
+drops each thought from later turns' context; the episode then has one segment per stretch
+whose context only grew, each its own trajectory with the episode's reward and group (the
+buffer's group is then counted in trajectories, so a group's baseline weighs a segmented
+episode once per segment).
 
 Not covered: scheduling many episodes and shipping them (`producer.py`).
 """
@@ -23,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kiln.episode import Demonstration, StepResult
 from kiln.services.rollout.engine import Engine, SamplingOptions
@@ -47,62 +52,85 @@ class Limits:
             raise ValueError(f"thinking={self.thinking!r} is not one of {THINKING_MODES}")
 
 
+@dataclass
+class _Segment:
+    """One stretch of an episode whose context only grew: one trajectory."""
+
+    tokens: list[int]
+    mask: list[int] = field(default_factory=list)
+    logp: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    prompt_len: int = 0
+
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.tokens)
+        self.mask, self.logp, self.versions = ([0] * self.prompt_len, [0.0] * self.prompt_len,
+                                               [-1] * self.prompt_len)
+
+    def context(self, ids: list[int]) -> None:
+        self.tokens.extend(ids)
+        self.mask.extend([0] * len(ids))
+        self.logp.extend([0.0] * len(ids))
+        self.versions.extend([-1] * len(ids))
+
+
 async def run_episode(engine: Engine, env: EnvClient, fmt: Format, *, task_set: str,
                       index: int, sampling: SamplingOptions, limits: Limits, group_id: str = "",
-                      ) -> Trajectory:
-    """Play one episode; always closes the environment's episode, even on error."""
+                      ) -> list[Trajectory]:
+    """Play one episode: its trajectories, one per segment (one, unless turn-level thinking
+    dropped a thought from the context), all with the episode's reward. Always closes the
+    environment's episode, even on error."""
     ep = await env.open(task_set, index, limits.max_turns)
     try:
         conv = fmt.conversation(ep)
-        tokens = conv.prompt()
-        prompt_len = len(tokens)
-        mask = [0] * prompt_len
-        logp = [0.0] * prompt_len
-        versions = [-1] * prompt_len
-
-        def context(ids: list[int]) -> None:
-            tokens.extend(ids)
-            mask.extend([0] * len(ids))
-            logp.extend([0.0] * len(ids))
-            versions.extend([-1] * len(ids))
-
+        seg = _Segment(conv.prompt())
+        segments = [seg]
         result = StepResult()
         flags: list[str] = []
         index_hashes: list[int] = []
         for _turn in range(limits.max_turns):
             prefix = conv.action_prefix()
-            budget = min(limits.max_tokens_per_turn, limits.max_total_tokens - len(tokens) - len(prefix))
+            budget = min(limits.max_tokens_per_turn,
+                         limits.max_total_tokens - len(seg.tokens) - len(prefix))
             if budget <= 0:
                 flags.append("truncated")
                 break
-            context(prefix)
-            gen = await engine.generate(tokens, dataclasses.replace(
+            seg.context(prefix)
+            gen = await engine.generate(seg.tokens, dataclasses.replace(
                 sampling, max_tokens=budget, stop_token_ids=tuple(fmt.stop_token_ids)))
-            tokens += gen.token_ids
-            mask += [1] * len(gen.token_ids)
-            logp += gen.logprobs
-            versions += gen.versions
+            seg.tokens += gen.token_ids
+            seg.mask += [1] * len(gen.token_ids)
+            seg.logp += gen.logprobs
+            seg.versions += gen.versions
             # Each generation's hashes cover the whole sequence so far; the last one's win.
             index_hashes = list(gen.index_hashes) or index_hashes
             result = await env.step(ep.episode_id, conv.read_reply(gen.token_ids))
             if result.done:
                 break
-            context(conv.observation(result.outputs))
+            observed = conv.observation(result.outputs)
+            if conv.restarted:
+                seg = _Segment(observed)
+                segments.append(seg)
+            else:
+                seg.context(observed)
         else:
             flags.append("max_turns")
         if not result.done:
             # Out of budget before the episode ended: reward 0, as the verifier gives for "no
             # answer"; the flag says why.
             result = StepResult(reward=0.0, reward_parts={"answered": 0.0}, verifier_output="no answer")
-        return Trajectory(
-            id=uuid.uuid4().hex, task_id=ep.task_id, group_id=group_id or uuid.uuid4().hex,
-            env=ep.env, tokens=tokens, loss_mask=mask, logp_infer=logp,
-            version_spans=spans_from_versions(versions), prompt_len=prompt_len,
+        group = group_id or uuid.uuid4().hex
+        many = len(segments) > 1
+        return [Trajectory(
+            id=uuid.uuid4().hex, task_id=ep.task_id, group_id=group,
+            env=ep.env, tokens=s.tokens, loss_mask=s.mask, logp_infer=s.logp,
+            version_spans=spans_from_versions(s.versions), prompt_len=s.prompt_len,
             reward=result.reward, reward_parts=dict(result.reward_parts),
-            verifier_output=result.verifier_output, flags=flags + list(result.flags),
+            verifier_output=result.verifier_output,
+            flags=flags + list(result.flags) + ([f"segment:{i}"] if many else []),
             sandbox_image_digest=result.sandbox_image_digest,
-            engine_fingerprint=engine.fingerprint, index_hashes=index_hashes,
-            created_at=time.time())
+            engine_fingerprint=engine.fingerprint, index_hashes=index_hashes if s is seg else [],
+            created_at=time.time()) for i, s in enumerate(segments) if any(s.mask) or not many]
     finally:
         await env.close(ep.episode_id)
 

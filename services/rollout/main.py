@@ -6,8 +6,10 @@ Starts the vLLM engine on the job's model, subscribes to weight-sync for new pol
 (applied in place, with exact per-token versions), and serves `kiln.v1.Rollout`, which a stage
 driver uses to set the mode and run evaluations. Addresses of the services it talks to come from
 `KILN_SANDBOX_ADDR` (environment episodes), `KILN_BUFFER_ADDR` and `KILN_WEIGHT_SYNC_ADDR`, as the
-operator sets them in the pod. Every tenth finished trajectory is also kept in
-`<run-dir>/trajectories.jsonl` for `kiln trajectories`.
+operator sets them in the pod. With `spec.rollout.openaiPort` set it also serves the OpenAI
+chat-completions API there (`openai_server.py`), whose rewarded episodes go to the buffer.
+Every tenth finished trajectory is also kept in `<run-dir>/trajectories.jsonl` for
+`kiln trajectories`.
 """
 from __future__ import annotations
 
@@ -57,7 +59,8 @@ async def build(job: RLJob | None, args: argparse.Namespace):
     tokenizer = AutoTokenizer.from_pretrained(spec.model.tokenizer or spec.model.path)
     model_type = json.loads((Path(spec.model.path) / "config.json").read_text()).get("model_type", "")
     fmt = make_format(choose_format(spec.rollout.tool_call_format, tokenizer, model_type),
-                      tokenizer, thinking=spec.rollout.thinking)
+                      tokenizer, thinking=spec.rollout.thinking,
+                      think_every=spec.rollout.think_every)
     # vLLM has no CPU path for DSA checkpoints; the trainer's own model code generates instead.
     engine = await start_engine(engine_kind(spec.rollout.engine, spec.model.path),
                                 EngineSettings.from_job(job))
@@ -86,8 +89,24 @@ async def build(job: RLJob | None, args: argparse.Namespace):
         subscribe_and_apply(sync_channel, f"rollout-{socket.gethostname()}-{os.getpid()}", apply))
     metrics.POLICY_VERSION.labels("rollout").set(engine.policy_version)
     servicer = RolloutServicer(producer, task_sets)
+    openai = None
+    if spec.rollout.openai_port:
+        from kiln.services.rollout.openai_episodes import ExternalEpisodes
+        from kiln.services.rollout.openai_server import OpenAIServer
+
+        async def to_buffer(trajs, group_size: int) -> None:
+            await buffer.put_async(trajs, group_size)
+
+        openai = OpenAIServer(
+            ExternalEpisodes(engine, fmt, to_buffer, max_tokens_per_turn=s.max_tokens_per_turn,
+                             max_total_tokens=s.max_total_tokens),
+            model_name=Path(spec.model.path).name, tokenizer=tokenizer, host="0.0.0.0",
+            port=spec.rollout.openai_port)
+        await openai.start()
 
     async def on_stop() -> None:
+        if openai is not None:
+            await openai.stop()
         subscription.cancel()
         await producer.stop()
         await engine.close()

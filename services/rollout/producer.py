@@ -175,8 +175,8 @@ class Producer:
                     run_episode(self.engine, self.env, self.fmt, task_set=task_set, index=index,
                                 sampling=self.sampling, limits=self.limits, group_id=gid)
                     for _ in range(group)], return_exceptions=True)
-                trajs = [r for r in results if isinstance(r, Trajectory)]
-                errors = [r for r in results if not isinstance(r, Trajectory)]
+                trajs = [t for r in results if isinstance(r, list) for t in r]
+                errors = [r for r in results if not isinstance(r, list)]
                 for err in errors:
                     metrics.EPISODES.labels("error").inc()
                     log.warning("episode of %s[%d] failed: %r", task_set, index, err)
@@ -232,11 +232,11 @@ class Producer:
 
         async def one(index: int, temperature: float) -> float:
             async with sem:
-                t = await run_episode(
+                trajs = await run_episode(
                     self.engine, self.env, self.fmt, task_set=task_set, index=index,
                     sampling=dataclasses.replace(self.sampling, temperature=temperature, seed=None),
                     limits=self.limits)
-                return t.reward
+                return trajs[0].reward
 
         greedy_rewards = await asyncio.gather(*[one(i, 0.0) for i in range(n)]) if greedy else []
         sampled = await asyncio.gather(*[one(i, self.sampling.temperature)

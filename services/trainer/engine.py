@@ -155,6 +155,9 @@ class TrainerEngine:
         self.model.train()
         stats = LossStats()
         losses, norms = [], []
+        # The learning rate of this step (a stage sets it per step): every minibatch of the step
+        # takes it, and it is the one reported.
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
         for part in parts:
             mask = tb.loss_mask[part]
             if aggregation == "token_mean":
@@ -173,8 +176,8 @@ class TrainerEngine:
                 stats = stats.merge(st)
             norms.append(self._clip_grads())
             self.optimizer.step()
-            self.scheduler.step()
             losses.append(part_loss)
+        self.scheduler.step()
         self.step_count += 1
 
         elapsed = time.perf_counter() - t0
@@ -183,7 +186,7 @@ class TrainerEngine:
             "policy_version": float(self.policy_version),
             "loss": sum(losses) / len(losses),
             "grad_norm": sum(norms) / len(norms),
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": lrs[0],
             "sequences": float(len(batch)),
             "step_time_s": elapsed,
             "tokens_per_s": tb.num_tokens / elapsed if elapsed > 0 else 0.0,

@@ -7,7 +7,6 @@ gRPC; its gRPC servicer is a thin translation tested by the `kiln run` integrati
 from __future__ import annotations
 
 import asyncio
-import random
 from pathlib import Path
 
 import pytest
@@ -46,10 +45,11 @@ def test_episode_records_versions_masks_and_reward(setup):
         engine = await TorchEngine.start(EngineSettings(model=str(model), dtype="float32", seed=1))
         env = LocalEnvClient(EpisodeManager(job, base_dir=REPO, owner="test-agent"))
         sampling = SamplingOptions(temperature=1.0, max_tokens=16)
-        trajs = await asyncio.gather(*[
+        trajs = [t for ts in await asyncio.gather(*[
             run_episode(engine, env, fmt, task_set="chain-train", index=i, sampling=sampling,
                         limits=Limits(max_turns=3, max_tokens_per_turn=16, max_total_tokens=128),
-                        group_id="g") for i in range(4)])
+                        group_id="g") for i in range(4)]) for t in ts]
+        assert len(trajs) == 4  # one segment each: nothing rewrote a context
         demo = await env.demonstrate("chain-train", 0, seed=0)
         return trajs, demonstration_trajectory(demo, fmt, version=engine.policy_version)
 
@@ -182,12 +182,12 @@ def test_thinking_off_writes_an_empty_block_before_each_action(setup):
     async def main():
         engine = await TorchEngine.start(EngineSettings(model=str(model), dtype="float32", seed=2))
         env = LocalEnvClient(EpisodeManager(job, base_dir=REPO, owner="test-think"))
-        return await asyncio.gather(*[
+        return [t for ts in await asyncio.gather(*[
             run_episode(engine, env, fmt, task_set="chain-train", index=i,
                         sampling=SamplingOptions(temperature=1.0, max_tokens=16),
                         limits=Limits(max_turns=3, max_tokens_per_turn=16, max_total_tokens=128,
                                       thinking="off"))
-            for i in range(3)])
+            for i in range(3)]) for t in ts]
 
     fmt = make_format("tags", fmt.tokenizer, thinking="off")
     block = fmt.tokenizer.encode(EMPTY_THINK, add_special_tokens=False)
@@ -200,4 +200,4 @@ def test_thinking_off_writes_an_empty_block_before_each_action(setup):
             assert t.tokens[i - len(block):i] == block
             assert not any(t.loss_mask[i - len(block):i])
     with pytest.raises(ValueError, match="thinking"):
-        Limits(thinking="turn-level")
+        Limits(thinking="sometimes")

@@ -76,9 +76,10 @@ SETS = {"terminal": "terminal.jsonl", "swe": "swe.jsonl", "search": "search.json
 def _job(tmp: Path) -> Path:
     tasks = [{"name": name, "env": name if name != "echo" else {"plugin": "echo_env:EchoFileEnv"},
               "path": str(TASKS / file)} for name, file in SETS.items()]
+    tasks.append({"name": "lookup", "env": "lookup", "generate": {"count": 8, "seed": 1, "numSteps": 3}})
     job = {"apiVersion": "kiln.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "episodes"},
            "spec": {"model": {"path": str(tmp / "no-model")}, "tasks": tasks,
-                    "stages": [{"name": "rl", "type": "rl", "tasks": list(SETS), "batchSize": 8,
+                    "stages": [{"name": "rl", "type": "rl", "tasks": [*SETS, "lookup"], "batchSize": 8,
                                 "microBatchSize": 8}],
                     "rollout": {"maxTurns": 6}, "sandbox": {"timeoutSeconds": 20}}}
     path = tmp / "job.yaml"
@@ -175,3 +176,32 @@ def test_editing_hidden_tests_scores_zero(env_address, edit):
     _, _, results = asyncio.run(_play(env_address, "swe", 0, actions))
     final = results[-1]
     assert final.done and final.reward == 0.0 and "tests_modified" in final.flags, final
+
+
+def test_lookup_tasks_score_the_file_the_shell_wrote(env_address):
+    """The terminal quickstart's tasks: the scripted solver, played for real in the sandbox,
+    scores what its demonstration's grade says (1 unless its blind spot dropped a 0); a
+    written wrong number and no answer score 0."""
+    import random
+    from types import SimpleNamespace
+
+    from kiln.services.sandbox.environments.lookup import LookupEnvironment
+
+    env = LookupEnvironment()
+    tasks = env.generate_tasks(SimpleNamespace(count=8, seed=1, split="train", num_steps=3))
+    seen = set()
+    for index, task in enumerate(tasks):
+        turns = env.demonstrate(task, random.Random(index))
+        expected = env.grade_demonstration(task, turns).reward
+        seen.add(expected)
+        actions = [Action(list(t.tool_calls), t.content) for t in turns]
+        _, ep, results = asyncio.run(_play(env_address, "lookup", index, actions))
+        assert ep.task_id == task.id and [t.name for t in ep.tools] == ["bash"]
+        for r, turn in zip(results, turns):
+            if not r.done:  # what the sandbox printed is what the solver knew it would
+                assert [o.content for o in r.outputs] == turn.outputs
+        assert results[-1].done and results[-1].reward == expected, (task.id, results[-1])
+        wrong = [call("bash", command=f"echo {task.answer % 89 + 10} > answer.txt"), answer("Done.")]
+        _, _, results = asyncio.run(_play(env_address, "lookup", index, wrong))
+        assert results[-1].reward == 0.0
+    assert 1.0 in seen

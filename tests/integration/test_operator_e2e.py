@@ -1,6 +1,6 @@
 """End-to-end: the real operator (kopf, in-process via KopfRunner) against a fake API server.
 
-The API server is `kube_fakes.KubeApiFake` (no real one can run here). Each test creates its
+The API server is `kiln.cli.devcluster.api.KubeApiFake` (no real one can run here). Each test creates its
 own RLJob through the Kubernetes client, as `kubectl apply` would, and waits for the operator
 to act. Status comes over real gRPC: a real `kiln-buffer` process and a trainer health server,
 both on unix sockets named after the job (`KILN_OPERATOR_ADDRESS_TEMPLATE`).
@@ -23,7 +23,7 @@ import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kiln.protos.kiln.v1 import trainer_pb2, trainer_pb2_grpc
-from tests.integration.kube_fakes import RLJOBS, running_fake_api, write_kubeconfig
+from kiln.cli.devcluster.api import RLJOBS, running_fake_api, write_kubeconfig
 
 NS = "kiln-e2e"
 GROUP, VERSION, PLURAL = "kiln.dev", "v1alpha1", "rljobs"
@@ -137,12 +137,18 @@ class Cluster:
 
 
 class _TrainerStatus(trainer_pb2_grpc.TrainerServicer):
-    """GetTrainerStatus of a trainer at `policy_version`, in stage "sft"."""
+    """GetTrainerStatus of a trainer at `policy_version`, in stage "sft"; RunStage (the
+    operator's stage driver sends it) is accepted and changes nothing. No rollout answers, so
+    the driver keeps waiting for it: these tests are about children and status; a job driven to
+    the end is test_dev_cluster's."""
 
     policy_version = 0
 
     def GetTrainerStatus(self, request, context):  # noqa: N802 - gRPC method name
         return trainer_pb2.TrainerStatus(policy_version=self.policy_version, stage="sft")
+
+    def RunStage(self, request, context):  # noqa: N802 - gRPC method name
+        return self.GetTrainerStatus(request, context)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.integration.kube_fakes import running_fake_api, write_kubeconfig
+from kiln.cli.devcluster.api import running_fake_api, write_kubeconfig
 
 ROOT = Path(__file__).resolve().parents[2]
 OPERATOR = Path(sys.executable).parent / "kiln-operator"

@@ -28,7 +28,8 @@ SMALL: dict[str, Any] = {
 FULL: dict[str, Any] = {
     **SMALL,
     "model": {"path": "qwen/7b", "pvc": "models"},
-    "rollout": {"replicas": 4, "resources": {"cpu": "8", "memory": "64Gi", "gpu": 1}},
+    "rollout": {"replicas": 4, "resources": {"cpu": "8", "memory": "64Gi", "gpu": 1},
+                "openaiPort": 8000},
     "trainer": {"tensorParallel": 2, "resources": {"cpu": "16", "memory": "128Gi", "gpu": 2}},
     "sandbox": {"backend": "docker", "image": "python:3.12-slim", "cpu": 0.5, "memory": "1Gi",
                 "maxConcurrent": 16, "replicas": 2},
@@ -126,6 +127,17 @@ def test_service_containers_run_the_component_with_spec_resources_and_grpc_probe
     pvcs = {k: v for k, v in by_name(objs).items() if k.startswith("PersistentVolumeClaim/")}
     assert pvcs["PersistentVolumeClaim/demo-buffer"]["spec"]["storageClassName"] == "fast"
     assert pvcs["PersistentVolumeClaim/demo-checkpoints"]["spec"]["resources"]["requests"] == {"storage": "200Gi"}
+
+
+def test_the_openai_endpoint_gets_a_container_and_service_port_only_when_asked() -> None:
+    for data, want in ((FULL, [8000]), (SMALL, [])):
+        objs = children.desired_children(JOB, spec(data))
+        pod = workload(objs, "rollout")["spec"]["template"]["spec"]
+        ports = [p["containerPort"] for p in pod["containers"][0]["ports"] if p["name"] == "openai"]
+        service = by_name(objs)["Service/demo-rollout"]["spec"]["ports"]
+        assert ports == want and [p["port"] for p in service if p["name"] == "openai"] == want
+        others = [by_name(objs)[f"Service/demo-{c}"]["spec"]["ports"] for c in COMPONENTS if c != "rollout"]
+        assert all(p["name"] != "openai" for ports_ in others for p in ports_)
 
 
 def test_docker_sandbox_gets_a_privileged_dind_sidecar_sized_from_the_spec() -> None:

@@ -1,8 +1,6 @@
 """Generated gRPC code is committed; it must match a fresh generation from the .proto files."""
 from __future__ import annotations
 
-from pathlib import Path
-
 from kiln.protos.generate import PROTO_DIR, generate_to_temp
 
 
@@ -30,3 +28,18 @@ def test_trajectory_message_round_trips():
     assert back == msg
     assert list(back.logp_infer) == [0.0, -0.5, -1.25]
     assert back.version_spans[0].policy_version == 7
+
+
+def test_control_records_match_the_wire():
+    """kiln.control's torch-free records and kiln.v1's messages agree: enum values and a round
+    trip through the converters every service and the operator use."""
+    from kiln.control import ModeRequest, RolloutMode, TrainerStatus
+    from kiln.protos import control
+    from kiln.protos.kiln.v1 import rollout_pb2 as rpb
+
+    assert {m.name: int(m) for m in RolloutMode} == dict(rpb.RolloutMode.items())
+    mode = ModeRequest(RolloutMode.EXPLORE, "rl", ["a", "b"], 8, True, 64, 3)
+    assert control.mode_from_proto(control.mode_to_proto(mode)) == mode
+    status = TrainerStatus(step=4, policy_version=4, stage="rl", last_metrics={"loss": 0.5},
+                           stage_step=2, stage_max_steps=10, message="ok")
+    assert control.trainer_status_from_proto(control.trainer_status_to_proto(status)) == status

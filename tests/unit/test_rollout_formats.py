@@ -8,7 +8,6 @@ than the ones sampled; the trajectory must carry the sampled ones.
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -144,7 +143,7 @@ def test_trajectory_tokens_are_the_sampled_ones_across_a_tool_call_boundary(chat
     assert sampled != retokenized  # the case this test is about
     answer = chat_tok.encode("3", add_special_tokens=False) + [chat_tok.eos_token_id]
     engine, env = ScriptedEngine([sampled, answer]), OneCallEnv()
-    traj = asyncio.run(run_episode(engine, env, fmt, task_set="t", index=0,
+    [traj] = asyncio.run(run_episode(engine, env, fmt, task_set="t", index=0,
                                    sampling=SamplingOptions(), limits=Limits(max_turns=4)))
     assert [(c.name, c.arguments) for c in env.actions[0].tool_calls] == [("bash", {"command": "ls 7"})]
     assert env.actions[1].content == "3" and traj.reward == 1.0
@@ -167,6 +166,47 @@ def test_thinking_off_prefixes_an_empty_think_block(chat_tok):
     fmt = make_format("hermes", chat_tok, thinking="off")
     conv = fmt.conversation(EPISODE)
     assert chat_tok.decode(conv.action_prefix()) == "<think>\n\n</think>\n\n"
+
+
+class CallsEnv(OneCallEnv):
+    """Bash calls until the model answers."""
+
+    async def step(self, episode_id, action):
+        self.actions.append(action)
+        if action.tool_calls:
+            return StepResult([ToolOutput(c.id, c.name, f"out{len(self.actions)}") for c in action.tool_calls])
+        return StepResult(done=True, reward=1.0)
+
+
+def test_turn_level_thinking_drops_thoughts_and_starts_a_segment(chat_tok):
+    fmt = make_format("hermes", chat_tok, thinking="turn-level", think_every=2)
+    enc = lambda text: chat_tok.encode(text, add_special_tokens=False)  # noqa: E731
+    call = '<tool_call>{"name": "bash", "arguments": {"command": "ls 1"}}</tool_call>'
+    eos = [chat_tok.eos_token_id]
+    replies = [enc("<think>plan A</think>\n\n" + call) + eos,   # turn 0 thinks
+               enc(call) + eos,                                 # turn 1: empty block written
+               enc("<think>plan B</think>\n\n" + call) + eos,   # turn 2 thinks (every 2nd)
+               enc("3") + eos]
+    engine, env = ScriptedEngine([list(r) for r in replies]), CallsEnv()
+    trajs = asyncio.run(run_episode(engine, env, fmt, task_set="t", index=0,
+                                    sampling=SamplingOptions(), limits=Limits(max_turns=6)))
+    # A new segment after each turn that thought: [turn 0], [turns 1-2], [turn 3].
+    assert [t.flags for t in trajs] == [["segment:0"], ["segment:1"], ["segment:2"]]
+    trained = [[tok for tok, m in zip(t.tokens, t.loss_mask) if m] for t in trajs]
+    assert trained == [replies[0], replies[1] + replies[2], replies[3]]
+    seen = [chat_tok.decode(p, skip_special_tokens=False) for p in engine.prompts]
+    assert "plan A" not in seen[1] and "plan A" not in seen[2] and "plan B" not in seen[3]
+    # Turn 1 was told not to think; turn 2 was free to.
+    assert seen[1].endswith("<think>\n\n</think>\n\n") and not seen[2].endswith("</think>\n\n")
+    for t, prompt in zip(trajs, (engine.prompts[0], engine.prompts[1], engine.prompts[3])):
+        t.check()
+        assert t.tokens[:len(prompt)] == prompt and t.reward == 1.0  # exactly what was seen
+    assert all(t.group_id == trajs[0].group_id for t in trajs)
+
+
+def test_turn_level_thinking_needs_a_chat_template(chat_tok):
+    with pytest.raises(ValueError, match="turn-level"):
+        make_format("tags", chat_tok, thinking="turn-level")
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused(chat_tok):
@@ -206,7 +246,7 @@ def test_demonstration_renders_replies_in_the_family_format(chat_tok):
     assert trained == ('<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>'
                        "<|im_end|>2<|im_end|>")
     untrained = chat_tok.decode([t for t, m in zip(tokens[prompt_len:], mask[prompt_len:]) if not m])
-    assert "<tool_response>\na b\n</tool_response>" in untrained
+    assert "<|im_start|>tool\na b<|im_end|>" in untrained
 
 
 # ------------------------------------------------------------------------------------ tags

@@ -100,8 +100,8 @@ CASES = {
     "source-both": (_mutate(lambda d: d["spec"]["tasks"][0].update(path="x.jsonl")),
                     "spec.tasks[0]", "exactly one of path or generate"),
     "not-a-mapping": ("- just\n- a list\n", "", "expected a mapping"),
-    "thinking-not-implemented": (_mutate(lambda d: d["spec"].setdefault("rollout", {}).update(thinking="turn-level")),
-                                 "spec.rollout", "'turn-level' is not implemented"),
+    "turn-level-with-tags": (_mutate(lambda d: d["spec"].setdefault("rollout", {}).update(
+        thinking="turn-level", toolCallFormat="tags")), "spec.rollout", "'turn-level' needs a chat-template"),
 }
 
 

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from kiln.episode import Action, Demonstration, EpisodeInfo, ToolOutput
 
 FORMAT_NAMES = ("tags", "hermes", "llama3")
-THINKING_MODES = ("interleaved", "preserved", "off")
+THINKING_MODES = ("interleaved", "preserved", "turn-level", "off")
 
 
 class Conversation(Protocol):
@@ -38,7 +38,11 @@ class Conversation(Protocol):
 
     def observation(self, outputs: list[ToolOutput]) -> list[int]:
         """The tokens that follow the last reply: its tools' outputs, and whatever the format
-        writes before the next reply."""
+        writes before the next reply. With turn-level thinking, after a reply that thought, the
+        whole context re-rendered without its thoughts instead, and `restarted` is set."""
+
+    restarted: bool
+    """The last `observation` returned a new context rather than tokens to append."""
 
 
 class Format(Protocol):
@@ -87,13 +91,23 @@ def choose_format(setting: str, tokenizer: Any, model_type: str = "") -> str:
     return "llama3" if model_type == "llama" else "hermes"
 
 
-def make_format(name: str, tokenizer: Any, *, thinking: str = "interleaved") -> Format:
+def thinks_on(turn: int, think_every: int) -> bool:
+    """Turn-level thinking: whether the model may think on `turn` (0-based): the first turn,
+    and every `think_every`-th after it (0: the first alone)."""
+    return turn == 0 or (think_every > 0 and turn % think_every == 0)
+
+
+def make_format(name: str, tokenizer: Any, *, thinking: str = "interleaved",
+                think_every: int = 0) -> Format:
     if thinking not in THINKING_MODES:
         raise ValueError(f"thinking={thinking!r} is not one of {THINKING_MODES}")
     if name == "tags":
+        if thinking == "turn-level":
+            raise ValueError("thinking 'turn-level' needs a chat-template format (hermes or "
+                             "llama3): the tags format has no turns to re-render")
         from kiln.services.rollout.formats.tags import TagsFormat
         return TagsFormat(tokenizer, thinking=thinking)
     if name in ("hermes", "llama3"):
         from kiln.services.rollout.formats.chat import ChatFormat
-        return ChatFormat(tokenizer, name, thinking=thinking)
+        return ChatFormat(tokenizer, name, thinking=thinking, think_every=think_every)
     raise ValueError(f"tool-call format {name!r} is not one of {FORMAT_NAMES}")

@@ -9,28 +9,45 @@ reply's header. Earlier replies go into the template as their raw sampled text, 
 never re-serializes a call differently from how it was sampled. A template that rewrites
 earlier turns (one that drops past think blocks, say) cannot be rendered this way; the
 conversation says so (ValueError) rather than train on tokens the model did not see.
+
+Turn-level thinking (`thinking="turn-level"`): the model may think on the first turn and every
+`think_every`-th one; other turns get the empty think block written before them. After a turn
+whose reply thought, its thought is dropped from every later turn's context: the conversation
+re-renders the whole context without it (`restarted`), and the agent loop starts a new segment
+of the episode there, so each segment is still exactly what the model saw. Empty think blocks
+stay where they were written.
 """
 from __future__ import annotations
 
 from typing import Any
 
+import re
+
 from kiln.env import ToolCall
 from kiln.episode import Action, EpisodeInfo, ToolOutput
-from kiln.services.rollout.formats import toolcalls
+from kiln.services.rollout.formats import thinks_on, toolcalls
 
 #: Written before each reply when thinking is off (as Qwen3's template does).
 EMPTY_THINK = "<think>\n\n</think>\n\n"
+#: A thought with something in it, and the whitespace after it.
+_THOUGHT_RE = re.compile(r"<think>(?!\s*</think>).*?</think>\s*", re.S)
 
 
 class ChatConversation:
-    def __init__(self, fmt: "ChatFormat", episode: EpisodeInfo) -> None:
+    def __init__(self, fmt: "ChatFormat", episode: EpisodeInfo,
+                 history: list[dict[str, Any]] | None = None) -> None:
+        """`history`: template messages to open with instead of `episode.messages` (a
+        conversation an outside agent began, with earlier turns in it)."""
         self.fmt, self.episode = fmt, episode
-        self.messages: list[dict[str, Any]] = [{"role": m.role, "content": m.content}
-                                               for m in episode.messages]
+        self.messages: list[dict[str, Any]] = (list(history) if history is not None else
+                                               [{"role": m.role, "content": m.content}
+                                                for m in episode.messages])
         self.tools = [t.to_openai() for t in episode.tools] or None
         self._rendered = self._render(add_generation_prompt=True)
         self._reply_text = ""
         self._calls = 0
+        self.turn = 0
+        self.restarted = False
 
     def _render(self, add_generation_prompt: bool) -> str:
         return self.fmt.tokenizer.apply_chat_template(
@@ -41,12 +58,15 @@ class ChatConversation:
         return self.fmt.encode(self._rendered)
 
     def action_prefix(self) -> list[int]:
+        if self.fmt.thinking == "turn-level":
+            return [] if thinks_on(self.turn, self.fmt.think_every) else list(self.fmt.empty_think)
         return list(self.fmt.prefix)
 
     def read_reply(self, token_ids: list[int]) -> Action:
         tok = self.fmt.tokenizer
-        raw = tok.decode(self.fmt.prefix + list(token_ids), skip_special_tokens=False,
+        raw = tok.decode(self.action_prefix() + list(token_ids), skip_special_tokens=False,
                          clean_up_tokenization_spaces=False)
+        self.turn += 1
         self._reply_text = raw
         content = raw
         for end in self.fmt.end_texts:
@@ -61,6 +81,24 @@ class ChatConversation:
         return action
 
     def observation(self, outputs: list[ToolOutput]) -> list[int]:
+        messages = [{"role": "tool", "content": o.content, "name": o.name,
+                     "tool_call_id": o.tool_call_id} for o in outputs]
+        self.restarted = False
+        if self.fmt.thinking == "turn-level" and _THOUGHT_RE.search(self._reply_text):
+            for m in self.messages:
+                if m["role"] == "assistant" and m.get("content"):
+                    m["content"] = _THOUGHT_RE.sub("", m["content"])
+            self.messages.extend(messages)
+            self._rendered = self._render(add_generation_prompt=True)
+            self._reply_text = ""
+            self.restarted = True
+            return self.fmt.encode(self._rendered)
+        return self.append(messages)
+
+    def append(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The tokens that follow the last reply when `messages` (tool results, a user's next
+        message) come after it: the rest of the reply's message as the template closes it, the
+        messages, and the next reply's header."""
         before = self._render(add_generation_prompt=False)
         if not before.startswith(self._rendered):
             raise ValueError("the chat template renders earlier turns differently once a reply "
@@ -70,19 +108,19 @@ class ChatConversation:
             raise ValueError("the chat template does not write an assistant reply as sampled "
                              f"(it wrote {assistant[:80]!r} for {self._reply_text[:80]!r}); its "
                              "conversations cannot be kept token-exact")
-        for o in outputs:
-            self.messages.append({"role": "tool", "content": o.content, "name": o.name,
-                                  "tool_call_id": o.tool_call_id})
+        self.messages.extend(messages)
         after = self._render(add_generation_prompt=True)
         if not after.startswith(before):
-            raise ValueError("the chat template renders earlier turns differently once a tool "
-                             "message is added; its conversations cannot be kept token-exact")
+            raise ValueError("the chat template renders earlier turns differently once a "
+                             f"{messages[0]['role'] if messages else ''} message is added; its "
+                             "conversations cannot be kept token-exact")
         self._rendered = after
         return self.fmt.encode(assistant[len(self._reply_text):] + after[len(before):])
 
 
 class ChatFormat:
-    def __init__(self, tokenizer: Any, name: str, *, thinking: str = "interleaved") -> None:
+    def __init__(self, tokenizer: Any, name: str, *, thinking: str = "interleaved",
+                 think_every: int = 0) -> None:
         if name not in toolcalls.FORMATS:
             raise ValueError(f"tool-call format {name!r} is not one of {toolcalls.FORMATS}")
         if not getattr(tokenizer, "chat_template", None):
@@ -91,13 +129,16 @@ class ChatFormat:
         eos = tokenizer.eos_token_id
         self.stop_token_ids = [eos] if eos is not None else []
         self.end_texts = [tokenizer.eos_token] if tokenizer.eos_token else []
-        self.prefix = self.encode(EMPTY_THINK) if thinking == "off" else []
+        self.thinking, self.think_every = thinking, think_every
+        self.empty_think = self.encode(EMPTY_THINK)
+        self.prefix = self.empty_think if thinking == "off" else []
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def conversation(self, episode: EpisodeInfo) -> ChatConversation:
-        return ChatConversation(self, episode)
+    def conversation(self, episode: EpisodeInfo,
+                     history: list[dict[str, Any]] | None = None) -> ChatConversation:
+        return ChatConversation(self, episode, history)
 
     def reply_ids(self, content: str, tool_calls: list[ToolCall]) -> list[int]:
         text = toolcalls.render(tool_calls, content, self.name)

@@ -38,6 +38,8 @@ def _argument_name(tool: ToolSpec) -> str:
 
 
 class TagsConversation:
+    restarted = False
+
     def __init__(self, fmt: "TagsFormat", episode: EpisodeInfo) -> None:
         self.fmt, self.episode = fmt, episode
         self.tools = {t.name: t for t in episode.tools}

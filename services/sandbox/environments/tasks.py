@@ -18,13 +18,14 @@ from pydantic import ValidationError
 from .base import Environment, Task
 from .chain import ChainEnvironment
 from .code import CodeEnvironment
+from .lookup import LookupEnvironment
 from .search import SearchEnvironment
 from .swe import SweEnvironment
 from .terminal import TerminalEnvironment
 
 ENVIRONMENTS: dict[str, type[Environment]] = {
-    "chain": ChainEnvironment, "terminal": TerminalEnvironment, "swe": SweEnvironment,
-    "search": SearchEnvironment, "code": CodeEnvironment,
+    "chain": ChainEnvironment, "lookup": LookupEnvironment, "terminal": TerminalEnvironment,
+    "swe": SweEnvironment, "search": SearchEnvironment, "code": CodeEnvironment,
 }
 
 

@@ -1,8 +1,9 @@
-"""A stand-in for a Kubernetes API server, for end-to-end tests of the operator.
+"""A stand-in for a Kubernetes API server: the development cluster's API (`kiln dev-cluster`)
+and the operator's end-to-end tests.
 
-No Kubernetes API server can run on the CI machines, so the operator's end-to-end tests talk to
-kmock's in-memory emulator over real HTTP. kmock 0.8 needs a few fixes to satisfy kopf 1.45;
-they all live here, in `KubeApiFake`:
+No Kubernetes API server can run on the development and CI machines, so the local cluster
+serves kmock's in-memory emulator over real HTTP. kmock 0.8 needs a few fixes to satisfy kopf
+1.45 and kubectl; they all live here, in `KubeApiFake`:
 
 - objects get `metadata.uid`, `resourceVersion`, `creationTimestamp` and `generation` on
   create; every patch bumps `resourceVersion` (kopf's JSON-patches `test` it) and a patch of
@@ -14,12 +15,13 @@ they all live here, in `KubeApiFake`:
 - a watch misses no event that happens while it starts, and does not announce again what the
   client listed at the `resourceVersion` it passes.
 
-What it still is not: there is no garbage collection (assert owner references instead of
-cascading deletion), no label selectors (clients filter), no schema validation or defaulting,
-no controllers (Deployments never get pods). `running_fake_api()` serves it from a thread of
-its own (the operator under test runs in another), and `write_kubeconfig` points clients at it.
+What it still is not: there is no garbage collection here (the development cluster's node agent
+does it, `kiln.cli.devcluster.node`), no label selectors (clients filter), no schema validation
+or defaulting, no admission, no OpenAPI document (`kubectl apply` needs `--validate=false`).
+`running_fake_api()` serves it from a thread of its own, and `write_kubeconfig` points clients
+at it.
 
-The code under test (the operator) stays real; only the API server is fake.
+Whoever uses it stays real (the operator, kubectl, the node agent); only the API server is fake.
 """
 from __future__ import annotations
 
@@ -53,7 +55,10 @@ _BUILTIN = {
     "v1/namespaces": "Namespace",
     "apps/v1/deployments": "Deployment",
     "apps/v1/statefulsets": "StatefulSet",
+    "v1/pods": "Pod",
 }
+_WITH_STATUS = {"Deployment", "StatefulSet", "Pod"}
+CRDS = "apiextensions.k8s.io/v1/customresourcedefinitions"
 _VERBS = {"create", "delete", "get", "list", "patch", "update", "watch"}
 
 
@@ -65,8 +70,12 @@ class KubeApiFake(kmock.KubernetesEmulator):
         self._versions = itertools.count(1)
         self.namespaces: set[str] = set()
         for path, kind in _BUILTIN.items():
-            self.resources[path] = ResourceInfo(kind=kind, singular=kind.lower(), verbs=_VERBS,
-                                                namespaced=kind != "Namespace")
+            self.resources[path] = ResourceInfo(
+                kind=kind, singular=kind.lower(), verbs=_VERBS, namespaced=kind != "Namespace",
+                subresources={"status"} if kind in _WITH_STATUS else set())
+        self.resources[CRDS] = ResourceInfo(kind="CustomResourceDefinition",
+                                            singular="customresourcedefinition", verbs=_VERBS,
+                                            namespaced=False)
         self.resources[RLJOBS] = ResourceInfo(kind=KIND, singular=KIND.lower(), verbs=_VERBS,
                                               namespaced=True, subresources={"status"})
 
@@ -220,7 +229,7 @@ def write_kubeconfig(path: Path, url: str, namespace: str) -> Path:
 
 
 @contextmanager
-def running_fake_api() -> Iterator[tuple[KubeApiFake, str]]:
+def running_fake_api(port: int = 0) -> Iterator[tuple[KubeApiFake, str]]:
     """Serve a `KubeApiFake` on 127.0.0.1 from a background thread; yields (fake, url)."""
     loop = asyncio.new_event_loop()
     started: dict[str, Any] = {}
@@ -228,7 +237,7 @@ def running_fake_api() -> Iterator[tuple[KubeApiFake, str]]:
     stop = asyncio.Event()
 
     async def serve() -> None:
-        async with KubeApiFake() as fake, kmock.Server(fake) as server:
+        async with KubeApiFake() as fake, kmock.Server(fake, port=port or None) as server:
             fake.loop, fake.thread = loop, threading.current_thread()
             started["fake"], started["url"] = fake, str(server.url).rstrip("/")
             ready.set()

@@ -1,0 +1,197 @@
+"""The OpenAI endpoint's overhead per call against Kiln's own episode path, at N concurrent
+episodes.
+
+Both paths play the same 3-turn tool-using episode (the tiny tool-calling model of
+tests/integration/toolcall_model.py, tool outputs scripted) on one vLLM engine:
+- baseline: the rollout's agent loop (`agent.run_episode`), which calls the engine directly and
+  reaches the environment through the `EnvClient` interface (here an in-process script);
+- openai: the official `openai` client (AsyncOpenAI) over HTTP against the rollout's
+  `OpenAIServer`, whose `ExternalEpisodes` stitch the calls into a trajectory, then the reward
+  call.
+- http: the same requests as plain JSON with aiohttp, which isolates the endpoint from the
+  `openai` client's own cost (that client runs in this process, on the same cores).
+Prints one line per path (wall time, calls, mean and p50/p99 latency of a call) and the
+overhead per call of each against the baseline: (mean - baseline mean) / baseline mean.
+
+    python benchmarks/openai_endpoint/overhead.py [--episodes 128] [--rounds 2]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+import httpx  # noqa: E402
+from openai import AsyncOpenAI  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from kiln.episode import EpisodeInfo, Message, StepResult, ToolOutput  # noqa: E402
+from kiln.services.rollout.agent import Limits, run_episode  # noqa: E402
+from kiln.services.rollout.engine import EngineSettings, SamplingOptions, start_engine  # noqa: E402
+from kiln.services.rollout.formats import make_format  # noqa: E402
+from kiln.services.rollout.openai_episodes import ExternalEpisodes  # noqa: E402
+from kiln.services.rollout.openai_server import OpenAIServer  # noqa: E402
+from tests.integration.toolcall_model import BASH, PROMPT, SCRIPT, TOOLS, make_toolcall_model  # noqa: E402
+
+TURNS = 3
+
+
+class ScriptEnv:
+    """The episode's environment for the baseline: SCRIPT's outputs, then the end."""
+
+    def __init__(self, latencies: list[float]) -> None:
+        self.latencies, self._turn, self._t = latencies, {}, {}
+
+    async def open(self, task_set, index, max_actions):
+        eid = f"e{len(self._turn)}"
+        self._turn[eid] = 0
+        self._t[eid] = time.perf_counter()
+        return EpisodeInfo(eid, "t", "script", [Message("user", PROMPT)], [BASH])
+
+    async def step(self, episode_id, action):
+        now = time.perf_counter()
+        self.latencies.append(now - self._t[episode_id])  # since the previous call returned
+        turn = self._turn[episode_id] = self._turn[episode_id] + 1
+        self._t[episode_id] = time.perf_counter()
+        if not action.tool_calls or turn >= TURNS:
+            return StepResult(done=True, reward=1.0)
+        return StepResult([ToolOutput(c.id, c.name, SCRIPT[min(turn - 1, 1)][1])
+                           for c in action.tool_calls])
+
+    async def close(self, episode_id):
+        pass
+
+
+def summary(name: str, wall: float, lat: list[float]) -> dict:
+    s = sorted(lat)
+    return {"path": name, "wall_s": round(wall, 2), "calls": len(lat),
+            "mean_ms": round(statistics.fmean(lat) * 1000, 1),
+            "p50_ms": round(s[len(s) // 2] * 1000, 1), "p99_ms": round(s[int(0.99 * (len(s) - 1))] * 1000, 1)}
+
+
+async def baseline(engine, fmt, episodes: int) -> dict:
+    lat: list[float] = []
+    env = ScriptEnv(lat)
+    t0 = time.perf_counter()
+    await asyncio.gather(*[run_episode(engine, env, fmt, task_set="t", index=0,
+                                       sampling=SamplingOptions(max_tokens=40),
+                                       limits=Limits(max_turns=TURNS, max_tokens_per_turn=40,
+                                                     max_total_tokens=400))
+                           for _ in range(episodes)])
+    return summary("baseline (agent loop)", time.perf_counter() - t0, lat)
+
+
+async def via_http(base: str, episodes: int, tag: str) -> dict:
+    """The same episodes as plain JSON over aiohttp: what the endpoint costs without the
+    `openai` client's own per-call cost (its httpcore pool scans every connection per request,
+    quadratic in concurrency, and runs in this process beside the server)."""
+    import aiohttp
+
+    lat: list[float] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=episodes + 8)) as http:
+        async def one(k: int) -> None:
+            eid = f"{tag}-{k}"
+            messages: list[dict] = [{"role": "user", "content": PROMPT}]
+            for turn in range(TURNS):
+                t = time.perf_counter()
+                async with http.post(f"{base}/chat/completions", json={
+                        "model": "m", "messages": messages, "tools": TOOLS, "max_tokens": 40,
+                        "user": eid}) as resp:
+                    body = await resp.json()
+                lat.append(time.perf_counter() - t)
+                msg = body["choices"][0]["message"]
+                messages.append({k: v for k, v in msg.items() if v is not None})
+                if not msg.get("tool_calls"):
+                    break
+                messages += [{"role": "tool", "tool_call_id": c["id"],
+                              "content": SCRIPT[min(turn, 1)][1]} for c in msg["tool_calls"]]
+            async with http.post(f"{base}/kiln/episodes/{eid}/reward", json={"reward": 1.0}):
+                pass
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*[one(k) for k in range(episodes)])
+    return summary("http endpoint (aiohttp client)", time.perf_counter() - t0, lat)
+
+
+async def via_openai(base: str, episodes: int, tag: str) -> dict:
+    lat: list[float] = []
+    limits = httpx.Limits(max_connections=episodes + 8, max_keepalive_connections=episodes + 8)
+    async with AsyncOpenAI(base_url=base, api_key="unused", max_retries=0,
+                           http_client=httpx.AsyncClient(limits=limits, timeout=600)) as client, \
+            httpx.AsyncClient(limits=limits, timeout=600) as http:
+        async def one(k: int) -> None:
+            eid = f"{tag}-{k}"
+            messages: list[dict] = [{"role": "user", "content": PROMPT}]
+            for turn in range(TURNS):
+                t = time.perf_counter()
+                resp = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS,
+                                                            max_tokens=40, user=eid)
+                lat.append(time.perf_counter() - t)
+                msg = resp.choices[0].message
+                messages.append(msg.model_dump(exclude_none=True, exclude={"refusal", "annotations", "audio"}))
+                if not msg.tool_calls:
+                    break
+                messages += [{"role": "tool", "tool_call_id": c.id, "content": SCRIPT[min(turn, 1)][1]}
+                             for c in msg.tool_calls]
+            await http.post(f"{base}/kiln/episodes/{eid}/reward", json={"reward": 1.0})
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*[one(k) for k in range(episodes)])
+    return summary("openai endpoint", time.perf_counter() - t0, lat)
+
+
+async def main_async(args) -> list[dict]:
+    tmp = Path(tempfile.mkdtemp())
+    model = make_toolcall_model(tmp / "m")
+    tok = AutoTokenizer.from_pretrained(str(model))
+    fmt = make_format("hermes", tok)
+    engine = await start_engine("vllm", EngineSettings(model=str(model), dtype="float32",
+                                                       kv_cache_bytes=512 << 20))
+    stored = []
+
+    async def sink(trajs, size):
+        stored.extend(trajs)
+
+    server = OpenAIServer(ExternalEpisodes(engine, fmt, sink, max_tokens_per_turn=40,
+                                           max_total_tokens=400), model_name="m", tokenizer=tok)
+    port = await server.start()
+    base = f"http://127.0.0.1:{port}/v1"
+    rows = []
+    try:
+        await baseline(engine, fmt, 8)  # warm-up
+        for r in range(args.rounds):
+            rows.append(await baseline(engine, fmt, args.episodes))
+            rows.append(await via_http(base, args.episodes, f"h{r}"))
+            rows.append(await via_openai(base, args.episodes, f"r{r}"))
+    finally:
+        await server.stop()
+        await engine.close()
+    for row in rows:
+        print(json.dumps(row))
+    b = statistics.fmean(r["mean_ms"] for r in rows if r["path"].startswith("baseline"))
+    o = statistics.fmean(r["mean_ms"] for r in rows if r["path"].startswith("openai"))
+    h = statistics.fmean(r["mean_ms"] for r in rows if r["path"].startswith("http"))
+    print(json.dumps({"episodes": args.episodes, "baseline_mean_ms": round(b, 1),
+                      "http_mean_ms": round(h, 1), "http_overhead": round((h - b) / b, 3),
+                      "openai_client_mean_ms": round(o, 1), "openai_client_overhead": round((o - b) / b, 3),
+                      "trajectories": len(stored)}))
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--episodes", type=int, default=128, help="concurrent episodes")
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds of both paths")
+    asyncio.run(main_async(p.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,400 @@
+"""The development cluster's node agent: runs the pods of Deployments and StatefulSets as local
+processes, so an applied RLJob really trains on one machine.
+
+It is a test harness, not a kubelet. Every `interval` it lists the workloads in each namespace
+and brings the processes to them:
+
+- a workload with N replicas gets N pods (`<deployment>-<n>`, `<statefulset>-<n>`); a pod
+  runs its init containers one after another to completion, then its containers, each as a
+  process in its own session, in the agent's working directory (relative paths in a job mean
+  what they mean to `kiln run`), with the container's env and args;
+- `kiln-*` commands run from this Python environment; a container without a command (an image
+  entrypoint, such as the docker:dind sidecar) cannot run here: the pod is reported failed with
+  that reason;
+- networking: each Service port gets a free loopback port (`addresses.json`, which the
+  operator reads as its address map); a container's `0.0.0.0:<port>` argument binds the
+  Service port of its pod, other ports become free ones, and env values `<service>:<port>` (the
+  addresses the operator wires in) point at 127.0.0.1. Only the first replica of a workload
+  backs its Service;
+- volumes are folders: a ConfigMap's keys are written as files (again when it changes), a PVC
+  is `pvc/<claim>` (kept across pods, deleted with its object), an emptyDir is per pod; paths
+  under a mount in args and env are rewritten to the folder;
+- a container that exits is restarted (restartPolicy Always) with backoff, its restart count
+  reported; a changed pod template (such as the operator's config hash) replaces the pod;
+- status goes back to the API: a Pod object per pod (phase, ready, restart counts), the
+  workloads' replica counts; an object whose owner (by uid) is gone is deleted (GC).
+
+Not modelled: scheduling, limits, probes (ready = its ports accept), security, images.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kiln.cli.devcluster.apiclient import OWNED, WORKLOADS, Api, free_port
+
+log = logging.getLogger("kiln.devcluster")
+
+_SERVICE_REF = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)(\.[a-z0-9-]+)*?(\.svc(\.cluster\.local)?)?:(\d+)$")
+BIN = Path(sys.executable).parent
+
+
+@dataclass
+class Container:
+    spec: dict[str, Any]
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    next_start: float = 0.0
+    done: bool = False
+    """An init container that exited 0."""
+
+    @property
+    def name(self) -> str:
+        return self.spec["name"]
+
+
+@dataclass
+class Pod:
+    namespace: str
+    name: str
+    owner: dict[str, Any]
+    template_hash: str
+    labels: dict[str, str]
+    init: list[Container] = field(default_factory=list)
+    containers: list[Container] = field(default_factory=list)
+    ports: list[int] = field(default_factory=list)
+    failure: str = ""
+    started: float = field(default_factory=time.time)
+
+    def processes(self) -> list[subprocess.Popen]:
+        return [c.proc for c in (*self.init, *self.containers) if c.proc is not None]
+
+
+def _stop(procs: list[subprocess.Popen], grace: float) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def _ready(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+class Node:
+    """The agent; `run()` until `stop` is set, then every pod is stopped."""
+
+    def __init__(self, api: Api, root: Path, workdir: Path, interval: float = 1.0) -> None:
+        self.api, self.root, self.workdir, self.interval = api, root, workdir, interval
+        self.pods: dict[tuple[str, str], Pod] = {}
+        self.stop = threading.Event()
+        self.addresses_file = root / "addresses.json"
+        self.addresses: dict[str, str] = (json.loads(self.addresses_file.read_text())
+                                          if self.addresses_file.exists() else {})
+        self.pids_file = root / "pods.pids"
+
+    # ------------------------------------------------------------------ networking
+    def _service_port(self, namespace: str, service: str, port: int, bound: int = 0) -> int:
+        """The loopback port of a Service port; `bound`: the one its pod already listens on
+        (two Services that select one pod share it)."""
+        key = f"{namespace}/{service}" + ("" if port == 50051 else f":{port}")
+        if key not in self.addresses or (bound and self.addresses[key] != f"127.0.0.1:{bound}"):
+            self.addresses[key] = f"127.0.0.1:{bound or free_port()}"
+            tmp = self.addresses_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.addresses, indent=1, sort_keys=True))
+            tmp.replace(self.addresses_file)
+        return int(self.addresses[key].rsplit(":", 1)[1])
+
+    def _ports_of(self, namespace: str, labels: dict[str, str], services: list[dict[str, Any]],
+                  containers: list[dict[str, Any]]) -> dict[int, int]:
+        """containerPort -> loopback port, for the Services that select this pod."""
+        names = {p.get("name"): p["containerPort"] for c in containers for p in c.get("ports", [])}
+        out: dict[int, int] = {}
+        for svc in services:
+            selector = (svc.get("spec") or {}).get("selector") or {}
+            if not selector or any(labels.get(k) != v for k, v in selector.items()):
+                continue
+            for sp in svc["spec"].get("ports", []):
+                target = sp.get("targetPort", sp["port"])
+                target = names.get(target, target) if isinstance(target, str) else target
+                out[int(target)] = self._service_port(namespace, svc["metadata"]["name"],
+                                                      int(sp["port"]), out.get(int(target), 0))
+        return out
+
+    def _env_value(self, namespace: str, value: str, services: set[str]) -> str:
+        m = _SERVICE_REF.match(value)
+        if m and m.group(1) in services:
+            return f"127.0.0.1:{self._service_port(namespace, m.group(1), int(m.group(6)))}"
+        return value
+
+    # ------------------------------------------------------------------ volumes
+    def _volumes(self, namespace: str, pod: str, template: dict[str, Any],
+                 configmaps: dict[str, dict[str, Any]]) -> dict[str, Path]:
+        out: dict[str, Path] = {}
+        for vol in template["spec"].get("volumes", []):
+            name = vol["name"]
+            if "configMap" in vol:
+                path = self.root / "pods" / namespace / pod / "volumes" / name
+                path.mkdir(parents=True, exist_ok=True)
+                cm = configmaps.get(vol["configMap"]["name"]) or {}
+                for key, text in (cm.get("data") or {}).items():
+                    if not (path / key).exists() or (path / key).read_text() != text:
+                        (path / key).write_text(text)
+            elif "persistentVolumeClaim" in vol:
+                path = self.root / "pvc" / namespace / vol["persistentVolumeClaim"]["claimName"]
+            else:  # emptyDir and anything else: a folder of the pod's own
+                path = self.root / "pods" / namespace / pod / "volumes" / name
+            path.mkdir(parents=True, exist_ok=True)
+            out[name] = path
+        return out
+
+    @staticmethod
+    def _mounts(container: dict[str, Any], volumes: dict[str, Path]) -> list[tuple[str, str]]:
+        """(mountPath, folder or file) pairs, longest mount first."""
+        out = []
+        for m in container.get("volumeMounts", []):
+            host = volumes[m["name"]] / m["subPath"] if m.get("subPath") else volumes[m["name"]]
+            out.append((m["mountPath"].rstrip("/"), str(host)))
+        return sorted(out, key=lambda pair: -len(pair[0]))
+
+    @staticmethod
+    def _remap(value: str, mounts: list[tuple[str, str]]) -> str:
+        for mount, host in mounts:
+            if value == mount or value.startswith(mount + "/"):
+                return host + value[len(mount):]
+        return value
+
+    # ------------------------------------------------------------------ pods
+    def _container(self, namespace: str, pod: str, index: int, spec: dict[str, Any],
+                   volumes: dict[str, Path], ports: dict[int, int], services: set[str]) -> Container:
+        mounts = self._mounts(spec, volumes)
+        command = list(spec.get("command") or [])
+        if command and command[0].startswith("kiln") and (BIN / command[0]).exists():
+            command[0] = str(BIN / command[0])
+        argv = []
+        for arg in [*command, *spec.get("args", [])]:
+            m = re.fullmatch(r"0\.0\.0\.0:(\d+)", arg)
+            if m:
+                arg = f"127.0.0.1:{ports.get(int(m.group(1))) or free_port()}"
+            argv.append(self._remap(arg, mounts))
+        # Other listening ports (metrics) get free ones: two pods cannot share a port here.
+        for i, arg in enumerate(argv[:-1]):
+            if arg == "--metrics-port":
+                argv[i + 1] = "0"
+        env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR")}
+        env["PATH"] = f"{BIN}:{env.get('PATH', '/usr/bin:/bin')}"
+        field_values = {"metadata.namespace": namespace, "metadata.name": pod}
+        for e in spec.get("env", []):
+            if "value" in e:
+                env[e["name"]] = self._remap(self._env_value(namespace, str(e["value"]), services),
+                                             mounts)
+            elif "fieldRef" in (e.get("valueFrom") or {}):
+                env[e["name"]] = field_values.get(e["valueFrom"]["fieldRef"]["fieldPath"], "")
+        env.setdefault("KILN_LOG_FORMAT", "json")
+        logs = self.root / "pods" / namespace / pod / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        return Container(spec, argv, env, logs / f"{index:02d}-{spec['name']}.log")
+
+    def _desired(self, namespace: str) -> dict[tuple[str, str], tuple[dict[str, Any], dict[str, Any], str]]:
+        """(namespace, pod) -> (owner workload, its pod template, template hash)."""
+        out = {}
+        for api_version, plural in WORKLOADS:
+            for wl in self.api.list(api_version, plural, namespace):
+                template = wl["spec"]["template"]
+                digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]
+                for n in range(int(wl["spec"].get("replicas", 1))):
+                    out[(namespace, f"{wl['metadata']['name']}-{n}")] = (wl, template, digest)
+        return out
+
+    def _start_pod(self, namespace: str, name: str, owner: dict[str, Any],
+                   template: dict[str, Any], digest: str, services: list[dict[str, Any]],
+                   configmaps: dict[str, dict[str, Any]]) -> Pod:
+        labels = (template.get("metadata") or {}).get("labels") or {}
+        pod = Pod(namespace, name, owner, digest, labels)
+        first = name.endswith("-0")
+        containers = template["spec"].get("containers", [])
+        ports = self._ports_of(namespace, labels, services, containers) if first else {}
+        names = {s["metadata"]["name"] for s in services}
+        volumes = self._volumes(namespace, name, template, configmaps)
+        init = template["spec"].get("initContainers", [])
+        for i, spec in enumerate(init):
+            if spec.get("restartPolicy") == "Always":  # a native sidecar runs alongside
+                containers = [spec, *containers]
+                continue
+            pod.init.append(self._container(namespace, name, i, spec, volumes, ports, names))
+        for i, spec in enumerate(containers):
+            pod.containers.append(self._container(namespace, name, 50 + i, spec, volumes, ports,
+                                                  names))
+        pod.ports = sorted(ports.values())
+        missing = [c.name for c in (*pod.init, *pod.containers) if not c.spec.get("command")]
+        if missing:
+            pod.failure = (f"container(s) {', '.join(missing)} name no command (an image "
+                           f"entrypoint), which the development cluster cannot run")
+        log.info("pod %s/%s: starting (%s)", namespace, name, ", ".join(
+            c.name for c in (*pod.init, *pod.containers)))
+        return pod
+
+    def _advance(self, pod: Pod) -> None:
+        """Start what should run now: the next init container, else the containers; restart
+        exited containers with backoff."""
+        if pod.failure:
+            return
+        now = time.monotonic()
+        for c in pod.init:
+            if c.done:
+                continue
+            if c.proc is not None and c.proc.poll() is not None:
+                if c.proc.returncode == 0:
+                    c.done = True
+                    continue
+                c.restarts += 1
+                c.next_start = now + min(30.0, 2.0 ** min(c.restarts, 5))
+                c.proc = None
+            if c.proc is None and now >= c.next_start:
+                self._spawn(c)
+            return  # init containers run one at a time, before the rest
+        for c in pod.containers:
+            if c.proc is not None and c.proc.poll() is not None:
+                log.info("pod %s/%s: container %s exited with %s; restarting", pod.namespace,
+                         pod.name, c.name, c.proc.returncode)
+                c.restarts += 1
+                c.next_start = now + min(10.0, 2.0 ** min(c.restarts - 1, 3))
+                c.proc = None
+            if c.proc is None and now >= c.next_start:
+                self._spawn(c)
+
+    def _spawn(self, c: Container) -> None:
+        with open(c.log_path, "ab") as out:
+            c.proc = subprocess.Popen(c.argv, stdout=out, stderr=subprocess.STDOUT, env=c.env,
+                                      cwd=self.workdir, start_new_session=True)
+
+    def _pod_object(self, pod: Pod) -> dict[str, Any]:
+        running = [c for c in pod.containers if c.proc is not None and c.proc.poll() is None]
+        ready = bool(running) and len(running) == len(pod.containers) and all(
+            _ready(p) for p in pod.ports)
+        phase = "Failed" if pod.failure else ("Running" if running else "Pending")
+        owner = pod.owner["metadata"]
+        return {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": pod.name, "namespace": pod.namespace, "labels": pod.labels,
+                         "ownerReferences": [{"apiVersion": pod.owner["apiVersion"],
+                                              "kind": pod.owner["kind"], "name": owner["name"],
+                                              "uid": owner["uid"], "controller": True}]},
+            "spec": {"containers": [c.spec for c in pod.containers], "nodeName": "local"},
+            "status": {
+                "phase": phase, "message": pod.failure,
+                "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+                "containerStatuses": [
+                    {"name": c.name, "ready": ready, "restartCount": c.restarts,
+                     "started": c.proc is not None and c.proc.poll() is None}
+                    for c in pod.containers],
+            },
+        }
+
+    # ------------------------------------------------------------------ the loop
+    def sync(self) -> None:
+        desired: dict[tuple[str, str], Any] = {}
+        namespaces = self.api.namespaces()
+        services: dict[str, list[dict[str, Any]]] = {}
+        configmaps: dict[str, dict[str, dict[str, Any]]] = {}
+        for ns in namespaces:
+            desired.update(self._desired(ns))
+            services[ns] = self.api.list("v1", "services", ns)
+            configmaps[ns] = {c["metadata"]["name"]: c for c in self.api.list("v1", "configmaps", ns)}
+        for key in [k for k, pod in self.pods.items()
+                    if k not in desired or desired[k][2] != pod.template_hash]:
+            pod = self.pods.pop(key)
+            log.info("pod %s/%s: stopping", *key)
+            _stop(pod.processes(), grace=30)
+            self.api.delete("v1", "pods", *key)
+            shutil.rmtree(self.root / "pods" / key[0] / key[1] / "volumes", ignore_errors=True)
+        for key, (owner, template, digest) in desired.items():
+            if key not in self.pods:
+                self.pods[key] = self._start_pod(*key, owner, template, digest, services[key[0]],
+                                                 configmaps[key[0]])
+            else:  # a ConfigMap that changed reaches the pod's files (not subPath ones in k8s)
+                self._volumes(*key, template, configmaps[key[0]])
+            self._advance(self.pods[key])
+        self._write_pids()
+        for key, pod in self.pods.items():
+            self.api.put_pod(key[0], self._pod_object(pod))
+        for ns in namespaces:
+            self._report_workloads(ns)
+            self._collect_garbage(ns)
+
+    def _report_workloads(self, namespace: str) -> None:
+        for api_version, plural in WORKLOADS:
+            for wl in self.api.list(api_version, plural, namespace):
+                name = wl["metadata"]["name"]
+                pods = [p for (ns, n), p in self.pods.items()
+                        if ns == namespace and p.owner["metadata"]["uid"] == wl["metadata"]["uid"]]
+                ready = sum(1 for p in pods if self._pod_object(p)["status"]["conditions"][0]["status"] == "True")
+                status = {"replicas": len(pods), "readyReplicas": ready,
+                          "availableReplicas": ready,
+                          "observedGeneration": wl["metadata"].get("generation", 1)}
+                if {k: (wl.get("status") or {}).get(k) for k in status} != status:
+                    self.api.patch_status(api_version, plural, namespace, name, status)
+
+    def _collect_garbage(self, namespace: str) -> None:
+        uids = self.api.uids(namespace)
+        for api_version, plural in OWNED:
+            for obj in self.api.list(api_version, plural, namespace):
+                owners = obj["metadata"].get("ownerReferences") or []
+                if owners and not any(o.get("uid") in uids for o in owners):
+                    log.info("collecting %s %s/%s (owner gone)", plural, namespace,
+                             obj["metadata"]["name"])
+                    self.api.delete(api_version, plural, namespace, obj["metadata"]["name"])
+                    if plural == "persistentvolumeclaims":
+                        shutil.rmtree(self.root / "pvc" / namespace / obj["metadata"]["name"],
+                                      ignore_errors=True)
+
+    def _write_pids(self) -> None:
+        """Every process the agent started, so `kiln dev-cluster down` can stop them even if the
+        agent itself was killed."""
+        pids = [str(p.pid) for pod in self.pods.values() for p in pod.processes()
+                if p.poll() is None]
+        self.pids_file.write_text("\n".join(pids))
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.sync()
+            except (OSError, urllib.error.URLError, ValueError, KeyError) as exc:
+                log.warning("sync failed: %s", exc)
+            self.stop.wait(self.interval)
+        procs = [p for pod in self.pods.values() for p in pod.processes()]
+        _stop(procs, grace=30)
+        self.pids_file.write_text("")

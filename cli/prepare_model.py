@@ -1,0 +1,45 @@
+"""`kiln prepare-model --job FILE`: create the job's model (`spec.model.init`) if it is not
+there yet. `kiln run` does this before it starts the services; in a cluster the operator runs it
+as an init container of the trainer and rollout pods.
+
+Safe to run from several processes on one folder at once (the development cluster's pods
+share one): a lock file serialises them, and the second finds the model made. Each run from the
+same job makes the same model (the tokenizer is trained on the job's own tasks and the weights
+drawn from `init.seed`), so pods that cannot share a folder each make an identical copy.
+"""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import sys
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prepare-model", help="create the job's model (spec.model.init) if missing",
+                       description="Create the model a job's spec.model.init describes, at "
+                                   "spec.model.path, unless a checkpoint is already there.")
+    p.add_argument("--job", type=Path, required=True, help="the RLJob manifest")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kiln.api.validate import ManifestError, load_job
+
+    try:
+        job = load_job(args.job, plugins=True)
+    except ManifestError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    path = Path(job.spec.model.path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    from kiln.cli.local.model import prepare_model
+
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            prepare_model(job)
+        except ValueError as exc:
+            print(f"kiln prepare-model: {exc}", file=sys.stderr)
+            return 2
+    return 0

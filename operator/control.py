@@ -1,0 +1,140 @@
+"""The operator's side of the control plane: the trainer, rollout and buffer of one RLJob as
+`kiln.control` Protocols over gRPC, for the stage driver (`kiln.operator.driving`).
+
+The operator cannot use the services' own clients (they sit a floor above it, and the operator
+stays free of their dependencies); these speak the same protos through the same converters (`kiln.protos.control`), so both drivers see one wire.
+`Controls.open` makes all three for a job from its addresses; UNAVAILABLE and DEADLINE_EXCEEDED
+are `TRANSIENT` (a pod restarting), which the driver waits out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+
+from kiln.control import Evaluation, ModeRequest, RolloutStatus, TrainerStatus
+from kiln.protos import control as wire
+from kiln.protos.kiln.v1 import (buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc,
+                                 trainer_pb2, trainer_pb2_grpc)
+
+# A pod restarting or not yet scheduled; the operator imports nothing of kiln.services.
+TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+class Unavailable(Exception):
+    """A job's service did not answer (restarting, not scheduled yet); worth waiting for."""
+
+
+TRANSIENT = (Unavailable,)
+
+
+def _call(channel: grpc.Channel, method: Callable, request, timeout: float, what: str):
+    try:
+        return method(request, timeout=timeout)
+    except grpc.RpcError as exc:
+        if exc.code() in TRANSIENT_CODES:
+            raise Unavailable(f"{what}: {exc.code().name}") from exc
+        # A service answers health checks while it builds and UNIMPLEMENTED for the rest (and
+        # a pod being replaced may briefly be an older one): waited out like UNAVAILABLE, up to
+        # the driver's limit, after which the job fails with this message.
+        if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            raise Unavailable(f"{what}: UNIMPLEMENTED (still starting, or not a Kiln service "
+                              f"of this version)") from exc
+        raise RuntimeError(f"{what}: {exc.code().name}: {exc.details()}") from exc
+
+
+class _Service:
+    """One service's stub, on a channel to wherever `address()` says now: an address map can
+    change (a service placed after the driver started), so it is asked again on every call."""
+
+    def __init__(self, address: Callable[[], str], stub_class, timeout: float = 30.0) -> None:
+        self._address, self._stub_class, self.timeout = address, stub_class, timeout
+        self._target = ""
+        self._channel: grpc.Channel | None = None
+
+    def _connect(self) -> grpc.Channel:
+        target = self._address()
+        if self._channel is None or target != self._target:
+            if self._channel is not None:
+                self._channel.close()
+            # Control messages are small: gRPC's default size limits do.
+            self._channel, self._target = grpc.insecure_channel(target), target
+            self._stub = self._stub_class(self._channel)
+        return self._channel
+
+    def _rpc(self, method: str, request, timeout: float | None = None):
+        channel = self._connect()
+        return _call(channel, getattr(self._stub, method), request,
+                     timeout or self.timeout, f"{type(self).__name__} {method}")
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+
+class GrpcTrainer(_Service):
+    def __init__(self, address: Callable[[], str], timeout: float = 30.0) -> None:
+        super().__init__(address, trainer_pb2_grpc.TrainerStub, timeout)
+
+    def start_stage(self, name: str) -> TrainerStatus:
+        return wire.trainer_status_from_proto(
+            self._rpc("RunStage", trainer_pb2.RunStageRequest(stage=name)))
+
+    def status(self) -> TrainerStatus:
+        return wire.trainer_status_from_proto(
+            self._rpc("GetTrainerStatus", trainer_pb2.TrainerStatusRequest()))
+
+
+class GrpcRollout(_Service):
+    def __init__(self, address: Callable[[], str], timeout: float = 30.0) -> None:
+        super().__init__(address, rollout_pb2_grpc.RolloutStub, timeout)
+
+    def set_mode(self, mode: ModeRequest) -> RolloutStatus:
+        return wire.rollout_status_from_proto(self._rpc("SetMode", wire.mode_to_proto(mode)))
+
+    def evaluate(self, task_set: str, *, samples: int, greedy: bool) -> Evaluation:
+        # Long (a whole held-out set); one cut short by a restart is asked again.
+        req = rollout_pb2.EvaluateRequest(task_set=task_set, samples=samples, greedy=greedy)
+        return wire.evaluation_from_proto(self._rpc("Evaluate", req, timeout=3600))
+
+    def status(self) -> RolloutStatus:
+        return wire.rollout_status_from_proto(
+            self._rpc("GetStatus", rollout_pb2.RolloutStatusRequest()))
+
+
+@dataclass
+class BufferSummary:
+    """The part of the buffer's status the driver records."""
+
+    depth: int = 0
+    dropped_stale: int = 0
+    max_staleness: int = -1
+
+
+class GrpcBuffer(_Service):
+    def __init__(self, address: Callable[[], str], timeout: float = 30.0) -> None:
+        super().__init__(address, buffer_pb2_grpc.BufferStub, timeout)
+
+    def status(self) -> BufferSummary:
+        st = self._rpc("GetStatus", buffer_pb2.GetStatusRequest())
+        return BufferSummary(int(st.depth), int(st.dropped_stale), int(st.max_staleness))
+
+
+@dataclass
+class Controls:
+    trainer: GrpcTrainer
+    rollout: GrpcRollout
+    buffer: GrpcBuffer
+
+    @classmethod
+    def open(cls, address: Callable[[str], str], timeout: float = 30.0) -> Controls:
+        """`address(component)` gives each service's host:port."""
+        return cls(GrpcTrainer(lambda: address("trainer"), timeout),
+                   GrpcRollout(lambda: address("rollout"), timeout),
+                   GrpcBuffer(lambda: address("buffer"), timeout))
+
+    def close(self) -> None:
+        for service in (self.trainer, self.rollout, self.buffer):
+            service.close()

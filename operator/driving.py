@@ -1,0 +1,106 @@
+"""Driving an applied RLJob through its stages, from the operator.
+
+The operator runs one kopf daemon per RLJob (`kiln.operator.handlers.drive_job`); the daemon
+runs the same `kiln.driver.Driver` as `kiln run`, talking to the job's services over gRPC
+(`kiln.operator.control`). Why the operator and not a driver Job: docs/design-notes.md.
+
+What is done lives in the RLJob's status, so an operator that restarts (or another replica that
+takes over) resumes where the last one was: `status.finishedStages` and `status.evaluations`
+(`StatusStore`). The driver is level-triggered: it re-sends the current stage to a trainer or
+rollout that restarted. A suspend (`spec.suspend`), deletion or operator shutdown stops it
+between polls (`Stopped`); nothing is lost, the trainer keeps its checkpoints.
+
+When every stage is done the daemon records `phase: Succeeded`; a driver error that a retry will
+not fix (the trainer failed, a service stayed away for `unavailable_seconds`) records `Failed`
+with the reason in the `Driving` condition.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+from kiln.api.spec import API_GROUP, API_VERSION, KIND, RLJob
+from kiln.api.status import EvaluationResult
+from kiln.driver import Driver, Progress, RunState, Stopped
+from kiln.operator.control import TRANSIENT, Controls
+from kiln.operator.kube import Kube
+from kiln.operator.naming import JobRef
+from kiln.operator.status import rfc3339, set_condition
+
+log = logging.getLogger("kiln.operator")
+
+
+class StatusStore:
+    """`RunState` kept in the RLJob's status (merge-patched; the driver is its only writer)."""
+
+    def __init__(self, kube: Kube, job: JobRef, current: Callable[[], dict[str, Any]]) -> None:
+        self.kube, self.job, self.current = kube, job, current
+
+    def ref(self) -> dict[str, Any]:
+        return {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
+                "metadata": {"name": self.job.name, "namespace": self.job.namespace}}
+
+    def load(self) -> dict[str, Any]:
+        status = self.current()
+        evaluations = {key: EvaluationResult.model_validate(value).model_dump()
+                       for key, value in (status.get("evaluations") or {}).items()}
+        return {"finished_stages": list(status.get("finishedStages") or []),
+                "evaluations": evaluations}
+
+    def save(self, data: dict[str, Any]) -> None:
+        # The CRD's schema names fields in camelCase (a real API server prunes others).
+        evaluations = {key: EvaluationResult.model_validate(value).model_dump(by_alias=True)
+                       for key, value in data["evaluations"].items()}
+        self.patch({"finishedStages": data["finished_stages"], "evaluations": evaluations})
+
+    def patch(self, status: dict[str, Any]) -> None:
+        self.kube.merge_patch_status(self.ref(), status)
+
+
+def drive(job: RLJob, ref: JobRef, kube: Kube, address: Callable[[str], str],
+          current_status: Callable[[], dict[str, Any]], stopped: threading.Event | Any,
+          suspended: Callable[[], bool], *, poll_seconds: float = 2.0,
+          unavailable_seconds: float = 900.0) -> str:
+    """Run the job's remaining stages; returns the outcome: succeeded, failed or stopped."""
+    store = StatusStore(kube, ref, current_status)
+    state = RunState.load(store)
+    names = [s.name for s in job.spec.stages]
+    if all(n in state.finished_stages for n in names):
+        return "succeeded"
+    controls = Controls.open(address)
+    last_logged = [0.0]
+
+    def on_progress(p: Progress) -> None:
+        if p.elapsed - last_logged[0] >= 30:
+            last_logged[0] = p.elapsed
+            log.info("%s/%s stage %s step %d/%d version %d", ref.namespace, ref.name,
+                     p.stage.name, p.step, p.stage.max_steps, p.trainer.policy_version)
+
+    driver = Driver(job, controls.trainer, controls.rollout, controls.buffer, state,
+                    poll_seconds=poll_seconds,
+                    say=lambda s: log.info("%s/%s %s", ref.namespace, ref.name, s.strip()),
+                    on_progress=on_progress,
+                    should_stop=lambda: bool(stopped.is_set()) or suspended(),
+                    transient=TRANSIENT, unavailable_seconds=unavailable_seconds)
+    now = rfc3339()
+    try:
+        driver.run()
+    except Stopped:
+        return "stopped"
+    except RuntimeError as exc:
+        conditions = set_condition(list(current_status().get("conditions") or []), "Driving",
+                                   "False", "StageFailed", str(exc), now)
+        store.patch({"phase": "Failed", "message": f"driver: {exc}", "conditions": conditions})
+        return "failed"
+    finally:
+        controls.close()
+    now = rfc3339()
+    conditions = set_condition(list(current_status().get("conditions") or []), "Driving",
+                               "False", "Completed", "every stage finished", now)
+    # The services scale to zero next; nothing serves any more.
+    conditions = set_condition(conditions, "Ready", "False", "Completed",
+                               "every stage completed", now)
+    store.patch({"phase": "Succeeded", "message": "every stage completed",
+                 "conditions": conditions})
+    return "succeeded"

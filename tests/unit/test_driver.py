@@ -1,0 +1,140 @@
+"""The stage driver against in-process services: stages in order, evaluations kept, orders
+repeated to a service that restarted, transient errors waited out, a stop request honoured."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from kiln.api.spec import RLJob
+from kiln.control import Evaluation, ModeRequest, RolloutMode, RolloutStatus, TrainerStatus
+from kiln.driver import Driver, FileStore, RunState, Stopped
+
+JOB = RLJob.model_validate({
+    "apiVersion": "kiln.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "d"},
+    "spec": {"model": {"path": "m"},
+             "tasks": [{"name": "t", "env": "chain", "generate": {"count": 4}},
+                       {"name": "h", "env": "chain", "generate": {"count": 4, "split": "heldout"}}],
+             "stages": [{"name": "sft", "type": "sft", "tasks": ["t"], "maxSteps": 5, "batchSize": 2,
+                         "microBatchSize": 2},
+                        {"name": "rl", "type": "rl", "tasks": ["t"], "maxSteps": 2, "batchSize": 8,
+                         "microBatchSize": 8, "rl": {"groupSize": 8}, "eval": {"tasks": ["h"]}}]}})
+
+
+class Down(Exception):
+    pass
+
+
+class FakeTrainer:
+    """Takes one step per status poll; `restart()` forgets the stage, as a new process would."""
+
+    def __init__(self) -> None:
+        self.stage, self.steps, self.version, self.orders = "", {}, 0, []
+        self.down = 0
+
+    def start_stage(self, name: str) -> TrainerStatus:
+        self.orders.append(name)
+        self.stage = name
+        return self.status()
+
+    def status(self) -> TrainerStatus:
+        if self.down:
+            self.down -= 1
+            raise Down("trainer unreachable")
+        if not self.stage:
+            return TrainerStatus(policy_version=self.version)
+        max_steps = next(s.max_steps for s in JOB.spec.stages if s.name == self.stage)
+        if self.steps.get(self.stage, 0) < max_steps:
+            self.steps[self.stage] = self.steps.get(self.stage, 0) + 1
+            self.version += 1
+        done = self.steps[self.stage] >= max_steps
+        return TrainerStatus(step=sum(self.steps.values()), policy_version=self.version,
+                             stage=self.stage, stage_step=self.steps[self.stage],
+                             stage_max_steps=max_steps, stage_done=done)
+
+    def restart(self) -> None:
+        self.stage = ""
+
+
+class FakeRollout:
+    def __init__(self, trainer: FakeTrainer) -> None:
+        self.trainer, self.mode, self.modes, self.evaluations = trainer, ModeRequest(), [], []
+
+    def set_mode(self, mode: ModeRequest) -> RolloutStatus:
+        self.mode = mode
+        self.modes.append((mode.mode, mode.stage))
+        return self.status()
+
+    def evaluate(self, task_set: str, *, samples: int, greedy: bool) -> Evaluation:
+        self.evaluations.append(task_set)
+        return Evaluation(self.trainer.version, 4, 0.5 + 0.1 * len(self.evaluations), 0.5, 0.1)
+
+    def status(self) -> RolloutStatus:
+        return RolloutStatus(self.mode.mode, self.mode.stage, policy_version=self.trainer.version)
+
+
+@dataclasses.dataclass
+class FakeBufferStatus:
+    depth: int = 0
+    dropped_stale: int = 0
+    max_staleness: int = -1
+
+
+class FakeBuffer:
+    def status(self) -> FakeBufferStatus:
+        return FakeBufferStatus()
+
+
+def _driver(tmp_path: Path, trainer, rollout, **kw) -> Driver:
+    return Driver(JOB, trainer, rollout, FakeBuffer(), RunState.load(FileStore(tmp_path / "state.json")),
+                  poll_seconds=0.0, say=lambda s: None, **kw)
+
+
+def test_stages_run_in_order_with_evaluations_kept(tmp_path: Path) -> None:
+    trainer = FakeTrainer()
+    rollout = FakeRollout(trainer)
+    state = _driver(tmp_path, trainer, rollout).run()
+    assert state.finished_stages == ["sft", "rl"]
+    assert set(state.evaluations) == {"rl/before/h", "rl/after/h"}
+    assert (RolloutMode.DEMONSTRATE, "sft") in rollout.modes and (RolloutMode.EXPLORE, "rl") in rollout.modes
+    assert rollout.modes[-1] == (RolloutMode.IDLE, "")
+    # A second driver on the same state does nothing again.
+    again = FakeRollout(trainer)
+    _driver(tmp_path, FakeTrainer(), again).run()
+    assert again.modes == [] and again.evaluations == []
+
+
+def test_orders_are_repeated_to_a_restarted_trainer_and_rollout(tmp_path: Path) -> None:
+    trainer = FakeTrainer()
+    rollout = FakeRollout(trainer)
+    polls = []
+
+    def on_progress(p) -> None:
+        polls.append(p.step)
+        if len(polls) == 1:  # both services come back empty mid-stage
+            trainer.restart()
+            rollout.mode = ModeRequest()
+
+    _driver(tmp_path, trainer, rollout, on_progress=on_progress).run()
+    assert trainer.orders.count("sft") == 2
+    assert rollout.modes.count((RolloutMode.DEMONSTRATE, "sft")) == 2
+    assert trainer.steps == {"sft": 5, "rl": 2}  # the stage went on from where it was
+
+
+def test_transient_errors_are_waited_out_and_a_stop_is_honoured(tmp_path: Path) -> None:
+    trainer = FakeTrainer()
+    trainer.down = 3
+    state = _driver(tmp_path, trainer, FakeRollout(trainer), transient=(Down,)).run()
+    assert state.finished_stages == ["sft", "rl"]
+    trainer = FakeTrainer()
+    trainer.down = 10 ** 6
+    with pytest.raises(RuntimeError, match="unavailable"):
+        _driver(tmp_path / "x" if (tmp_path / "x").mkdir() is None else tmp_path, trainer,
+                FakeRollout(trainer), transient=(Down,), unavailable_seconds=0.05).run()
+    stop = iter([False] * 3 + [True] * 100)
+    trainer = FakeTrainer()
+    (tmp_path / "y").mkdir()
+    with pytest.raises(Stopped):
+        _driver(tmp_path / "y", trainer, FakeRollout(trainer), should_stop=lambda: next(stop)).run()
+    assert not RunState.load(FileStore(tmp_path / "y" / "state.json")).finished_stages

@@ -1,0 +1,80 @@
+"""The operator's side of driving: run state kept in the RLJob's status (camelCase, as the CRD
+schema has it), the address map consulted before the template, the model made by an init
+container when the spec asks for one."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kiln.api.spec import RLJob
+from kiln.driver import RunState
+from kiln.operator.driving import StatusStore
+from kiln.operator.naming import JobRef
+from kiln.operator.status import Addresses
+from kiln.operator.workloads import workloads
+
+JOB = JobRef(name="j", namespace="ns", uid="u")
+
+
+class StatusKube:
+    """The one call StatusStore makes, applied to a dict as the API server would (merge)."""
+
+    def __init__(self) -> None:
+        self.status: dict = {}
+
+    def merge_patch_status(self, ref: dict, status: dict) -> None:
+        assert ref["metadata"] == {"name": "j", "namespace": "ns"}
+        for key, value in status.items():
+            if isinstance(value, dict):
+                self.status.setdefault(key, {}).update(value)
+            else:
+                self.status[key] = value
+
+
+def test_run_state_round_trips_through_the_status_in_camel_case() -> None:
+    kube = StatusKube()
+    store = StatusStore(kube, JOB, lambda: kube.status)
+    state = RunState.load(store)
+    assert state.finished_stages == [] and state.evaluations == {}
+    state.finished_stages.append("sft")
+    state.evaluations["rl/before/h"] = {"policy_version": 3, "tasks": 8, "greedy_success": 0.25,
+                                        "sampled_success": 0.5, "seconds": 1.5}
+    state.save()
+    assert kube.status["finishedStages"] == ["sft"]
+    assert kube.status["evaluations"]["rl/before/h"] == {
+        "policyVersion": 3, "tasks": 8, "greedySuccess": 0.25, "sampledSuccess": 0.5,
+        "seconds": 1.5}
+    again = RunState.load(StatusStore(kube, JOB, lambda: kube.status))
+    assert again.finished_stages == ["sft"]
+    assert again.evaluations["rl/before/h"]["greedy_success"] == 0.25
+
+
+def test_address_map_wins_over_the_template_and_is_reread(tmp_path: Path) -> None:
+    path = tmp_path / "addresses.json"
+    addresses = Addresses("{name}-{component}.{namespace}.svc:50051", str(path))
+    assert addresses(JOB, "trainer") == "j-trainer.ns.svc:50051"  # no map yet
+    path.write_text(json.dumps({"ns/j-trainer": "127.0.0.1:4000"}))
+    assert addresses(JOB, "trainer") == "127.0.0.1:4000"
+    assert addresses(JOB, "rollout") == "j-rollout.ns.svc:50051"
+
+
+def _job(init: bool) -> RLJob:
+    model = {"path": "m", **({"init": {"hiddenSize": 32, "numLayers": 1}} if init else {})}
+    return RLJob.model_validate({
+        "apiVersion": "kiln.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "j"},
+        "spec": {"model": model, "tasks": [{"name": "t", "env": "chain", "generate": {"count": 4}}],
+                 "stages": [{"name": "rl", "type": "rl", "tasks": ["t"], "batchSize": 8,
+                             "microBatchSize": 8, "rl": {"groupSize": 8}}]}})
+
+
+def test_model_init_runs_as_an_init_container_of_trainer_and_rollout() -> None:
+    hashes = dict.fromkeys(("trainer", "rollout", "sandbox", "weight-sync", "buffer"), "h")
+    made = {w["metadata"]["name"]: w["spec"]["template"]["spec"].get("initContainers", [])
+            for w in workloads(JOB, _job(True).spec, hashes, active=True)}
+    for name in ("j-trainer", "j-rollout"):
+        (init,) = made[name]
+        assert init["command"] == ["kiln", "prepare-model", "--job", "/etc/kiln/job.yaml"]
+    assert made["j-buffer"] == [] and made["j-weight-sync"] == []
+    plain = {w["metadata"]["name"]: w["spec"]["template"]["spec"].get("initContainers", [])
+             for w in workloads(JOB, _job(False).spec, hashes, active=True)}
+    assert plain["j-trainer"] == [] and plain["j-rollout"] == []
