@@ -20,6 +20,8 @@ Not covered: the manifests (`children`, `workloads`), the client (`kube`), the s
 """
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import logging
 import threading
 import time
@@ -254,11 +256,35 @@ _DRIVE_POLL = 2.0
 
 
 @kopf.daemon(*RESOURCE, initial_delay=1.0, cancellation_timeout=30.0)
-def drive_job(stopped: kopf.DaemonStopped, body: kopf.Body, name: str, namespace: str,
-              uid: str, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-    """Drive the job's stages whenever it is accepted, active and not finished. `body` is kopf's
-    live view of the object: a suspend or a spec change is seen between polls."""
-    job = JobRef(name=name, namespace=namespace, uid=uid)
+async def drive_job(stopped: kopf.DaemonStopped, body: kopf.Body, name: str, namespace: str,
+                    uid: str, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    """Drive the job's stages (in a thread of its own: the driver blocks for a job's whole life,
+    and kopf's worker threads, `max_workers` of them, are for the handlers of every job)."""
+    loop = asyncio.get_running_loop()
+    finished = asyncio.Event()
+    context = contextvars.copy_context()  # kopf's event posting reads its context variables
+
+    def target() -> None:
+        try:
+            context.run(_drive_until_stopped, stopped, body, JobRef(name=name, namespace=namespace,
+                                                                   uid=uid), memo, logger)
+        finally:
+            loop.call_soon_threadsafe(finished.set)
+
+    threading.Thread(target=target, name=f"drive {namespace}/{name}", daemon=True).start()
+    await finished.wait()
+
+
+def _pause(stopped: kopf.DaemonStopped, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not stopped.is_set() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _drive_until_stopped(stopped: kopf.DaemonStopped, body: kopf.Body, job: JobRef,
+                         memo: kopf.Memo, logger: kopf.Logger) -> None:
+    """Drive the job whenever it is accepted, active and not finished. `body` is kopf's live
+    view of the object: a suspend or a spec change is seen between polls."""
 
     def current() -> dict[str, Any]:
         return dict(body.get("status") or {})
@@ -266,31 +292,29 @@ def drive_job(stopped: kopf.DaemonStopped, body: kopf.Body, name: str, namespace
     while not stopped.is_set():
         status = current()
         ready = (status.get("phase") in ("Pending", "Running") and _valid(status)
-                 and status.get("observedGeneration") == body.meta.get("generation"))
-        if not ready:
-            stopped.wait(_DRIVE_POLL)
-            continue
-        spec, _problems = parse_spec(name, dict(body.spec))
+                 and status.get("observedGeneration") == body.meta.get("generation")
+                 and not body.meta.get("deletionTimestamp"))
+        spec = parse_spec(job.name, dict(body.spec))[0] if ready else None
         if spec is None or spec.suspend:
-            stopped.wait(_DRIVE_POLL)
+            _pause(stopped, _DRIVE_POLL)
             continue
         rljob = RLJob.model_validate({"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
-                                      "metadata": {"name": name}, "spec": dict(body.spec)})
+                                      "metadata": {"name": job.name}, "spec": dict(body.spec)})
         outcome = driving.drive(
             rljob, job, memo.kube, lambda component: memo.addresses(job, component), current,
-            stopped, lambda: bool(body.spec.get("suspend")), poll_seconds=_DRIVE_POLL,
-            unavailable_seconds=memo.config.unavailable_seconds)
+            stopped, lambda: bool(body.spec.get("suspend")) or bool(body.meta.get("deletionTimestamp")),
+            poll_seconds=_DRIVE_POLL, unavailable_seconds=memo.config.unavailable_seconds)
         logger.info("driver: %s", outcome)
         if outcome == "succeeded":
             kopf.event(body, type="Normal", reason="Succeeded", message="every stage completed")
             # Give the nodes back: the services scale to zero, PVCs stay.
             reconcile(memo.kube, job, spec, dind_image=memo.config.dind_image, active=False)
-            _track(namespace, name, "Succeeded")
+            _track(job.namespace, job.name, "Succeeded")
         elif outcome == "failed":
             kopf.event(body, type="Warning", reason="Failed",
                        message=str(current().get("message", ""))[:1000])
-            _track(namespace, name, "Failed")
-        stopped.wait(_DRIVE_POLL)
+            _track(job.namespace, job.name, "Failed")
+        _pause(stopped, _DRIVE_POLL)
 
 
 @kopf.on.delete(*RESOURCE)
