@@ -65,9 +65,16 @@ def job_file(job: JobRef, spec: RLJobSpec) -> str:
         "apiVersion": f"{API_GROUP}/{API_VERSION}",
         "kind": KIND,
         "metadata": {"name": job.name, "namespace": job.namespace},
-        "spec": resolved_spec(spec),
+        "spec": without_pod_settings(resolved_spec(spec)),
     }
     return yaml.safe_dump(document, sort_keys=False)
+
+
+def without_pod_settings(resolved: dict[str, Any]) -> dict[str, Any]:
+    """The spec less each component's `pod` section: the services do not read it, and its env
+    values (which may be secrets written inline) stay out of the ConfigMap."""
+    return {key: ({k: v for k, v in value.items() if k != "pod"} if isinstance(value, dict)
+                  and "pod" in value else value) for key, value in resolved.items()}
 
 
 def component_hashes(spec: RLJobSpec) -> dict[str, str]:

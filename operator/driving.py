@@ -83,12 +83,12 @@ def drive(job: RLJob, ref: JobRef, kube: Kube, address: Callable[[str], str],
                     on_progress=on_progress,
                     should_stop=lambda: bool(stopped.is_set()) or suspended(),
                     transient=TRANSIENT, unavailable_seconds=unavailable_seconds)
-    now = rfc3339()
     try:
         driver.run()
     except Stopped:
         return "stopped"
     except RuntimeError as exc:
+        now = rfc3339()
         conditions = set_condition(list(current_status().get("conditions") or []), "Driving",
                                    "False", "StageFailed", str(exc), now)
         store.patch({"phase": "Failed", "message": f"driver: {exc}", "conditions": conditions})

@@ -300,10 +300,16 @@ def _drive_until_stopped(stopped: kopf.DaemonStopped, body: kopf.Body, job: JobR
             continue
         rljob = RLJob.model_validate({"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
                                       "metadata": {"name": job.name}, "spec": dict(body.spec)})
-        outcome = driving.drive(
-            rljob, job, memo.kube, lambda component: memo.addresses(job, component), current,
-            stopped, lambda: bool(body.spec.get("suspend")) or bool(body.meta.get("deletionTimestamp")),
-            poll_seconds=_DRIVE_POLL, unavailable_seconds=memo.config.unavailable_seconds)
+        try:
+            outcome = driving.drive(
+                rljob, job, memo.kube, lambda component: memo.addresses(job, component),
+                current, stopped,
+                lambda: bool(body.spec.get("suspend")) or bool(body.meta.get("deletionTimestamp")),
+                poll_seconds=_DRIVE_POLL, unavailable_seconds=memo.config.unavailable_seconds)
+        except Exception:  # noqa: BLE001 - an API error must not end this job's driving for good
+            logger.exception("driver stopped on an error; starting again")
+            _pause(stopped, 10 * _DRIVE_POLL)
+            continue
         logger.info("driver: %s", outcome)
         if outcome == "succeeded":
             kopf.event(body, type="Normal", reason="Succeeded", message="every stage completed")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from kiln.api.scheduling import PodSettings
 from kiln.api.spec import Resources, RLJobSpec
 from kiln.operator import naming
 from kiln.operator.naming import (CONFIG_HASH, GRPC_PORT, JOB_FILE, METRICS_PORT, MODEL_ROOT,
@@ -80,10 +81,15 @@ def _service_security(unconfined: bool = False) -> dict[str, Any]:
     }
 
 
+def pod_settings(spec: RLJobSpec, component: str) -> PodSettings:
+    return getattr(spec, component.replace("-", "_")).pod
+
+
 def service_container(job: JobRef, spec: RLJobSpec, component: str, res: Resources,
                       extra_env: list[dict[str, Any]] = (), extra_mounts: list[dict[str, Any]] = (),
                       unconfined: bool = False) -> dict[str, Any]:
-    return {
+    settings = pod_settings(spec, component)
+    container = {
         "name": component,
         "image": spec.image,
         "imagePullPolicy": "IfNotPresent",
@@ -94,7 +100,7 @@ def service_container(job: JobRef, spec: RLJobSpec, component: str, res: Resourc
             {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
         ],
-        "env": [*_env(job, component), *extra_env],
+        "env": [*_env(job, component), *extra_env, *settings.env],
         "resources": resources(res),
         **_grpc_probes(),
         "volumeMounts": [
@@ -106,6 +112,9 @@ def service_container(job: JobRef, spec: RLJobSpec, component: str, res: Resourc
         ],
         "securityContext": _service_security(unconfined),
     }
+    if settings.env_from:
+        container["envFrom"] = list(settings.env_from)
+    return container
 
 
 def _job_volume(job: JobRef) -> dict[str, Any]:
@@ -153,10 +162,19 @@ def pod_template(job: JobRef, spec: RLJobSpec, component: str, config_hash: str,
     }
     if init_containers:
         pod_spec["initContainers"] = list(init_containers)
+    settings = pod_settings(spec, component)
+    scheduling = {"nodeSelector": settings.node_selector, "tolerations": settings.tolerations,
+                  "affinity": settings.affinity,
+                  "imagePullSecrets": [{"name": n} for n in settings.image_pull_secrets],
+                  "priorityClassName": settings.priority_class_name,
+                  "serviceAccountName": settings.service_account_name}
+    pod_spec.update({k: v for k, v in scheduling.items() if v})
     return {
         "metadata": {
-            "labels": naming.labels(job, component, spec.image),
+            # Kiln's own labels last: the selector's labels cannot be overridden.
+            "labels": {**settings.labels, **naming.labels(job, component, spec.image)},
             "annotations": {
+                **settings.annotations,
                 CONFIG_HASH: config_hash,
                 "prometheus.io/scrape": "true",
                 "prometheus.io/port": str(METRICS_PORT),

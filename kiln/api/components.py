@@ -7,21 +7,11 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import Field, model_validator
 
+from kiln.api.base import Model
+from kiln.api.scheduling import PodSettings
 
-class Model(BaseModel):
-    """Base of every RLJob section: camelCase on the wire, unknown fields refused, every field
-    documented by its docstring (which becomes its description in the CRD)."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="forbid",
-        use_attribute_docstrings=True,
-        validate_default=True,
-    )
 
 
 Quantity = Annotated[
@@ -105,6 +95,8 @@ class RolloutSpec(Model):
     """Sampling settings of training episodes (evaluation adds one greedy attempt)."""
     resources: Resources = Field(default_factory=Resources)
     """Resources of each rollout pod."""
+    pod: PodSettings = Field(default_factory=PodSettings)
+    """Scheduling, identity and extra environment of these pods."""
 
     @model_validator(mode="after")
     def _thinking_supported(self) -> RolloutSpec:
@@ -140,6 +132,8 @@ class TrainerSpec(Model):
     quickstart model reached a loss several times lower in the same number of steps)."""
     resources: Resources = Field(default_factory=Resources)
     """Resources of the trainer pod."""
+    pod: PodSettings = Field(default_factory=PodSettings)
+    """Scheduling, identity and extra environment of these pods."""
 
 
 # --------------------------------------------------------------------------------------- sandbox
@@ -175,6 +169,8 @@ class SandboxSpec(Model):
     """Sandbox service pods (on a cluster)."""
     resources: Resources = Field(default_factory=Resources)
     """Resources of each sandbox service pod."""
+    pod: PodSettings = Field(default_factory=PodSettings)
+    """Scheduling, identity and extra environment of these pods."""
 
     @model_validator(mode="after")
     def _docker_image(self) -> SandboxSpec:
@@ -195,6 +191,8 @@ class WeightSyncSpec(Model):
     """A publish not complete after this long is abandoned (the trainer publishes again)."""
     resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="2Gi"))
     """Resources of the weight-sync pod."""
+    pod: PodSettings = Field(default_factory=PodSettings)
+    """Scheduling, identity and extra environment of these pods."""
 
 
 class StorageSpec(Model):
@@ -217,6 +215,8 @@ class BufferSpec(Model):
     """The buffer's volume (its append-only log)."""
     resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="2Gi"))
     """Resources of the buffer pod."""
+    pod: PodSettings = Field(default_factory=PodSettings)
+    """Scheduling, identity and extra environment of these pods."""
 
 
 class CheckpointSpec(Model):

@@ -7,7 +7,9 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+import yaml
 
+from kiln.api.scheduling import PodSettings
 from kiln.api.spec import RLJobSpec
 from kiln.api.validate import load_job
 from kiln.operator import children
@@ -30,7 +32,19 @@ FULL: dict[str, Any] = {
     "model": {"path": "qwen/7b", "pvc": "models"},
     "rollout": {"replicas": 4, "resources": {"cpu": "8", "memory": "64Gi", "gpu": 1},
                 "openaiPort": 8000},
-    "trainer": {"tensorParallel": 2, "resources": {"cpu": "16", "memory": "128Gi", "gpu": 2}},
+    "trainer": {"tensorParallel": 2, "resources": {"cpu": "16", "memory": "128Gi", "gpu": 2},
+                "pod": {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+                        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                         "effect": "NoSchedule"}],
+                        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [{"matchExpressions": [
+                                {"key": "pool", "operator": "In", "values": ["train"]}]}]}}},
+                        "imagePullSecrets": ["registry"],
+                        "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+                            "name": "hf", "key": "token"}}}, {"name": "NCCL_DEBUG", "value": "WARN"}],
+                        "envFrom": [{"secretRef": {"name": "wandb"}}],
+                        "priorityClassName": "training", "serviceAccountName": "kiln-trainer",
+                        "labels": {"team": "rl"}, "annotations": {"owner": "rl-team"}}},
     "sandbox": {"backend": "docker", "image": "python:3.12-slim", "cpu": 0.5, "memory": "1Gi",
                 "maxConcurrent": 16, "replicas": 2},
     "buffer": {"storage": {"size": "20Gi", "storageClass": "fast", "retain": False}},
@@ -162,7 +176,10 @@ def test_job_file_round_trips_through_the_services_loader(tmp_path: Path) -> Non
     path.write_text(cm["data"]["job.yaml"])
     job = load_job(path)
     assert job.metadata.name == "demo"
-    assert job.spec == s
+    # Everything but the pod settings, which only the operator reads.
+    assert job.spec == RLJobSpec.model_validate(
+        children.without_pod_settings(children.resolved_spec(s)))
+    assert job.spec.trainer.pod == PodSettings() != s.trainer.pod
     assert job.spec.stages[0].rl.icepop_beta is None  # an explicit null is not lost to the default
 
 
@@ -222,6 +239,41 @@ def test_parse_spec_reports_field_paths() -> None:
                                         ("2G", 2e9), ("4Gi", 4 * 2**30)])
 def test_quantity_value(text: str, value: float) -> None:
     assert quantity_value(text) == pytest.approx(value)
+
+
+def test_pod_settings_reach_the_pod_and_stay_out_of_the_config_map() -> None:
+    objs = by_name(children.desired_children(JOB, spec(FULL)))
+    pod = objs["StatefulSet/demo-trainer"]["spec"]["template"]
+    ps = pod["spec"]
+    assert ps["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert ps["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert "nodeAffinity" in ps["affinity"]
+    assert ps["imagePullSecrets"] == [{"name": "registry"}]
+    assert ps["priorityClassName"] == "training" and ps["serviceAccountName"] == "kiln-trainer"
+    assert ps["automountServiceAccountToken"] is False
+    (container,) = ps["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
+    assert "KILN_BUFFER_ADDR" in env  # Kiln's own variables are still there
+    assert container["envFrom"] == [{"secretRef": {"name": "wandb"}}]
+    assert pod["metadata"]["labels"]["team"] == "rl"
+    assert pod["metadata"]["labels"]["app.kubernetes.io/component"] == "trainer"
+    assert pod["metadata"]["annotations"]["owner"] == "rl-team"
+    # Other components are untouched; the job file carries no pod section (env values may be
+    # secrets written inline).
+    assert "nodeSelector" not in objs["Deployment/demo-rollout"]["spec"]["template"]["spec"]
+    job_file = objs["ConfigMap/demo-config"]["data"]["job.yaml"]
+    assert "HF_TOKEN" not in job_file and "pod" not in yaml.safe_load(job_file)["spec"]["trainer"]
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("labels", {"app.kubernetes.io/name": "x"}, "set by Kiln"),
+    ("env", [{"name": "KILN_JOB_NAME", "value": "x"}], "KILN_"),
+    ("env", [{"name": "A"}], "needs value or valueFrom"),
+])
+def test_pod_settings_refuse_what_kiln_sets(field: str, value: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        spec(SMALL, trainer__pod={field: value})
 
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "deploy" / "examples").glob("*.yaml"))
