@@ -11,6 +11,7 @@ from typing import Any
 WORKLOADS = (("apps/v1", "deployments"), ("apps/v1", "statefulsets"))
 OWNED = (("v1", "configmaps"), ("v1", "services"), ("v1", "persistentvolumeclaims"),
          ("v1", "pods"), *WORKLOADS)
+RLJOBS = ("kiln.dev/v1alpha1", "rljobs")
 
 
 def free_port() -> int:
@@ -52,13 +53,6 @@ class Api:
     def list(self, api_version: str, plural: str, namespace: str) -> list[dict[str, Any]]:
         out = self.call("GET", self._path(api_version, plural, namespace)) or {}
         return list(out.get("items", []))
-
-    def uids(self, namespace: str) -> set[str]:
-        """Every uid in the namespace that an owner reference may name."""
-        found = set()
-        for api_version, plural in (*OWNED, ("kiln.dev/v1alpha1", "rljobs")):
-            found |= {o["metadata"].get("uid") for o in self.list(api_version, plural, namespace)}
-        return found
 
     def patch_status(self, api_version: str, plural: str, namespace: str, name: str,
                      status: dict[str, Any]) -> None:

@@ -34,84 +34,21 @@ import logging
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln.cli.devcluster.apiclient import OWNED, WORKLOADS, Api, free_port
+from kiln.cli.devcluster.apiclient import OWNED, RLJOBS, WORKLOADS, Api, free_port
+from kiln.cli.devcluster.pods import Container, Pod, accepts, stop
 
 log = logging.getLogger("kiln.devcluster")
 
 _SERVICE_REF = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)(\.[a-z0-9-]+)*?(\.svc(\.cluster\.local)?)?:(\d+)$")
 BIN = Path(sys.executable).parent
-
-
-@dataclass
-class Container:
-    spec: dict[str, Any]
-    argv: list[str]
-    env: dict[str, str]
-    log_path: Path
-    proc: subprocess.Popen | None = None
-    restarts: int = 0
-    next_start: float = 0.0
-    done: bool = False
-    """An init container that exited 0."""
-
-    @property
-    def name(self) -> str:
-        return self.spec["name"]
-
-
-@dataclass
-class Pod:
-    namespace: str
-    name: str
-    owner: dict[str, Any]
-    template_hash: str
-    labels: dict[str, str]
-    init: list[Container] = field(default_factory=list)
-    containers: list[Container] = field(default_factory=list)
-    ports: list[int] = field(default_factory=list)
-    failure: str = ""
-    started: float = field(default_factory=time.time)
-
-    def processes(self) -> list[subprocess.Popen]:
-        return [c.proc for c in (*self.init, *self.containers) if c.proc is not None]
-
-
-def _stop(procs: list[subprocess.Popen], grace: float) -> None:
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
-
-
-def _ready(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return True
-    except OSError:
-        return False
 
 
 class Node:
@@ -228,11 +165,13 @@ class Node:
         logs.mkdir(parents=True, exist_ok=True)
         return Container(spec, argv, env, logs / f"{index:02d}-{spec['name']}.log")
 
-    def _desired(self, namespace: str) -> dict[tuple[str, str], tuple[dict[str, Any], dict[str, Any], str]]:
+    @staticmethod
+    def _desired(namespace: str, listed: dict[tuple[str, str], list[dict[str, Any]]],
+                 ) -> dict[tuple[str, str], tuple[dict[str, Any], dict[str, Any], str]]:
         """(namespace, pod) -> (owner workload, its pod template, template hash)."""
         out = {}
-        for api_version, plural in WORKLOADS:
-            for wl in self.api.list(api_version, plural, namespace):
+        for kind in WORKLOADS:
+            for wl in listed[kind]:
                 template = wl["spec"]["template"]
                 digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]
                 for n in range(int(wl["spec"].get("replicas", 1))):
@@ -304,7 +243,7 @@ class Node:
     def _pod_object(self, pod: Pod) -> dict[str, Any]:
         running = [c for c in pod.containers if c.proc is not None and c.proc.poll() is None]
         ready = bool(running) and len(running) == len(pod.containers) and all(
-            _ready(p) for p in pod.ports)
+            accepts(p) for p in pod.ports)
         phase = "Failed" if pod.failure else ("Running" if running else "Pending")
         owner = pod.owner["metadata"]
         return {
@@ -326,60 +265,68 @@ class Node:
 
     # ------------------------------------------------------------------ the loop
     def sync(self) -> None:
+        # One list of each kind per namespace and sync; everything below works from these.
+        listed = {ns: {kind: self.api.list(*kind, ns) for kind in (*OWNED, RLJOBS)}
+                  for ns in self.api.namespaces()}
         desired: dict[tuple[str, str], Any] = {}
-        namespaces = self.api.namespaces()
-        services: dict[str, list[dict[str, Any]]] = {}
-        configmaps: dict[str, dict[str, dict[str, Any]]] = {}
-        for ns in namespaces:
-            desired.update(self._desired(ns))
-            services[ns] = self.api.list("v1", "services", ns)
-            configmaps[ns] = {c["metadata"]["name"]: c for c in self.api.list("v1", "configmaps", ns)}
+        for ns, objs in listed.items():
+            desired.update(self._desired(ns, objs))
+        configmaps = {ns: {c["metadata"]["name"]: c for c in objs[("v1", "configmaps")]}
+                      for ns, objs in listed.items()}
         for key in [k for k, pod in self.pods.items()
                     if k not in desired or desired[k][2] != pod.template_hash]:
             pod = self.pods.pop(key)
             log.info("pod %s/%s: stopping", *key)
-            _stop(pod.processes(), grace=30)
+            stop(pod.processes(), grace=30)
             self.api.delete("v1", "pods", *key)
             shutil.rmtree(self.root / "pods" / key[0] / key[1] / "volumes", ignore_errors=True)
         for key, (owner, template, digest) in desired.items():
             if key not in self.pods:
-                self.pods[key] = self._start_pod(*key, owner, template, digest, services[key[0]],
+                self.pods[key] = self._start_pod(*key, owner, template, digest,
+                                                 listed[key[0]][("v1", "services")],
                                                  configmaps[key[0]])
             else:  # a ConfigMap that changed reaches the pod's files (not subPath ones in k8s)
                 self._volumes(*key, template, configmaps[key[0]])
             self._advance(self.pods[key])
         self._write_pids()
+        ready_pods: dict[str, int] = {}  # owner uid -> ready pods
         for key, pod in self.pods.items():
-            self.api.put_pod(key[0], self._pod_object(pod))
-        for ns in namespaces:
-            self._report_workloads(ns)
-            self._collect_garbage(ns)
+            obj = self._pod_object(pod)
+            if obj["status"]["conditions"][0]["status"] == "True":
+                uid = pod.owner["metadata"]["uid"]
+                ready_pods[uid] = ready_pods.get(uid, 0) + 1
+            if obj != pod.reported:  # report changes only
+                self.api.put_pod(key[0], obj)
+                pod.reported = obj
+        for ns, objs in listed.items():
+            self._report_workloads(ns, objs, ready_pods)
+            self._collect_garbage(ns, objs)
 
-    def _report_workloads(self, namespace: str) -> None:
-        for api_version, plural in WORKLOADS:
-            for wl in self.api.list(api_version, plural, namespace):
-                name = wl["metadata"]["name"]
-                pods = [p for (ns, n), p in self.pods.items()
-                        if ns == namespace and p.owner["metadata"]["uid"] == wl["metadata"]["uid"]]
-                ready = sum(1 for p in pods if self._pod_object(p)["status"]["conditions"][0]["status"] == "True")
-                status = {"replicas": len(pods), "readyReplicas": ready,
-                          "availableReplicas": ready,
+    def _report_workloads(self, namespace: str, listed: dict[tuple[str, str], list[dict[str, Any]]],
+                          ready_pods: dict[str, int]) -> None:
+        for kind in WORKLOADS:
+            for wl in listed[kind]:
+                uid = wl["metadata"]["uid"]
+                pods = sum(1 for (ns, _), p in self.pods.items()
+                           if ns == namespace and p.owner["metadata"]["uid"] == uid)
+                status = {"replicas": pods, "readyReplicas": ready_pods.get(uid, 0),
+                          "availableReplicas": ready_pods.get(uid, 0),
                           "observedGeneration": wl["metadata"].get("generation", 1)}
                 if {k: (wl.get("status") or {}).get(k) for k in status} != status:
-                    self.api.patch_status(api_version, plural, namespace, name, status)
+                    self.api.patch_status(*kind, namespace, wl["metadata"]["name"], status)
 
-    def _collect_garbage(self, namespace: str) -> None:
-        uids = self.api.uids(namespace)
-        for api_version, plural in OWNED:
-            for obj in self.api.list(api_version, plural, namespace):
+    def _collect_garbage(self, namespace: str,
+                         listed: dict[tuple[str, str], list[dict[str, Any]]]) -> None:
+        uids = {o["metadata"].get("uid") for objs in listed.values() for o in objs}
+        for kind in OWNED:
+            for obj in listed[kind]:
                 owners = obj["metadata"].get("ownerReferences") or []
                 if owners and not any(o.get("uid") in uids for o in owners):
-                    log.info("collecting %s %s/%s (owner gone)", plural, namespace,
-                             obj["metadata"]["name"])
-                    self.api.delete(api_version, plural, namespace, obj["metadata"]["name"])
-                    if plural == "persistentvolumeclaims":
-                        shutil.rmtree(self.root / "pvc" / namespace / obj["metadata"]["name"],
-                                      ignore_errors=True)
+                    name = obj["metadata"]["name"]
+                    log.info("collecting %s %s/%s (owner gone)", kind[1], namespace, name)
+                    self.api.delete(*kind, namespace, name)
+                    if kind[1] == "persistentvolumeclaims":
+                        shutil.rmtree(self.root / "pvc" / namespace / name, ignore_errors=True)
 
     def _write_pids(self) -> None:
         """Every process the agent started, so `kiln dev-cluster down` can stop them even if the
@@ -396,5 +343,5 @@ class Node:
                 log.warning("sync failed: %s", exc)
             self.stop.wait(self.interval)
         procs = [p for pod in self.pods.values() for p in pod.processes()]
-        _stop(procs, grace=30)
+        stop(procs, grace=30)
         self.pids_file.write_text("")
