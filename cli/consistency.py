@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from kiln.services.rollout.engine import engine_kind, is_dsa_checkpoint
 
-    from kiln.models.support import model_problems
+    from kiln.api.capabilities import model_problems
 
     is_dsa = is_dsa_checkpoint(args.model)
     problems = model_problems(args.model, engine=engine_kind(args.engine, args.model), dtype=args.dtype)

@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     from kiln.api.validate import ManifestError, load_job
 
     try:
-        job = load_job(args.job, plugins=True)
+        job = load_job(args.job, local=True)
     except ManifestError as exc:
         print(exc, file=sys.stderr)
         return 2

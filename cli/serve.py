@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kiln.models.support import model_problems
+    from kiln.api.capabilities import model_problems
     from kiln.services.rollout.engine import engine_kind
 
     if not (args.model_dir / "config.json").is_file():

@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     failed = 0
     for path in args.files:
-        jobs, problems = validate_file(path, plugins=True)
+        jobs, problems = validate_file(path, local=True)
         for problem in problems:
             print(problem, file=sys.stderr)
         if problems:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from kiln.models import cpu_shims
 from kiln.models.dsa import DSAConfig, apply_dsa_spec, is_dsa_model, padded_length
-from kiln.models.support import SUPPORTED_ARCHS
+from kiln.api.capabilities import SUPPORTED_ARCHS
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,13 @@
 """Process-group set-up for Megatron models: torch.distributed plus Megatron's model-parallel groups.
 
-Models run tensor parallelism only (data- and pipeline-parallel size 1): a world of `tp`
-processes, one per tensor-parallel rank. Gloo on the CPU, NCCL on GPUs. A single process
-(`tp == 1`) still needs a process group because Megatron's layers ask for one; it gets a
-private one on a free loopback port.
+A world of `tp * dp` processes: `dp` data-parallel replicas of a model split over `tp`
+tensor-parallel ranks. Ranks `r*tp .. r*tp + tp-1` form replica `r`'s TP group (Megatron's
+layout, so a replica's ranks can share a node); ranks with the same TP rank form a DP group.
+Gloo on the CPU, NCCL on GPUs. A single process (`tp == dp == 1`) still needs a process group
+because Megatron's layers ask for one; it gets a private one on a free loopback port.
 
-Not covered: data parallelism, pipeline parallelism, multi-node rendezvous beyond what
-`torch.distributed`'s `env://` gives (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE).
+Not covered: pipeline parallelism; rendezvous beyond what `torch.distributed`'s `env://` gives
+(MASTER_ADDR, MASTER_PORT).
 """
 from __future__ import annotations
 
@@ -25,39 +26,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_parallel(tp: int = 1, *, rank: int | None = None, init_method: str | None = None, seed: int = 0) -> None:
-    """Join (or create) the process group of `tp` ranks, build Megatron's groups and seed
+def init_parallel(tp: int = 1, *, dp: int = 1, rank: int | None = None, init_method: str | None = None,
+                  seed: int = 0, timeout_s: float | None = None) -> None:
+    """Join (or create) the process group of `tp * dp` ranks, build Megatron's groups and seed
     torch and Megatron's RNG tracker with `seed`.
 
     `rank` defaults to $RANK (0 when unset). `init_method` defaults to env:// when MASTER_ADDR
-    is set, otherwise to a fresh loopback port (only valid for `tp == 1`). Idempotent for the
-    same `tp`.
+    is set, otherwise to a fresh loopback port (only valid for a world of one). `timeout_s`
+    bounds each collective (torch's default when None). Idempotent for the same sizes.
     """
+    from datetime import timedelta
+
     from megatron.core import parallel_state
 
     cpu_shims.install()
-    if tp < 1:
-        raise ValueError(f"tensor_parallel={tp} must be >= 1")
+    if tp < 1 or dp < 1:
+        raise ValueError(f"tensor_parallel={tp} and data_parallel={dp} must be >= 1")
+    world = tp * dp
     if dist.is_initialized():
-        if dist.get_world_size() != tp:
+        if dist.get_world_size() != world:
             raise ValueError(
-                f"a process group of {dist.get_world_size()} ranks exists; tensor_parallel={tp} "
-                "needs exactly that many (destroy it first with shutdown_parallel())"
+                f"a process group of {dist.get_world_size()} ranks exists; tensor_parallel={tp} x "
+                f"data_parallel={dp} needs exactly {world} (destroy it first with shutdown_parallel())"
             )
     else:
         rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         if init_method is None:
             if "MASTER_ADDR" in os.environ:
                 init_method = "env://"
-            elif tp == 1:
+            elif world == 1:
                 init_method = f"tcp://127.0.0.1:{free_port()}"
             else:
                 raise ValueError(
-                    f"tensor_parallel={tp} needs MASTER_ADDR/MASTER_PORT or an init_method "
+                    f"a world of {world} ranks needs MASTER_ADDR/MASTER_PORT or an init_method "
                     "shared by all ranks"
                 )
+        if not cpu_shims.cpu_only():
+            # One GPU per rank of a pod: LOCAL_RANK, as torchrun and the trainer's ranks set it.
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
         backend = "gloo" if cpu_shims.cpu_only() else "nccl"
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=tp)
+        extra = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, **extra)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     cpu_shims.reset_rng(seed)
@@ -97,3 +106,40 @@ def all_gather_tp(shard: torch.Tensor, dim: int) -> torch.Tensor:
     parts = [torch.empty_like(shard) for _ in range(tp_size())]
     dist.all_gather(parts, shard.contiguous(), group=tp_group())
     return torch.cat(parts, dim=dim)
+
+
+def dp_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_world_size()
+
+
+def dp_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_rank()
+
+
+def dp_group() -> "dist.ProcessGroup":
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group()
+
+
+def dp_source_rank() -> int:
+    """Global rank of this rank's DP-rank-0 peer (the replica that owns checkpoints)."""
+    return dist.get_rank() % tp_size()
+
+
+def all_reduce_dp(tensors: list[torch.Tensor]) -> None:
+    """Sum `tensors` in place over the DP group, as one flat buffer (one message, not one per
+    tensor). A no-op at DP=1."""
+    if dp_size() == 1 or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=dp_group())
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n

@@ -45,6 +45,7 @@ IMMUTABLE_FIELDS: tuple[tuple[str, ...], ...] = (
     ("model", "path"),
     ("model", "pvc"),
     ("trainer", "tensorParallel"),
+    ("trainer", "dataParallel"),
     ("trainer", "pipelineParallel"),
     ("buffer", "storage", "storageClass"),
     ("checkpoints", "storage", "storageClass"),

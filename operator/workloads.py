@@ -21,6 +21,8 @@ from kiln.operator.naming import (CONFIG_HASH, GRPC_PORT, JOB_FILE, METRICS_PORT
                                   RUN_DIR, JobRef)
 
 DIND_IMAGE = "docker:27-dind"
+RENDEZVOUS_PORT = 29500  # torch.distributed's customary port
+TRAINER_REPLICAS = "trainer-replica"
 DIND_SOCKET_DIR = "/run/dind"
 SERVICE_UID = 1000
 
@@ -202,28 +204,61 @@ def _deployment(job: JobRef, spec: RLJobSpec, component: str, replicas: int,
     }
 
 
-def trainer(job: JobRef, spec: RLJobSpec, config_hash: str, active: bool) -> dict[str, Any]:
+def _rendezvous_env(job: JobRef, replica: dict[str, str]) -> list[dict[str, Any]]:
+    """Where the trainer's ranks meet: trainer pod 0, by its stable name under the trainer's
+    headless Service (published before it is ready, as the ranks meet before that)."""
+    host = f"{job.child('trainer')}-0.{job.child('trainer')}.{job.namespace}.svc"
+    return [{"name": "MASTER_ADDR", "value": host},
+            {"name": "MASTER_PORT", "value": str(RENDEZVOUS_PORT)}, replica]
+
+
+def _trainer_statefulset(job: JobRef, spec: RLJobSpec, component: str, config_hash: str,
+                         replicas: int, run_volume: dict[str, Any],
+                         rendezvous: list[dict[str, Any]]) -> dict[str, Any]:
     volumes, mounts, env = _model_volume(spec)
-    container = service_container(job, spec, "trainer", spec.trainer.resources, env, mounts)
-    # The run dir is the checkpoints volume: a restarted trainer resumes from its last checkpoint.
-    volumes = [_job_volume(job),
-               {"name": "run", "persistentVolumeClaim": {"claimName": job.child("checkpoints")}},
-               *volumes]
-    template = pod_template(job, spec, "trainer", config_hash, [container], volumes,
+    container = service_container(job, spec, "trainer", spec.trainer.resources, [*env, *rendezvous], mounts)
+    if rendezvous:
+        container["ports"].append({"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"})
+    template = pod_template(job, spec, "trainer", config_hash, [container],
+                            [_job_volume(job), {"name": "run", **run_volume}, *volumes],
                             model_init_container(spec, spec.trainer.resources),
                             grace_seconds=120)  # room to write a checkpoint on SIGTERM
+    # Replica pods carry their own component label: the trainer Service (the Trainer RPCs,
+    # which replica 0 alone serves) must not select them.
+    template["metadata"]["labels"].update(naming.selector_labels(job, component))
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": naming.metadata(job, "trainer", spec.image),
+        "metadata": naming.metadata(job, component, spec.image),
         "spec": {
-            "replicas": 1 if active else 0,
+            "replicas": replicas,
             "serviceName": job.child("trainer"),
             "podManagementPolicy": "Parallel",
-            "selector": {"matchLabels": naming.selector_labels(job, "trainer")},
+            "selector": {"matchLabels": naming.selector_labels(job, component)},
             "template": template,
         },
     }
+
+
+def trainer(job: JobRef, spec: RLJobSpec, config_hash: str, active: bool) -> dict[str, Any]:
+    """Replica 0 of the trainer: the Trainer service, and the only one with the checkpoints
+    volume (a restarted trainer resumes from its last checkpoint)."""
+    dp = spec.trainer.data_parallel
+    rendezvous = _rendezvous_env(job, {"name": "KILN_TRAINER_REPLICA", "value": "0"}) if dp > 1 else []
+    return _trainer_statefulset(job, spec, "trainer", config_hash, 1 if active else 0,
+                                {"persistentVolumeClaim": {"claimName": job.child("checkpoints")}},
+                                rendezvous)
+
+
+def trainer_replicas(job: JobRef, spec: RLJobSpec, config_hash: str, active: bool) -> dict[str, Any] | None:
+    """Data-parallel replicas 1..dp-1 (pod `-N` is replica N+1). They keep no checkpoints:
+    replica 0 hands them its state when the ranks meet."""
+    dp = spec.trainer.data_parallel
+    if dp == 1:
+        return None
+    rendezvous = _rendezvous_env(job, {"name": "KILN_TRAINER_REPLICA_OFFSET", "value": "1"})
+    return _trainer_statefulset(job, spec, TRAINER_REPLICAS, config_hash, dp - 1 if active else 0,
+                                {"emptyDir": {}}, rendezvous)
 
 
 def rollout(job: JobRef, spec: RLJobSpec, config_hash: str, active: bool) -> dict[str, Any]:
@@ -303,8 +338,10 @@ def buffer(job: JobRef, spec: RLJobSpec, config_hash: str, active: bool) -> dict
 
 def workloads(job: JobRef, spec: RLJobSpec, hashes: dict[str, str], *, active: bool,
               dind_image: str = DIND_IMAGE) -> list[dict[str, Any]]:
+    replicas = trainer_replicas(job, spec, hashes["trainer"], active)
     return [
         trainer(job, spec, hashes["trainer"], active),
+        *([replicas] if replicas is not None else []),
         rollout(job, spec, hashes["rollout"], active),
         sandbox(job, spec, hashes["sandbox"], active, dind_image),
         weight_sync(job, spec, hashes["weight-sync"], active),

@@ -90,7 +90,7 @@ async def play(env: GrpcEnvClient, task_set: str, index: int, turns, stats: dict
 
 
 async def bench(address: str, job_path: Path, episodes: int, concurrency: int) -> list[dict]:
-    job = load_job(job_path, plugins=True)
+    job = load_job(job_path, local=True)
     rows = []
     async with grpc.aio.insecure_channel(address) as ch:
         env = GrpcEnvClient(ch, owner="bench")

@@ -159,7 +159,7 @@ async def grpc_runs(port: int, tensors, configs, repeats: int, total: int) -> tu
 
 async def vllm_apply(model_dir: Path, tensors, dtype: str) -> tuple[float, float]:
     from kiln.services.rollout.engine import EngineSettings, SamplingOptions
-from kiln.services.rollout.vllm_engine import VllmEngine
+    from kiln.services.rollout.vllm_engine import VllmEngine
 
     t0 = time.perf_counter()
     engine = await VllmEngine.start(EngineSettings(model=str(model_dir), dtype=dtype,

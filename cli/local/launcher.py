@@ -67,7 +67,7 @@ def main(args: argparse.Namespace) -> int:
         print("kiln run: give a job file, or --resume RUN_DIR", file=sys.stderr)
         return 2
     try:
-        job = load_job(job_file if args.resume else args.job, plugins=True)
+        job = load_job(job_file if args.resume else args.job, local=True)
     except ManifestError as exc:
         print(f"kiln run: invalid job:\n{exc}", file=sys.stderr)
         return 2
@@ -85,18 +85,17 @@ def main(args: argparse.Namespace) -> int:
         print(f"kiln run: spec.model.path: {job.spec.model.path} holds no config.json and "
               "spec.model.init is not set", file=sys.stderr)
         return 2
+    from kiln.api.capabilities import job_model_refusals
     from kiln.cli.local.model import prepare_model
-    from kiln.models.support import model_problems
 
     prepare_model(job, out)
-    from kiln.services.rollout.engine import engine_kind
-
-    spec = job.spec
-    problems = model_problems(Path(spec.model.path), dtype=spec.model.dtype,
-                              engine=engine_kind(spec.rollout.engine, spec.model.path),
-                              tensor_parallel=spec.trainer.tensor_parallel)
+    # The model capabilities once more: spec.model.init may just have made the checkpoint.
+    try:
+        problems = [r.message for r in job_model_refusals(job.spec)]
+    except ValueError as exc:
+        problems = [str(exc)]
     if problems:
-        print(f"kiln run: spec.model.path: {spec.model.path}: {problems[0]}", file=sys.stderr)
+        print(f"kiln run: spec.model.path: {job.spec.model.path}: {problems[0]}", file=sys.stderr)
         return 2
 
     try:
@@ -114,12 +113,14 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         out.write(f"run directory: {run_dir}\nstarting services: {', '.join(processes.ORDER)}\n")
+        group = processes.trainer_group(job.spec.trainer.data_parallel)
         for name in processes.ORDER:
             addrs = {n: s.address for n, s in services.items()}
-            services[name] = processes.start(name, job_file, run_dir, addrs)
+            for member, env in (group.items() if name == "trainer" else [(name, {})]):
+                services[member] = processes.start(member, job_file, run_dir, addrs, env)
             if name in ("buffer", "sandbox", "weight_sync"):
                 processes.wait_ready(services[name])
-        for name in ("trainer", "rollout"):
+        for name in (*group, "rollout"):
             processes.wait_ready(services[name])
         out.write(f"all services healthy after {time.time() - started:.1f} s\n")
         trainer = TrainerClient(services["trainer"].address)
@@ -132,7 +133,11 @@ def main(args: argparse.Namespace) -> int:
             addrs = {n: s.address for n, s in services.items()}
             for name in dead:
                 out.write(f"\n{name} exited with code {services[name].proc.returncode}; restarting\n")
-                services[name] = processes.restart(services[name], job_file, run_dir, addrs)
+            if len(group) > 1 and any(n in group for n in dead):
+                processes.restart_group(group, services, job_file, run_dir)
+            for name in dead:
+                if name not in group or len(group) == 1:
+                    services[name] = processes.restart(services[name], job_file, run_dir, addrs)
             return dead
 
         shown = LocalProgress(run_dir, out)
@@ -171,7 +176,9 @@ def _stop_all(services) -> None:
     rest still runs), then the others. A second Ctrl-C kills whatever is left, never orphans it."""
     from kiln.cli.local import processes
 
-    order = [n for n in ("rollout", "trainer", "weight_sync", "sandbox", "buffer") if n in services]
+    # The trainer's replicas after replica 0, which releases them after its final checkpoint.
+    replicas = sorted(n for n in services if n.startswith(processes.REPLICA_PREFIX))
+    order = [n for n in ("rollout", "trainer", *replicas, "weight_sync", "sandbox", "buffer") if n in services]
     try:
         for name in order:
             processes.stop(services[name])

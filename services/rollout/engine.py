@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Literal, Protocol, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kiln.api.capabilities import rollout_engine
+
 if TYPE_CHECKING:
     import torch
 
@@ -155,9 +157,8 @@ def engine_kind(requested: str, model_dir: str | Path) -> EngineKind:
     meaning megatron for a DSA checkpoint, which vLLM has no CPU path for."""
     if requested not in ("auto", *ENGINE_KINDS):
         raise ValueError(f"engine={requested!r} is not one of {('auto', *ENGINE_KINDS)}")
-    if requested in ("auto", "vllm"):
-        return "megatron" if is_dsa_checkpoint(model_dir) else "vllm"
-    return requested  # type: ignore[return-value]
+    config = Path(model_dir) / "config.json"
+    return rollout_engine(requested, json.loads(config.read_text()) if config.exists() else {})  # type: ignore[return-value]
 
 
 async def start_engine(kind: EngineKind, settings: EngineSettings, **options: Any) -> Engine:

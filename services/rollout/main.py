@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from kiln.api.capabilities import job_model_refusals
 from kiln.api.spec import RLJob
 from kiln.services.common import metrics
 from kiln.services.common.server import CHANNEL_OPTIONS, Registration, run_service, service_argparser
@@ -55,6 +56,9 @@ async def build(job: RLJob | None, args: argparse.Namespace):
     if job is None:
         raise ValueError("--job is required")
     spec = job.spec
+    refused = job_model_refusals(spec, "rollout")
+    if refused:
+        raise ValueError(f"{spec.model.path}: {refused[0]}")
     sandbox, buffer_addr, sync_addr = _addr("SANDBOX"), _addr("BUFFER"), _addr("WEIGHT_SYNC")
     tokenizer = AutoTokenizer.from_pretrained(spec.model.tokenizer or spec.model.path)
     model_type = json.loads((Path(spec.model.path) / "config.json").read_text()).get("model_type", "")

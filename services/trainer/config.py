@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from kiln.api.capabilities import spec_refusals
 from kiln.api.spec import RLJob, RLStage
 from kiln.services.trainer.loss import PolicyLossConfig
 
@@ -29,6 +30,10 @@ class TrainerConfig(BaseModel):
     model_dir: Path
     """Hugging Face checkpoint (config.json + safetensors + tokenizer) to start from."""
     tensor_parallel: int = Field(1, ge=1)
+    data_parallel: int = Field(1, ge=1)
+    """Replicas of the TP group, each training on a share of every batch's rows."""
+    collective_timeout_s: float | None = None
+    """Bound on one collective (torch's default when None)."""
     params_dtype: Literal["float32", "bfloat16"] = "float32"
     attention: Literal["sdpa", "megatron"] = "sdpa"
     """Core attention: PyTorch's fused causal SDPA, or Megatron's local unfused version."""
@@ -73,10 +78,9 @@ def config_from_job(job: RLJob, *, run_dir: Path, stage: str | None = None, mode
     """
     st = stage_by_name(job, stage)
     t = job.spec.trainer
-    if job.spec.model.dtype == "float16":
-        raise ValueError("spec.model.dtype=float16 is not supported by the trainer; use bfloat16 or float32")
-    if t.pipeline_parallel != 1:
-        raise ValueError(f"spec.trainer.pipelineParallel={t.pipeline_parallel}: only 1 is supported")
+    refused = spec_refusals(job.spec)  # a job built in-process skipped the file's validation
+    if refused:
+        raise ValueError(str(refused[0]))
     loss = PolicyLossConfig()
     reset = True
     if isinstance(st, RLStage):
@@ -91,6 +95,7 @@ def config_from_job(job: RLJob, *, run_dir: Path, stage: str | None = None, mode
     return TrainerConfig(
         model_dir=model_dir if model_dir is not None else Path(job.spec.model.path),
         tensor_parallel=t.tensor_parallel,
+        data_parallel=t.data_parallel,
         params_dtype=job.spec.model.dtype,
         micro_batch_size=st.micro_batch_size,
         loss=loss,

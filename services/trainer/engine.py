@@ -10,7 +10,12 @@ It knows nothing of gRPC, buffers or weight transport:
   optimizer moments if configured; `named_hf_tensors()`: the weights under HF names;
 - `save_checkpoint()` / resume of the latest checkpoint on construction.
 
-At TP > 1 every rank makes the same calls with the same data (there is no data parallelism).
+Every rank of the world (`tensor_parallel * data_parallel` processes, see `ranks.py`) makes
+the same calls with the same whole batch: a data-parallel replica trains on its share of each
+minibatch's rows, and gradients, the loss and the loss statistics are summed over the replicas
+before clipping, so a step equals the one-replica step up to floating-point reduction order.
+Checkpoints and exports are written by replica 0 alone; a resumed replica 0 hands its state to
+the others at start-up.
 
 `logp_train_old` for IcePop is the training engine's log-prob under the weights at the start of
 the step. With one optimizer update per step it equals the current log-prob, which is computed
@@ -18,6 +23,7 @@ anyway; with `minibatches_per_step > 1` it is an extra no-grad pass before the f
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -42,7 +48,8 @@ LossFn = Callable[[torch.Tensor, TensorBatch, torch.Tensor, float], tuple[torch.
 class TrainerEngine:
     def __init__(self, config: TrainerConfig, *, resume: bool = True) -> None:
         self.config = config
-        parallel.init_parallel(config.tensor_parallel, seed=config.seed)
+        parallel.init_parallel(config.tensor_parallel, dp=config.data_parallel, seed=config.seed,
+                               timeout_s=config.collective_timeout_s)
         self.device = cpu_shims.compute_device()
         dtype = getattr(torch, config.params_dtype)
         self.model, self.spec = load_hf_checkpoint(config.model_dir, config.tensor_parallel, dtype, config.attention)
@@ -68,8 +75,10 @@ class TrainerEngine:
         """The newest checkpoint written or resumed from."""
         if resume and config.checkpoint_dir is not None:
             latest = ckpt.latest_checkpoint(config.checkpoint_dir)
-            if latest is not None:
+            if latest is not None and parallel.dp_rank() == 0:
                 self.load_checkpoint(latest)
+        if parallel.dp_size() > 1:
+            self._sync_replicas()
         metrics.TRAINER_VERSION.set(self.policy_version)
 
     # --- log-probs -------------------------------------------------------------------------
@@ -155,6 +164,7 @@ class TrainerEngine:
         self.model.train()
         stats = LossStats()
         losses, norms = [], []
+        dp, dp_rank = parallel.dp_size(), parallel.dp_rank()
         # The learning rate of this step (a stage sets it per step): every minibatch of the step
         # takes it, and it is the one reported.
         lrs = [g["lr"] for g in self.optimizer.param_groups]
@@ -166,7 +176,10 @@ class TrainerEngine:
                 normalizer = float((mask.sum(dim=1) > 0).sum().clamp(min=1))
             self.optimizer.zero_grad(set_to_none=True)
             part_loss = 0.0
-            for idx in torch.split(part, self.config.micro_batch_size):
+            # This replica's rows of the minibatch; the normalizer above is the whole
+            # minibatch's, so the replicas' summed gradients are the one-replica gradient.
+            rows = part[dp_rank::dp]
+            for idx in torch.split(rows, self.config.micro_batch_size) if len(rows) else ():
                 mb = _select(tb, idx)
                 logp = token_logprobs(self.model, mb.tokens)
                 train_old = old[idx][:, : logp.shape[1]] if old is not None else logp.detach()
@@ -174,6 +187,8 @@ class TrainerEngine:
                 loss.backward()
                 part_loss += loss.item()
                 stats = stats.merge(st)
+            if dp > 1:
+                part_loss, stats = self._reduce_replicas(part_loss, stats)
             norms.append(self._clip_grads())
             self.optimizer.step()
             losses.append(part_loss)
@@ -215,6 +230,48 @@ class TrainerEngine:
             mb = _select(tb, idx)
             out[idx, : mb.tokens.shape[1]] = token_logprobs(self.model, mb.tokens)
         return out
+
+    def _reduce_replicas(self, loss: float, stats: LossStats) -> tuple[float, LossStats]:
+        """Sum gradients, the loss and the loss statistics over the DP replicas."""
+        grads = []
+        for p in self.model.parameters():
+            if p.requires_grad:
+                if p.grad is None:  # a replica with no rows in this minibatch
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+        names = [f.name for f in dataclasses.fields(stats)]
+        scalars = torch.tensor([loss] + [getattr(stats, n) for n in names], dtype=torch.float64)
+        parallel.all_reduce_dp(grads)
+        parallel.all_reduce_dp([scalars])
+        values = scalars.tolist()
+        return values[0], LossStats(**dict(zip(names, values[1:])))
+
+    def _sync_replicas(self) -> None:
+        """Give every DP replica replica 0's state (its resumed checkpoint, if any): replicas
+        other than 0 keep no checkpoints of their own."""
+        src = parallel.dp_source_rank()
+        resumed = [self.resumed_from is not None]
+        dist.broadcast_object_list(resumed, src=src, group=parallel.dp_group())
+        if not resumed[0]:
+            return  # every replica loaded the same HF checkpoint
+        state = [{
+            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "meta": {"step": self.step_count, "policy_version": self.policy_version,
+                     "last_metrics": self.last_metrics, "stage": self.stage,
+                     "stage_steps": self.stage_steps, "path": str(self.resumed_from)},
+        } if parallel.dp_rank() == 0 else None]
+        dist.broadcast_object_list(state, src=src, group=parallel.dp_group())
+        if parallel.dp_rank() != 0:
+            got = state[0]
+            self.model.load_state_dict(got["model"], strict=True)
+            self.optimizer.load_state_dict(got["optimizer"])
+            self.scheduler.load_state_dict(got["scheduler"])
+            meta = got["meta"]
+            self.step_count, self.policy_version = int(meta["step"]), int(meta["policy_version"])
+            self.last_metrics, self.stage = dict(meta["last_metrics"]), meta["stage"]
+            self.stage_steps = dict(meta["stage_steps"])
+            self.resumed_from = self.last_checkpoint = Path(meta["path"])
 
     def _clip_grads(self) -> float:
         """Global gradient norm over all TP shards; clip in place if configured. Megatron's own
@@ -262,8 +319,16 @@ class TrainerEngine:
         """The full weights under Hugging Face names (collective at TP > 1)."""
         return iter_hf_tensors(self.model, self.spec)
 
+    def gathered_hf_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The full weights under HF names, gathered over TP on replica 0 (collective there);
+        an empty list on the other replicas, which hold the same weights."""
+        return list(self.named_hf_tensors()) if parallel.dp_rank() == 0 else []
+
     def export_hf(self, out_dir: Path) -> Path | None:
-        """Write the current weights as a HF checkpoint directory (TP rank 0 writes)."""
+        """Write the current weights as a HF checkpoint directory (replica 0's TP rank 0
+        writes; the others return None)."""
+        if parallel.dp_rank() != 0:
+            return None
         return save_hf_checkpoint(self.model, self.spec, out_dir, source_dir=self.config.model_dir)
 
     # --- checkpoints -----------------------------------------------------------------------
@@ -277,6 +342,10 @@ class TrainerEngine:
     def save_checkpoint(self) -> Path:
         if self.config.checkpoint_dir is None:
             raise ValueError("checkpoint_dir is not configured; cannot save a checkpoint")
+        if parallel.dp_rank() != 0:
+            # Replica 0 keeps the checkpoints; the others hold the same state.
+            self.last_checkpoint = Path(self.config.checkpoint_dir) / ckpt.step_dir_name(self.step_count)
+            return self.last_checkpoint
         t0 = time.perf_counter()
         state = {
             "model": self.model.state_dict(),

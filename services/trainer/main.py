@@ -5,8 +5,9 @@
 
 Loads the model (resuming the newest checkpoint under `<run-dir>/checkpoints`), serves
 `kiln.v1.Trainer`, and on SIGTERM writes a final checkpoint if it stepped since the last one.
-Only tensor-parallel size 1 is served (every rank of a TP group would have to receive the same
-calls); TP > 1 is available to in-process use of `TrainerEngine`.
+With `spec.trainer.tensorParallel` > 1 it starts the replica's other ranks itself; with
+`dataParallel` > 1 one such process runs per replica (see `ranks.py`): replica 0 serves the
+Trainer service, the others answer health checks and follow.
 """
 from __future__ import annotations
 
@@ -14,13 +15,16 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 import threading
 from pathlib import Path
 from typing import Sequence
 
+from kiln.api.capabilities import job_model_refusals
 from kiln.api.spec import RLJob
 from kiln.services.common.server import Registration, run_service, service_argparser
+from kiln.services.trainer import ranks
 from kiln.services.trainer.config import TrainerConfig, config_from_job
 
 log = logging.getLogger("kiln.trainer")
@@ -32,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", type=Path, help="HF checkpoint to start from (overrides spec.model.path)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="override spec.model.dtype")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--local-rank", type=int, default=0,
+                   help="this process's rank inside its replica (started by local rank 0; not for users)")
     return p
 
 
@@ -44,23 +50,44 @@ def config_from(job: RLJob | None, args: argparse.Namespace) -> TrainerConfig:
         raise ValueError("give --job or --model-dir")
     if args.dtype:
         cfg = cfg.model_copy(update={"params_dtype": args.dtype})
-    if cfg.tensor_parallel != 1:
-        raise ValueError(f"spec.trainer.tensorParallel={cfg.tensor_parallel}: the trainer service runs 1")
     if not (cfg.model_dir / "config.json").exists():
         raise ValueError(f"model directory {cfg.model_dir} has no config.json (create the model first)")
+    if job is not None:
+        refused = job_model_refusals(job.spec, "trainer", model_dir=cfg.model_dir)
+        if refused:
+            raise ValueError(f"{cfg.model_dir}: {refused[0]}")
     return cfg
 
 
-async def build(job: RLJob | None, args: argparse.Namespace):
+def _engine(cfg: TrainerConfig, world: ranks.World | None):
+    from kiln.services.trainer.engine import TrainerEngine
+
+    if world is not None:
+        ranks.enter(world)
+    return TrainerEngine(cfg)
+
+
+async def build(job: RLJob | None, args: argparse.Namespace, argv: list[str]):
     import torch
 
-    from kiln.services.trainer.engine import TrainerEngine
     from kiln.services.trainer.servicer import SERVICE_NAME, TrainerServicer, add_to_server
 
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = config_from(job, args)
-    engine = await asyncio.to_thread(TrainerEngine, cfg)
+    world = None
+    children = []
+    if cfg.tensor_parallel * cfg.data_parallel > 1:
+        world = ranks.world_from(cfg.tensor_parallel, cfg.data_parallel, 0)
+        # The other local ranks must be running for the process group to form.
+        children = ranks.spawn_local_ranks(world, argv)
+        log.info("trainer rank %d of %d (replica %d); rendezvous %s:%d", world.rank, world.size,
+                 world.replica, world.master_addr, world.master_port)
+    engine = await asyncio.to_thread(_engine, cfg, world)
+    if world is not None and world.rank != 0:
+        return await _follower(engine, children, args)
+    if world is not None:
+        engine = ranks.ReplicatedEngine(engine)
     log.info("trainer ready: step %d, policy version %d, resumed from %s",
              engine.step_count, engine.policy_version, engine.resumed_from)
     engine_lock = threading.Lock()
@@ -76,8 +103,57 @@ async def build(job: RLJob | None, args: argparse.Namespace):
         path = await servicer.final_checkpoint()
         if path is not None:
             log.info("final checkpoint %s", path)
+        if world is not None:
+            await asyncio.to_thread(engine.close)
+            for child in children:
+                await asyncio.to_thread(child.wait, args.grace)
 
     return [Registration(add_to_server, servicer, SERVICE_NAME)], on_stop
+
+
+async def _follower(engine, children: list, args: argparse.Namespace):
+    """Local rank 0 of a replica other than 0: health checks only, and the engine follows
+    rank 0. The process ends when rank 0 releases the ranks (or the world breaks)."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            ranks.follow(engine)
+        except Exception:
+            log.exception("the trainer world broke; exiting so that every rank restarts")
+            os._exit(1)
+        done.set()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=run, daemon=True, name="trainer-follower").start()
+
+    async def on_stop() -> None:
+        # Replica 0 may still need this replica for its final checkpoint's collectives.
+        await asyncio.to_thread(done.wait, args.grace)
+        for child in children:
+            await asyncio.to_thread(child.wait, args.grace)
+
+    return [], on_stop
+
+
+def _local_rank_main(args: argparse.Namespace) -> int:
+    """Local ranks 1..tp-1: no server; the engine follows rank 0 until released."""
+    from kiln.api.validate import load_job
+    from kiln.services.common.logs import setup_logging
+
+    setup_logging("trainer")
+    # SIGTERM goes to the replica's local rank 0, which releases this rank after its final
+    # checkpoint; the parent's death kills this process (PR_SET_PDEATHSIG).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    cfg = config_from(load_job(args.job) if args.job else None, args)
+    world = ranks.world_from(cfg.tensor_parallel, cfg.data_parallel, args.local_rank)
+    engine = _engine(cfg, world)
+    ranks.follow(engine)
+    return 0
 
 
 async def _stage_runner(job: RLJob, engine, engine_lock: threading.Lock, args: argparse.Namespace):
@@ -117,8 +193,12 @@ async def _stage_runner(job: RLJob, engine, engine_lock: threading.Lock, args: a
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return run_service("trainer", build, argv, parser=parser)
+        args = parser.parse_args(argv)
+        if args.local_rank:
+            return _local_rank_main(args)
+        return run_service("trainer", lambda job, a: build(job, a, argv), argv, parser=parser)
     except ValueError as exc:
         # Configuration errors do not go away on restart.
         print(f"kiln-trainer: {exc}", file=sys.stderr)

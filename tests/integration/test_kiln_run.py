@@ -1,4 +1,5 @@
-"""`kiln run` end to end: every service a real process, the real engines, a cut-down job.
+"""`kiln run` end to end: every service a real process, the real engines, a cut-down job with
+two data-parallel trainer replicas.
 
 Mid-way through the RL stage the buffer is killed with SIGKILL; the launcher restarts it on the
 same port and run directory. Afterwards the run's records must show:
@@ -49,6 +50,8 @@ def _job(tmp: Path) -> Path:
     rl["rl"].update(groupSize=4, tau=TAU)
     spec["rollout"].update(maxConcurrentEpisodes=32)
     spec["sandbox"]["maxConcurrent"] = 32
+    # Two data-parallel trainer replicas: the launcher starts, waits for and stops both.
+    spec.setdefault("trainer", {})["dataParallel"] = 2
     path = tmp / "job.yaml"
     path.write_text(yaml.safe_dump(job, sort_keys=False))
     return path
@@ -83,6 +86,8 @@ def test_kiln_run_end_to_end_with_a_buffer_kill(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     assert "buffer exited with code -9; restarting" in out
 
+    assert (run / "trainer-replica-1" / "ports.json").exists()
+    assert not (run / "trainer-replica-1" / "checkpoints").exists()  # replica 0 keeps them
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 8 + 6
     assert summary["final_policy_version"] >= 7  # one after SFT, one per RL step (syncInterval 1)

@@ -34,10 +34,14 @@ def test_chart_operator_image_is_built_by_the_operator_dockerfile() -> None:
 
 def test_examples_use_published_images() -> None:
     sandbox_base = (DOCKER / "sandbox-base.Dockerfile").read_text()
+    default = RLJobSpec.model_fields["image"].default
     for path in (ROOT / "deploy" / "examples").glob("*.yaml"):
         spec = yaml.safe_load(path.read_text())["spec"]
         if "image" in spec:
-            assert spec["image"] == RLJobSpec.model_fields["image"].default, path.name
+            # The CPU image, or the CUDA one for GPU jobs.
+            assert spec["image"] in (default, f"{default}-cuda"), path.name
+            if spec["image"].endswith("-cuda"):
+                assert f"-t {spec['image']} ." in (DOCKER / "services-cuda.Dockerfile").read_text()
         sandbox_image = spec.get("sandbox", {}).get("image")
         if sandbox_image:
             assert f"-t {sandbox_image} " in sandbox_base, path.name

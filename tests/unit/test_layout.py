@@ -186,3 +186,15 @@ def test_no_source_file_is_over_400_lines():
             if not path.name.endswith(("_pb2.py", "_pb2_grpc.py"))
             and (n := len(path.read_text().splitlines())) > 400]
     assert long == []
+
+
+def test_every_python_file_compiles():
+    # Benchmarks and examples are not imported by the tests: a broken one would go unnoticed.
+    bad = []
+    for path in subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True,
+                               check=True).stdout.split():
+        try:
+            ast.parse((REPO / path).read_text(), filename=path)
+        except SyntaxError as exc:
+            bad.append(f"{path}:{exc.lineno}: {exc.msg}")
+    assert not bad, bad

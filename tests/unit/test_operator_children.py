@@ -32,7 +32,7 @@ FULL: dict[str, Any] = {
     "model": {"path": "qwen/7b", "pvc": "models"},
     "rollout": {"replicas": 4, "resources": {"cpu": "8", "memory": "64Gi", "gpu": 1},
                 "openaiPort": 8000},
-    "trainer": {"tensorParallel": 2, "resources": {"cpu": "16", "memory": "128Gi", "gpu": 2},
+    "trainer": {"tensorParallel": 2, "dataParallel": 3, "resources": {"cpu": "16", "memory": "128Gi", "gpu": 2},
                 "pod": {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
                         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
                                          "effect": "NoSchedule"}],
@@ -77,7 +77,7 @@ def workload(objs: list[dict[str, Any]], component: str) -> dict[str, Any]:
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_children_pass_kubernetes_schema_validation(data: dict[str, Any], version: str) -> None:
     objs = children.desired_children(JOB, spec(data))
-    assert len(objs) == 13
+    assert len(objs) == (14 if data is FULL else 13)  # FULL adds the trainer's DP replicas
     for obj in objs:
         kubernetes_validate.validate(obj, version, strict=True)
 
@@ -285,3 +285,44 @@ def test_example_manifests_become_valid_children(path: Path) -> None:
     ref = JobRef(job.metadata.name, "default", "uid")
     for obj in children.desired_children(ref, job.spec):
         kubernetes_validate.validate(obj, "1.30.0", strict=True)
+
+
+def _env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def test_data_parallel_trainer_replicas_meet_at_trainer_pod_zero() -> None:
+    objs = by_name(children.desired_children(JOB, spec(FULL)))
+    leader, replicas = objs["StatefulSet/demo-trainer"], objs["StatefulSet/demo-trainer-replica"]
+    assert leader["spec"]["replicas"] == 1 and replicas["spec"]["replicas"] == 2
+    lead_c = leader["spec"]["template"]["spec"]["containers"][0]
+    rep_c = replicas["spec"]["template"]["spec"]["containers"][0]
+    rendezvous = "demo-trainer-0.demo-trainer.team-a.svc"
+    assert _env(lead_c)["MASTER_ADDR"] == _env(rep_c)["MASTER_ADDR"] == rendezvous
+    assert _env(lead_c)["MASTER_PORT"] == _env(rep_c)["MASTER_PORT"] == "29500"
+    assert _env(lead_c)["KILN_TRAINER_REPLICA"] == "0"
+    assert _env(rep_c)["KILN_TRAINER_REPLICA_OFFSET"] == "1" and "KILN_TRAINER_REPLICA" not in _env(rep_c)
+    assert {"name": "rendezvous", "containerPort": 29500, "protocol": "TCP"} in lead_c["ports"]
+    # Same image, command, resources and scheduling; only replica 0 holds the checkpoints.
+    for key in ("image", "command", "args", "resources"):
+        assert lead_c[key] == rep_c[key]
+    assert rep_c["resources"]["limits"]["nvidia.com/gpu"] == 2  # one GPU per TP rank
+    assert replicas["spec"]["template"]["spec"]["tolerations"] == leader["spec"]["template"]["spec"]["tolerations"]
+    volumes = {v["name"]: v for v in replicas["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["run"] == {"name": "run", "emptyDir": {}}
+    lead_volumes = {v["name"]: v for v in leader["spec"]["template"]["spec"]["volumes"]}
+    assert lead_volumes["run"]["persistentVolumeClaim"]["claimName"] == "demo-checkpoints"
+    # The trainer Service (Trainer RPCs: replica 0 alone) does not select the replicas, whose
+    # pods resolve under it as the StatefulSet's governing Service.
+    svc = objs["Service/demo-trainer"]["spec"]
+    rep_labels = replicas["spec"]["template"]["metadata"]["labels"]
+    assert not svc["selector"].items() <= rep_labels.items()
+    assert svc["selector"].items() <= leader["spec"]["template"]["metadata"]["labels"].items()
+    assert replicas["spec"]["serviceName"] == "demo-trainer" and svc["publishNotReadyAddresses"]
+    # One replica: no rendezvous, no replica StatefulSet.
+    small = by_name(children.desired_children(JOB, spec(SMALL)))
+    assert "StatefulSet/demo-trainer-replica" not in small
+    assert "MASTER_ADDR" not in _env(small["StatefulSet/demo-trainer"]["spec"]["template"]["spec"]["containers"][0])
+    # Suspended: the replicas scale to zero with the rest.
+    idle = by_name(children.desired_children(JOB, spec(FULL), active=False))
+    assert idle["StatefulSet/demo-trainer-replica"]["spec"]["replicas"] == 0

@@ -186,7 +186,7 @@ def test_plugins_are_imported_and_checked(monkeypatch, tmp_path: Path) -> None:
         {"name": "ep", "env": {"plugin": "no-entry-point"}, "path": "x.jsonl"},
     ])
     assert validate_text(text, file="job.yaml")[1] == []  # not imported unless asked
-    _, problems = validate_text(text, file="job.yaml", plugins=True)
+    _, problems = validate_text(text, file="job.yaml", local=True)
     got = {p.path: p.message for p in problems}
     assert set(got) == {"spec.tasks[2].env.plugin", "spec.tasks[3].env.plugin",
                         "spec.tasks[4].env.plugin", "spec.tasks[5].reward.plugin",
