@@ -7,7 +7,8 @@ for many RLJobs in one namespace.
 2. reconcile: the real operator process against the fake API server (no node agent: nothing
    runs, only the control plane is measured); N RLJobs are created at once and each one's
    latency is the time from its creation to `status.phase: Pending` (all 13 children applied).
-   Baseline in the same run: one job alone. Also the operator's CPU seconds and peak RSS.
+   Baseline in the same run: one job alone. Also the operator's CPU seconds and peak RSS, and
+   how long it takes to stop on SIGTERM with every job's driver running.
 
     python benchmarks/operator/latency.py [--jobs 50] [--skip-first-step]
 """
@@ -155,9 +156,11 @@ def reconcile(tmp: Path, jobs: int) -> dict:
                        "operator_cpu_s": round(cpu1 - cpu0, 1), "operator_peak_rss_mib": round(peak)}
             print(json.dumps(results), flush=True)
         finally:
+            t_stop = time.monotonic()
             op.terminate()
             try:
                 op.wait(60)
+                print(json.dumps({"operator_stop_s": round(time.monotonic() - t_stop, 1)}), flush=True)
             except subprocess.TimeoutExpired:
                 print("the operator did not stop within 60 s of SIGTERM; killed", flush=True)
                 op.kill()
