@@ -9,7 +9,8 @@ the server against the component they mean to reach, whatever address it has (lo
 Service, a pod IP behind a headless Service).
 
 A TLS folder holds `ca.crt`, `tls.crt` and `tls.key` (the names Kubernetes TLS Secrets use), the
-key readable by its owner only.
+key readable by its owner only. A process finds its own in `$KILN_TLS_DIR`; `channel` and
+`aio_channel` connect with it (plain text without one).
 """
 from __future__ import annotations
 
@@ -17,7 +18,12 @@ import datetime
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+if TYPE_CHECKING:
+    import grpc
+
+TLS_DIR_ENV = "KILN_TLS_DIR"
 COMPONENTS = ("trainer", "rollout", "sandbox", "weight-sync", "buffer", "operator")
 CA_FILE, CERT_FILE, KEY_FILE = "ca.crt", "tls.crt", "tls.key"
 _VALID_DAYS = 365
@@ -139,3 +145,46 @@ def issue_all(folder: Path, job: str) -> dict[str, Path]:
     `folder/<component>/`. The CA key is not kept: nothing is issued later."""
     ca = new_authority(job)
     return {c: write_bundle(Path(folder) / c, issue(ca, c)) for c in COMPONENTS}
+
+
+# ------------------------------------------------------------------------- gRPC clients
+
+
+def own_bundle(tls_dir: str | Path | None = None) -> Bundle | None:
+    """This process's certificate bundle: `tls_dir`, else $KILN_TLS_DIR, else None."""
+    folder = tls_dir or os.environ.get(TLS_DIR_ENV)
+    return read_bundle(Path(folder)) if folder else None
+
+
+def _credentials(bundle: Bundle) -> "grpc.ChannelCredentials":
+    import grpc
+
+    return grpc.ssl_channel_credentials(root_certificates=bundle.ca, private_key=bundle.key,
+                                        certificate_chain=bundle.cert)
+
+
+def _options(component: str, options) -> list[tuple[str, Any]]:
+    return [*(options or ()), ("grpc.ssl_target_name_override", server_name(component))]
+
+
+def channel(target: str, component: str, options=None, bundle: Bundle | None = None) -> "grpc.Channel":
+    """A blocking channel to `component` at `target`: mutual TLS with this process's
+    certificate (or `bundle`) when it has one, plain text otherwise."""
+    import grpc
+
+    bundle = bundle or own_bundle()
+    if bundle is None:
+        return grpc.insecure_channel(target, options=options)
+    return grpc.secure_channel(target, _credentials(bundle), options=_options(component, options))
+
+
+def aio_channel(target: str, component: str, options=None, bundle: Bundle | None = None) -> "grpc.aio.Channel":
+    """As `channel`, for asyncio code."""
+    import grpc
+
+    bundle = bundle or own_bundle()
+    if bundle is None:
+        return grpc.aio.insecure_channel(target, options=options)
+    return grpc.aio.secure_channel(target, _credentials(bundle), options=_options(component, options))
+
+

@@ -21,7 +21,7 @@ import yaml
 from kiln.api.spec import API_GROUP, API_VERSION, KIND, RLJobSpec, StorageSpec
 from kiln.operator import naming
 from kiln.operator.naming import GRPC_PORT, METRICS_PORT, JobRef
-from kiln.operator.workloads import DIND_IMAGE, workloads
+from kiln.operator.workloads import DIND_IMAGE, HEALTH_PORT, TRAINER_REPLICAS, workloads
 
 JOB_FILE_KEY = "job.yaml"
 
@@ -156,6 +156,55 @@ def service(job: JobRef, component: str, image: str, openai_port: int | None = N
     }
 
 
+# Who connects to each component's gRPC port (the services' authorization table,
+# kiln.services.common.tls.CALLERS, checks each RPC on top; a test keeps the two in step).
+# "operator" is the Kiln operator's pod, in whatever namespace the chart put it.
+GRPC_CLIENTS: dict[str, tuple[str, ...]] = {
+    "trainer": ("operator",),
+    "rollout": ("operator",),
+    "sandbox": ("rollout",),
+    "weight-sync": ("trainer", "rollout", "operator"),
+    "buffer": ("trainer", "rollout", "operator"),
+}
+OPERATOR_PODS = {"app.kubernetes.io/part-of": "kiln", "app.kubernetes.io/component": "operator"}
+
+
+def _job_pods(job: JobRef, components: list[str]) -> dict[str, Any]:
+    return {"podSelector": {"matchLabels": {"app.kubernetes.io/instance": job.name},
+                            "matchExpressions": [{"key": "app.kubernetes.io/component",
+                                                  "operator": "In", "values": components}]}}
+
+
+def network_policy(job: JobRef, spec: RLJobSpec, component: str) -> dict[str, Any]:
+    """Ingress to `component`'s pods: gRPC from its clients only; health and metrics from
+    anywhere (kubelet probes, Prometheus); the rollout's OpenAI port, when asked for, from
+    anywhere (outside agents); between the trainer's ranks (replica 0 and the data-parallel
+    replicas), every port: gloo and NCCL connect each rank to every other on ports of their own."""
+    clients = GRPC_CLIENTS[component]
+    peers: list[dict[str, Any]] = []
+    if "operator" in clients:
+        peers.append({"namespaceSelector": {}, "podSelector": {"matchLabels": OPERATOR_PODS}})
+    if [c for c in clients if c != "operator"]:
+        peers.append(_job_pods(job, [c for c in clients if c != "operator"]))
+    rules: list[dict[str, Any]] = [
+        {"from": peers, "ports": [{"port": GRPC_PORT, "protocol": "TCP"}]},
+        {"ports": [{"port": HEALTH_PORT, "protocol": "TCP"}, {"port": METRICS_PORT, "protocol": "TCP"}]},
+    ]
+    selector: dict[str, Any] = {"matchLabels": naming.selector_labels(job, component)}
+    if component == "trainer":
+        ranks = _job_pods(job, ["trainer", TRAINER_REPLICAS])
+        selector = ranks["podSelector"]
+        rules.append({"from": [ranks]})
+    if component == "rollout" and spec.rollout.openai_port:
+        rules.append({"ports": [{"port": spec.rollout.openai_port, "protocol": "TCP"}]})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": naming.metadata(job, component, spec.image),
+        "spec": {"podSelector": selector, "policyTypes": ["Ingress"], "ingress": rules},
+    }
+
+
 def pvcs(job: JobRef, spec: RLJobSpec) -> list[dict[str, Any]]:
     return [
         pvc(job, "checkpoints", spec.checkpoints.storage, spec.image),
@@ -172,13 +221,18 @@ def retained_pvc_names(job: JobRef, spec: RLJobSpec) -> dict[str, bool]:
 
 
 def desired_children(job: JobRef, spec: RLJobSpec, *, active: bool = True,
-                     dind_image: str = DIND_IMAGE) -> list[dict[str, Any]]:
-    """Every child manifest, in apply order. `active=False` scales all workloads to zero."""
+                     dind_image: str = DIND_IMAGE, ca_fingerprint: str = "") -> list[dict[str, Any]]:
+    """Every child manifest, in apply order. `active=False` scales all workloads to zero.
+    `ca_fingerprint` (of the job's CA, `tls.py`) joins every pod's config hash: pods restart
+    onto a new CA."""
     hashes = component_hashes(spec)
+    if ca_fingerprint:
+        hashes = {c: naming.config_hash({"spec": h, "ca": ca_fingerprint}) for c, h in hashes.items()}
     return [
         config_map(job, spec),
         *pvcs(job, spec),
         *(service(job, c, spec.image, spec.rollout.openai_port if c == "rollout" else None)
           for c in naming.COMPONENTS),
         *workloads(job, spec, hashes, active=active, dind_image=dind_image),
+        *(network_policy(job, spec, c) for c in naming.COMPONENTS),
     ]

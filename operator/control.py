@@ -13,10 +13,12 @@ from typing import Callable
 
 import grpc
 
+from kiln import tls
 from kiln.control import Evaluation, ModeRequest, RolloutStatus, TrainerStatus
 from kiln.protos import control as wire
 from kiln.protos.kiln.v1 import (buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc,
                                  trainer_pb2, trainer_pb2_grpc)
+from kiln.tls import Bundle
 
 # A pod restarting or not yet scheduled; the operator imports nothing of kiln.services.
 TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
@@ -48,8 +50,12 @@ class _Service:
     """One service's stub, on a channel to wherever `address()` says now: an address map can
     change (a service placed after the driver started), so it is asked again on every call."""
 
-    def __init__(self, address: Callable[[], str], stub_class, timeout: float = 30.0) -> None:
+    component = ""
+
+    def __init__(self, address: Callable[[], str], stub_class, timeout: float = 30.0,
+                 credentials: Callable[[], Bundle | None] = lambda: None) -> None:
         self._address, self._stub_class, self.timeout = address, stub_class, timeout
+        self._credentials = credentials
         self._target = ""
         self._channel: grpc.Channel | None = None
 
@@ -59,7 +65,8 @@ class _Service:
             if self._channel is not None:
                 self._channel.close()
             # Control messages are small: gRPC's default size limits do.
-            self._channel, self._target = grpc.insecure_channel(target), target
+            self._channel = tls.channel(target, self.component, bundle=self._credentials())
+            self._target = target
             self._stub = self._stub_class(self._channel)
         return self._channel
 
@@ -75,8 +82,11 @@ class _Service:
 
 
 class GrpcTrainer(_Service):
-    def __init__(self, address: Callable[[], str], timeout: float = 30.0) -> None:
-        super().__init__(address, trainer_pb2_grpc.TrainerStub, timeout)
+    component = "trainer"
+
+    def __init__(self, address: Callable[[], str], timeout: float = 30.0,
+                 credentials: Callable[[], Bundle | None] = lambda: None) -> None:
+        super().__init__(address, trainer_pb2_grpc.TrainerStub, timeout, credentials)
 
     def start_stage(self, name: str) -> TrainerStatus:
         return wire.trainer_status_from_proto(
@@ -88,8 +98,11 @@ class GrpcTrainer(_Service):
 
 
 class GrpcRollout(_Service):
-    def __init__(self, address: Callable[[], str], timeout: float = 30.0) -> None:
-        super().__init__(address, rollout_pb2_grpc.RolloutStub, timeout)
+    component = "rollout"
+
+    def __init__(self, address: Callable[[], str], timeout: float = 30.0,
+                 credentials: Callable[[], Bundle | None] = lambda: None) -> None:
+        super().__init__(address, rollout_pb2_grpc.RolloutStub, timeout, credentials)
 
     def set_mode(self, mode: ModeRequest) -> RolloutStatus:
         return wire.rollout_status_from_proto(self._rpc("SetMode", wire.mode_to_proto(mode)))
@@ -114,8 +127,11 @@ class BufferSummary:
 
 
 class GrpcBuffer(_Service):
-    def __init__(self, address: Callable[[], str], timeout: float = 30.0) -> None:
-        super().__init__(address, buffer_pb2_grpc.BufferStub, timeout)
+    component = "buffer"
+
+    def __init__(self, address: Callable[[], str], timeout: float = 30.0,
+                 credentials: Callable[[], Bundle | None] = lambda: None) -> None:
+        super().__init__(address, buffer_pb2_grpc.BufferStub, timeout, credentials)
 
     def status(self) -> BufferSummary:
         st = self._rpc("GetStatus", buffer_pb2.GetStatusRequest())
@@ -129,11 +145,13 @@ class Controls:
     buffer: GrpcBuffer
 
     @classmethod
-    def open(cls, address: Callable[[str], str], timeout: float = 30.0) -> Controls:
-        """`address(component)` gives each service's host:port."""
-        return cls(GrpcTrainer(lambda: address("trainer"), timeout),
-                   GrpcRollout(lambda: address("rollout"), timeout),
-                   GrpcBuffer(lambda: address("buffer"), timeout))
+    def open(cls, address: Callable[[str], str], timeout: float = 30.0,
+             credentials: Callable[[], Bundle | None] = lambda: None) -> Controls:
+        """`address(component)` gives each service's host:port; `credentials()` the
+        operator's certificate for the job (None: plain text)."""
+        return cls(GrpcTrainer(lambda: address("trainer"), timeout, credentials),
+                   GrpcRollout(lambda: address("rollout"), timeout, credentials),
+                   GrpcBuffer(lambda: address("buffer"), timeout, credentials))
 
     def close(self) -> None:
         for service in (self.trainer, self.rollout, self.buffer):

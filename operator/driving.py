@@ -61,14 +61,15 @@ class StatusStore:
 def drive(job: RLJob, ref: JobRef, kube: Kube, address: Callable[[str], str],
           current_status: Callable[[], dict[str, Any]], stopped: threading.Event | Any,
           suspended: Callable[[], bool], *, poll_seconds: float = 2.0,
-          unavailable_seconds: float = 900.0) -> str:
+          unavailable_seconds: float = 900.0,
+          credentials: Callable[[], Any] = lambda: None) -> str:
     """Run the job's remaining stages; returns the outcome: succeeded, failed or stopped."""
     store = StatusStore(kube, ref, current_status)
     state = RunState.load(store)
     names = [s.name for s in job.spec.stages]
     if all(n in state.finished_stages for n in names):
         return "succeeded"
-    controls = Controls.open(address)
+    controls = Controls.open(address, credentials=credentials)
     last_logged = [0.0]
 
     def on_progress(p: Progress) -> None:

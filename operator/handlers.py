@@ -37,6 +37,7 @@ from kiln.operator.naming import FINALIZER, JobRef
 from kiln.operator.reconcile import accepted_spec, finalize, parse_spec, reconcile
 from kiln.operator.status import (Addresses, GrpcStatusReader, derive_status, rfc3339,
                                   set_condition)
+from kiln.operator.tls import Credentials
 
 RESOURCE = (API_GROUP, API_VERSION, PLURAL)
 # The timer ticks often and reads a job only when `status_interval` has passed, so the
@@ -82,7 +83,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Log
     memo.config = config
     memo.kube = Kube()
     memo.addresses = Addresses(config.address_template, config.address_map)
-    memo.reader = GrpcStatusReader(timeout=config.grpc_timeout, addresses=memo.addresses)
+    memo.credentials = Credentials(memo.kube)
+    memo.reader = GrpcStatusReader(timeout=config.grpc_timeout, addresses=memo.addresses,
+                                   credentials=memo.credentials)
     logger.info("kiln operator configured: %s", config.model_dump())
 
 
@@ -305,7 +308,8 @@ def _drive_until_stopped(stopped: kopf.DaemonStopped, body: kopf.Body, job: JobR
                 rljob, job, memo.kube, lambda component: memo.addresses(job, component),
                 current, stopped,
                 lambda: bool(body.spec.get("suspend")) or bool(body.meta.get("deletionTimestamp")),
-                poll_seconds=_DRIVE_POLL, unavailable_seconds=memo.config.unavailable_seconds)
+                poll_seconds=_DRIVE_POLL, unavailable_seconds=memo.config.unavailable_seconds,
+                credentials=lambda: memo.credentials(job))
         except Exception:  # noqa: BLE001 - an API error must not end this job's driving for good
             logger.exception("driver stopped on an error; starting again")
             _pause(stopped, 10 * _DRIVE_POLL)
@@ -332,5 +336,6 @@ def delete_job(body: kopf.Body, name: str, namespace: str, uid: str, memo: kopf.
         spec = accepted_spec(memo.kube, job)
     outcome = finalize(memo.kube, job, spec)
     memo.reader.forget(job)
+    memo.credentials.forget(job)
     logger.info("PVC retention applied: %s", outcome)
     _track(namespace, name, None)

@@ -26,10 +26,12 @@ from kiln.operator.naming import MANAGER
 # (apiVersion, kind) -> plural; all are namespaced.
 KINDS: dict[tuple[str, str], str] = {
     ("v1", "ConfigMap"): "configmaps",
+    ("v1", "Secret"): "secrets",
     ("v1", "Service"): "services",
     ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
     ("apps/v1", "Deployment"): "deployments",
     ("apps/v1", "StatefulSet"): "statefulsets",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("kiln.dev/v1alpha1", "RLJob"): "rljobs",
 }
 

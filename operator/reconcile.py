@@ -22,6 +22,7 @@ from kiln.api.validate import validate_document
 from kiln.operator import children
 from kiln.operator.kube import Kube
 from kiln.operator.naming import RETAINED_FROM, JobRef
+from kiln.operator.tls import ensure_certificates
 from kiln.operator.workloads import DIND_IMAGE
 
 log = logging.getLogger("kiln.operator")
@@ -71,8 +72,10 @@ def reconcile(kube: Kube, job: JobRef, spec: RLJobSpec, *,
         result.refused = children.immutable_changes(previous, spec)
         if result.refused:
             return result
+    # Certificates first: the pods mount them, and the CA is part of their config hash.
+    ca = ensure_certificates(kube, job, spec.image)
     for manifest in children.desired_children(job, spec, active=not spec.suspend if active is None else active,
-                                              dind_image=dind_image):
+                                              dind_image=dind_image, ca_fingerprint=ca):
         key = f"{manifest['kind']}/{manifest['metadata']['name']}"
         result.actions[key] = kube.apply(manifest)
     return result

@@ -20,12 +20,14 @@ import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kiln import tls
 from kiln.operator.naming import GRPC_PORT, JobRef
+from kiln.tls import Bundle
 from kiln.protos.kiln.v1 import buffer_pb2, buffer_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from kiln.protos.kiln.v1 import weight_sync_pb2, weight_sync_pb2_grpc
 
@@ -124,25 +126,34 @@ class GrpcStatusReader:
     `lastWeightSync`), and the trainer's progress (stage, step, reward, policy version)."""
 
     def __init__(self, address_template: str = DEFAULT_ADDRESS, timeout: float = 2.0,
-                 addresses: Addresses | None = None) -> None:
+                 addresses: Addresses | None = None,
+                 credentials: Callable[[JobRef], Bundle | None] = lambda job: None) -> None:
         self.addresses = addresses or Addresses(address_template)
+        self.credentials = credentials
+        """The operator's certificate for a job (mutual TLS), None for plain text."""
         self.timeout = timeout
         self._channels: dict[str, grpc.Channel] = {}
         self._published: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
 
-    def _channel(self, address: str) -> grpc.Channel:
+    def _channel(self, job: JobRef, component: str) -> grpc.Channel:
+        address = self.address(job, component)
+        key = f"{job.uid}/{component}/{address}"
         with self._lock:
-            ch = self._channels.get(address)
-            if ch is None:
-                ch = self._channels[address] = grpc.insecure_channel(address)
-            return ch
+            ch = self._channels.get(key)
+        if ch is None:
+            # Outside the lock: reading the job's CA is an API call.
+            ch = tls.channel(address, component, bundle=self.credentials(job))
+            with self._lock:
+                ch = self._channels.setdefault(key, ch)
+        return ch
 
     def address(self, job: JobRef, component: str) -> str:
         return self.addresses(job, component)
 
-    def _health(self, address: str) -> tuple[bool, str]:
-        stub = health_pb2_grpc.HealthStub(self._channel(address))
+    def _health(self, job: JobRef, component: str) -> tuple[bool, str]:
+        address = self.address(job, component)
+        stub = health_pb2_grpc.HealthStub(self._channel(job, component))
         try:
             resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.timeout)
         except grpc.RpcError as exc:
@@ -155,7 +166,7 @@ class GrpcStatusReader:
     def read(self, job: JobRef) -> Observation:
         obs = Observation()
         for component in WATCHED:
-            ok, why = self._health(self.address(job, component))
+            ok, why = self._health(job, component)
             obs.serving[component] = ok
             if not ok:
                 obs.errors[component] = why
@@ -168,7 +179,7 @@ class GrpcStatusReader:
 
     def _ask(self, job: JobRef, component: str, stub_class, method: str, request, obs: Observation):
         """One status RPC to a component; None (the reason kept in `obs.errors`) if it failed."""
-        stub = stub_class(self._channel(self.address(job, component)))
+        stub = stub_class(self._channel(job, component))
         try:
             return getattr(stub, method)(request, timeout=self.timeout)
         except grpc.RpcError as exc:
@@ -213,6 +224,8 @@ class GrpcStatusReader:
     def forget(self, job: JobRef) -> None:
         with self._lock:
             self._published.pop((job.namespace, job.name), None)
+            for key in [k for k in self._channels if k.startswith(f"{job.uid}/")]:
+                self._channels.pop(key).close()
 
     def close(self) -> None:
         with self._lock:

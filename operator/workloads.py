@@ -2,8 +2,9 @@
 
 Every service container runs `kiln-<component> --job /etc/kiln/job.yaml --address 0.0.0.0:50051
 --metrics-port 9090 --run-dir /var/lib/kiln` from `spec.image`, with the component's
-`spec.<component>.resources`, Kubernetes-native gRPC probes against the standard health service
-on port 50051, and one `KILN_<COMPONENT>_ADDR` variable per peer. The sandbox pod runs a
+`spec.<component>.resources`, mutual TLS with the component's certificate (Secret
+`<job>-<component>-tls` at /etc/kiln/tls), Kubernetes-native gRPC probes against a plain-text,
+health-only port 50050, and one `KILN_<COMPONENT>_ADDR` variable per peer. The sandbox pod runs a
 Docker-in-pod sidecar (`docker:dind`, privileged, a native sidecar so it starts first) when the
 sandbox backend is `docker`; its limits cover `maxConcurrent` sandboxes of the spec's size.
 
@@ -17,11 +18,14 @@ from typing import Any
 from kiln.api.scheduling import PodSettings
 from kiln.api.spec import Resources, RLJobSpec
 from kiln.operator import naming
+from kiln.operator.tls import tls_secret_name
 from kiln.operator.naming import (CONFIG_HASH, GRPC_PORT, JOB_FILE, METRICS_PORT, MODEL_ROOT,
                                   RUN_DIR, JobRef)
 
 DIND_IMAGE = "docker:27-dind"
 RENDEZVOUS_PORT = 29500  # torch.distributed's customary port
+HEALTH_PORT = 50050
+TLS_DIR = "/etc/kiln/tls"
 TRAINER_REPLICAS = "trainer-replica"
 DIND_SOCKET_DIR = "/run/dind"
 SERVICE_UID = 1000
@@ -50,7 +54,8 @@ def resources(res: Resources) -> dict[str, Any]:
 
 
 def _grpc_probes() -> dict[str, Any]:
-    probe = {"grpc": {"port": GRPC_PORT}}
+    # The kubelet's gRPC probes speak plain text: they go to the health-only port.
+    probe = {"grpc": {"port": HEALTH_PORT}}
     return {
         # Loading a model or replaying a buffer can take minutes; liveness starts after that.
         "startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": 90, "timeoutSeconds": 5},
@@ -97,12 +102,16 @@ def service_container(job: JobRef, spec: RLJobSpec, component: str, res: Resourc
         "imagePullPolicy": "IfNotPresent",
         "command": [f"kiln-{component}"],
         "args": ["--job", JOB_FILE, "--address", f"0.0.0.0:{GRPC_PORT}",
-                 "--metrics-port", str(METRICS_PORT), "--run-dir", RUN_DIR],
+                 "--metrics-port", str(METRICS_PORT), "--run-dir", RUN_DIR,
+                 "--health-address", f"0.0.0.0:{HEALTH_PORT}"],
         "ports": [
             {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
+            {"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"},
         ],
-        "env": [*_env(job, component), *extra_env, *settings.env],
+        # Mutual TLS: the component's certificate from the job's CA (operator/tls.py).
+        "env": [*_env(job, component), {"name": "KILN_TLS_DIR", "value": TLS_DIR}, *extra_env,
+                *settings.env],
         "resources": resources(res),
         **_grpc_probes(),
         "volumeMounts": [
@@ -110,6 +119,7 @@ def service_container(job: JobRef, spec: RLJobSpec, component: str, res: Resourc
             # reads restarts it (config hash), a change elsewhere does not concern it.
             {"name": "job", "mountPath": JOB_FILE, "subPath": "job.yaml", "readOnly": True},
             {"name": "run", "mountPath": RUN_DIR},
+            {"name": "tls", "mountPath": TLS_DIR, "readOnly": True},
             *extra_mounts,
         ],
         "securityContext": _service_security(unconfined),
@@ -160,7 +170,9 @@ def pod_template(job: JobRef, spec: RLJobSpec, component: str, config_hash: str,
         "terminationGracePeriodSeconds": grace_seconds,
         "securityContext": {"fsGroup": SERVICE_UID},
         "containers": containers,
-        "volumes": volumes,
+        # Group-readable: the files belong to root and the services run as SERVICE_UID, in fsGroup.
+        "volumes": [*volumes, {"name": "tls", "secret": {"secretName": tls_secret_name(job, component),
+                                                          "defaultMode": 0o440}}],
     }
     if init_containers:
         pod_spec["initContainers"] = list(init_containers)

@@ -16,6 +16,11 @@ if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("KILN_TRITON_INTERPRET", "1")
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Tests that start one service by itself, with no certificate folder, let it serve plain text.
+# `kiln run`, the operator's pods and the mutual-TLS tests give every service a certificate,
+# which wins over this.
+os.environ.setdefault("KILN_INSECURE", "1")
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(

@@ -10,7 +10,9 @@ measures, from one client process:
 3. mixed: a rollout thread putting and a trainer thread getting and acking at the same time, on
           a buffer whose capacity (`--capacity`, counting leased batches) makes backpressure
           part of the run.
-Trajectory generation happens before the clock starts. Numbers depend on the disk's fsync cost.
+Put and get run twice, in plain text and with mutual TLS (certificates from `kiln.tls`), side by
+side. Trajectory generation happens before the clock starts. Numbers depend on the disk's fsync
+cost.
 """
 from __future__ import annotations
 
@@ -33,15 +35,21 @@ from kiln.services.buffer.client import GrpcBufferClient
 from kiln.services.buffer.leases import AckStatus
 from kiln.services.buffer.synthetic import synthetic_trajectory
 from kiln.services.common import codec
+from kiln.tls import TLS_DIR_ENV, issue_all, read_bundle
+from kiln.tls import channel as tls_channel
 from kiln.trajectory import Trajectory
 
 
-def start_buffer(run_dir: Path, group_size: int, capacity: int) -> tuple[subprocess.Popen, str]:
+def start_buffer(run_dir: Path, group_size: int, capacity: int,
+                 tls: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """A buffer process: mutual TLS with the certificates under `tls` (`kiln.tls.issue_all`),
+    plain text without."""
     port_file = run_dir / "ports.json"
     proc = subprocess.Popen(
         [sys.executable, "-m", "kiln.services.buffer.main", "--address", "127.0.0.1:0",
          "--metrics-port", "0", "--run-dir", str(run_dir), "--port-file", str(port_file),
-         "--group-size", str(group_size), "--capacity", str(capacity)],
+         "--group-size", str(group_size), "--capacity", str(capacity),
+         *(["--tls-dir", str(tls / "buffer")] if tls else ["--insecure"])],
         stdout=subprocess.DEVNULL, stderr=open(run_dir / "buffer.log", "wb"))
     deadline = time.monotonic() + 60
     while not port_file.exists():
@@ -49,7 +57,7 @@ def start_buffer(run_dir: Path, group_size: int, capacity: int) -> tuple[subproc
             raise RuntimeError(f"buffer did not start; see {run_dir / 'buffer.log'}")
         time.sleep(0.05)
     target = f"127.0.0.1:{json.loads(port_file.read_text())['port']}"
-    with grpc.insecure_channel(target) as ch:
+    with tls_channel(target, "buffer", bundle=read_bundle(tls / "operator") if tls else None) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status != \
                 health_pb2.HealthCheckResponse.SERVING or not _has_buffer(stub):
@@ -121,30 +129,45 @@ def main(argv: list[str] | None = None) -> int:
           f"(~{wire} bytes each on the wire) in {time.perf_counter() - t0:.1f} s")
 
     with tempfile.TemporaryDirectory(prefix="kiln-buffer-bench-") as tmp:
-        run_dir = Path(tmp) / "sequential"
-        run_dir.mkdir()
-        proc, target = start_buffer(run_dir, args.group_size, capacity=args.count)
-        client = GrpcBufferClient(target)
-        try:
-            t = time.perf_counter()
-            put_all(client, first, args.put_batch)
-            put_s = time.perf_counter() - t
-            t = time.perf_counter()
-            ack_s = get_all(client, args.count, args.batch)
-            get_s = time.perf_counter() - t
-        finally:
-            client.close()
-            stop(proc)
-        mb = args.count * wire / 1e6
-        print(f"put:   {args.count / put_s:8.0f} trajectories/s  ({mb / put_s:6.1f} MB/s, "
-              f"{args.put_batch}/call, {put_s:.2f} s)")
-        print(f"get:   {args.count / get_s:8.0f} trajectories/s  ({mb / get_s:6.1f} MB/s, "
-              f"{args.batch}/call, {get_s:.2f} s, of which acks {ack_s:.2f} s: "
-              f"{1000 * ack_s / (args.count // args.batch):.1f} ms per ack)")
+        certs = Path(tmp) / "tls"
+        issue_all(certs, "bench")
+        # Plain text first (the baseline), then mutual TLS as `kiln run` and clusters serve it;
+        # the same trajectories, a fresh buffer for each.
+        for mode in ("plain text", "mutual TLS"):
+            tls = certs if mode == "mutual TLS" else None
+            run_dir = Path(tmp) / f"sequential-{'tls' if tls else 'plain'}"
+            run_dir.mkdir()
+            proc, target = start_buffer(run_dir, args.group_size, capacity=args.count, tls=tls)
+            # Put as rollout, get and ack as the trainer: the callers the buffer authorizes.
+            if tls:
+                os.environ[TLS_DIR_ENV] = str(certs / "rollout")
+            rollout = GrpcBufferClient(target)
+            if tls:
+                os.environ[TLS_DIR_ENV] = str(certs / "trainer")
+            trainer = GrpcBufferClient(target)
+            try:
+                t = time.perf_counter()
+                put_all(rollout, first, args.put_batch)
+                put_s = time.perf_counter() - t
+                t = time.perf_counter()
+                ack_s = get_all(trainer, args.count, args.batch)
+                get_s = time.perf_counter() - t
+            finally:
+                rollout.close()
+                trainer.close()
+                stop(proc)
+                os.environ.pop(TLS_DIR_ENV, None)
+            mb = args.count * wire / 1e6
+            print(f"{mode}:")
+            print(f"  put:   {args.count / put_s:8.0f} trajectories/s  ({mb / put_s:6.1f} MB/s, "
+                  f"{args.put_batch}/call, {put_s:.2f} s)")
+            print(f"  get:   {args.count / get_s:8.0f} trajectories/s  ({mb / get_s:6.1f} MB/s, "
+                  f"{args.batch}/call, {get_s:.2f} s, of which acks {ack_s:.2f} s: "
+                  f"{1000 * ack_s / (args.count // args.batch):.1f} ms per ack)")
 
         run_dir = Path(tmp) / "mixed"
         run_dir.mkdir()
-        proc, target = start_buffer(run_dir, args.group_size, capacity=args.capacity)
+        proc, target = start_buffer(run_dir, args.group_size, capacity=args.capacity)  # plain text
         rollout, trainer = GrpcBufferClient(target), GrpcBufferClient(target)
         try:
             t = time.perf_counter()

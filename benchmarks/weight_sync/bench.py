@@ -8,7 +8,8 @@ What it measures, in one run:
    process (sendall of the bucket buffers, recv_into one preallocated buffer) -- the ceiling;
 2. publish: the trainer-side `publish_packed` of the same bytes to a `kiln-weight-sync` process,
    checksummed buckets, for several bucket sizes and numbers of parallel streams; the time runs
-   from the first byte to the service's commit (every bucket verified);
+   from the first byte to the service's commit (every bucket verified); in plain text and
+   again with mutual TLS (the way `kiln run` and clusters serve it), side by side;
 3. subscribe: a replica joining late receives, verifies and assembles the version into tensors;
 4. vLLM: `VllmEngine.apply_weights` for a tiny model and a ~100 M-parameter one.
 Packing (the trainer's one copy of its weights) is reported separately, not in the transfer.
@@ -20,7 +21,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import socket
 import subprocess
 import sys
@@ -102,11 +102,13 @@ def raw_tcp_seconds(buckets) -> float:
 # --- gRPC --------------------------------------------------------------------------------------
 
 
-def start_service(tmp: Path) -> tuple[subprocess.Popen, int]:
+def start_service(tmp: Path, tls: Path | None = None) -> tuple[subprocess.Popen, int]:
+    """A weight-sync process: mutual TLS with the certificates under `tls`, plain text without."""
     port_file = tmp / "ports.json"
     proc = subprocess.Popen(
         [sys.executable, "-m", "kiln.services.weight_sync.main", "--address", "127.0.0.1:0",
-         "--metrics-port", "0", "--port-file", str(port_file), "--run-dir", str(tmp)],
+         "--metrics-port", "0", "--port-file", str(port_file), "--run-dir", str(tmp),
+         *(["--tls-dir", str(tls / "weight-sync")] if tls else ["--insecure"])],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
     while not port_file.exists():
@@ -116,14 +118,19 @@ def start_service(tmp: Path) -> tuple[subprocess.Popen, int]:
     return proc, json.loads(port_file.read_text())["port"]
 
 
-async def grpc_runs(port: int, tensors, configs, repeats: int, total: int) -> tuple[list[dict], dict]:
-    import grpc
-
+async def grpc_runs(port: int, tensors, configs, repeats: int, total: int,
+                    tls: Path | None = None) -> tuple[list[dict], dict]:
     from kiln.services.common.server import CHANNEL_OPTIONS
+    from kiln.tls import aio_channel, read_bundle
 
     results = []
     version = 0
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as ch:
+    target = f"127.0.0.1:{port}"
+    # Publish as the trainer, subscribe as rollout: the callers weight-sync authorizes.
+    trainer = read_bundle(tls / "trainer") if tls else None
+    rollout = read_bundle(tls / "rollout") if tls else None
+    async with aio_channel(target, "weight-sync", CHANNEL_OPTIONS, bundle=trainer) as ch, \
+            aio_channel(target, "weight-sync", CHANNEL_OPTIONS, bundle=rollout) as sub_ch:
         for bucket_bytes, streams in configs:
             t0 = time.perf_counter()
             packed = pack(version + 1, tensors, bucket_bytes)
@@ -145,7 +152,7 @@ async def grpc_runs(port: int, tensors, configs, repeats: int, total: int) -> tu
                 done.set_result(time.perf_counter())
 
             t0 = time.perf_counter()
-            task = asyncio.create_task(ws.subscribe_and_apply(ch, f"bench-{streams}", apply,
+            task = asyncio.create_task(ws.subscribe_and_apply(sub_ch, f"bench-{streams}", apply,
                                                               streams=streams))
             t1 = await asyncio.wait_for(done, 120)
             task.cancel()
@@ -207,13 +214,22 @@ def main() -> int:
     raw_times = [raw_tcp_seconds(ref.buckets) for _ in range(2)]
 
     configs = [(512 << 10, 1), (1 << 20, 1), (1 << 20, 2), (1 << 20, 4), (512 << 10, 4)]
+    from kiln.tls import issue_all
+
+    runs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        proc, port = start_service(Path(tmp))
-        try:
-            results, sub = asyncio.run(grpc_runs(port, tensors, configs, args.repeats, total))
-        finally:
-            proc.terminate()
-            proc.wait(10)
+        issue_all(Path(tmp) / "tls", "bench")
+        # Plain text (the baseline) and mutual TLS, as `kiln run` and clusters serve it.
+        for mode, tls in (("plain", None), ("mTLS", Path(tmp) / "tls")):
+            run = Path(tmp) / mode
+            run.mkdir()
+            proc, port = start_service(run, tls)
+            try:
+                runs[mode] = asyncio.run(grpc_runs(port, tensors, configs, args.repeats, total, tls))
+            finally:
+                proc.terminate()
+                proc.wait(10)
+    results, sub = runs["plain"]
     raw_times += [raw_tcp_seconds(ref.buckets) for _ in range(2)]
     del ref
     raw = min(raw_times)
@@ -227,9 +243,20 @@ def main() -> int:
         rate = total / r["seconds"]
         print(f"{r['bucket_bytes'] >> 10:>6}Ki {r['streams']:>7} {r['seconds']:>8.3f} "
               f"{rate / GiB:>6.2f} {rate / ceiling:>6.0%}")
+    tls_results, tls_sub = runs["mTLS"]
+    print("\nthe same with mutual TLS (trainer and rollout certificates):")
+    print(f"{'bucket':>8} {'streams':>7} {'seconds':>8} {'GiB/s':>6} {'vs plain':>8}")
+    for r, plain in zip(tls_results, results):
+        print(f"{r['bucket_bytes'] >> 10:>6}Ki {r['streams']:>7} {r['seconds']:>8.3f} "
+              f"{total / r['seconds'] / GiB:>6.2f} {plain['seconds'] / r['seconds']:>7.0%}")
+    tls_best = max(tls_results, key=lambda r: total / r["seconds"])
+    print(f"BEST publish with mTLS: {total / tls_best['seconds'] / GiB:.2f} GiB/s, "
+          f"{best['seconds'] / tls_best['seconds']:.0%} of plain text's best (target >= 90%)")
     print(f"packing (one copy + digests): {best['pack_seconds']:.3f} s")
     print(f"BEST publish: {best['bucket_bytes'] >> 10} KiB buckets x {best['streams']} streams = "
           f"{total / best['seconds'] / ceiling:.0%} of the raw socket (target >= 60%)")
+    for streams, secs in tls_sub.items():
+        print(f"subscribe with mTLS ({streams} stream(s)): {secs:.3f} s = {total / secs / GiB:.2f} GiB/s")
     for streams, secs in sub.items():
         print(f"subscribe (late joiner, {streams} stream(s), receive+verify+assemble): {secs:.3f} s "
               f"= {total / secs / GiB:.2f} GiB/s ({total / secs / ceiling:.0%} of raw)")

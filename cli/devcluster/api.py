@@ -52,12 +52,14 @@ RLJOBS = f"{API_GROUP}/{API_VERSION}/{PLURAL}"
 
 _BUILTIN = {
     "v1/configmaps": "ConfigMap",
+    "v1/secrets": "Secret",
     "v1/services": "Service",
     "v1/persistentvolumeclaims": "PersistentVolumeClaim",
     "v1/events": "Event",
     "v1/namespaces": "Namespace",
     "apps/v1/deployments": "Deployment",
     "apps/v1/statefulsets": "StatefulSet",
+    "networking.k8s.io/v1/networkpolicies": "NetworkPolicy",
     "v1/pods": "Pod",
 }
 _WITH_STATUS = {"Deployment", "StatefulSet", "Pod"}

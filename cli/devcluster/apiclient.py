@@ -9,7 +9,8 @@ import urllib.request
 from typing import Any
 
 WORKLOADS = (("apps/v1", "deployments"), ("apps/v1", "statefulsets"))
-OWNED = (("v1", "configmaps"), ("v1", "services"), ("v1", "persistentvolumeclaims"),
+OWNED = (("v1", "configmaps"), ("v1", "secrets"), ("v1", "services"), ("v1", "persistentvolumeclaims"),
+         ("networking.k8s.io/v1", "networkpolicies"),
          ("v1", "pods"), *WORKLOADS)
 RLJOBS = ("kiln.dev/v1alpha1", "rljobs")
 

@@ -16,7 +16,8 @@ and brings the processes to them:
   Service port of its pod, other ports become free ones, and env values `<service>:<port>` (the
   addresses the operator wires in) point at 127.0.0.1. Only the first replica of a workload
   backs its Service;
-- volumes are folders: a ConfigMap's keys are written as files (again when it changes), a PVC
+- volumes are folders: a ConfigMap's or Secret's keys are written as files (again when they
+  change; Secret files readable by the owner only), a PVC
   is `pvc/<claim>` (kept across pods, deleted with its object), an emptyDir is per pod; paths
   under a mount in args and env are rewritten to the folder;
 - a container that exits is restarted (restartPolicy Always) with backoff, its restart count
@@ -28,6 +29,7 @@ Not modelled: scheduling, limits, probes (ready = its ports accept), security, i
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
@@ -110,6 +112,15 @@ class Node:
                 for key, text in (cm.get("data") or {}).items():
                     if not (path / key).exists() or (path / key).read_text() != text:
                         (path / key).write_text(text)
+            elif "secret" in vol:
+                path = self.root / "pods" / namespace / pod / "volumes" / name
+                path.mkdir(parents=True, exist_ok=True)
+                secret = configmaps.get(f"secret/{vol['secret']['secretName']}") or {}
+                for key, b64 in (secret.get("data") or {}).items():
+                    data = base64.b64decode(b64)
+                    if not (path / key).exists() or (path / key).read_bytes() != data:
+                        (path / key).write_bytes(data)
+                        os.chmod(path / key, 0o600)
             elif "persistentVolumeClaim" in vol:
                 path = self.root / "pvc" / namespace / vol["persistentVolumeClaim"]["claimName"]
             else:  # emptyDir and anything else: a folder of the pod's own
@@ -271,7 +282,9 @@ class Node:
         desired: dict[tuple[str, str], Any] = {}
         for ns, objs in listed.items():
             desired.update(self._desired(ns, objs))
-        configmaps = {ns: {c["metadata"]["name"]: c for c in objs[("v1", "configmaps")]}
+        # ConfigMaps by name and Secrets as "secret/<name>": what pod volumes are made of.
+        configmaps = {ns: {**{c["metadata"]["name"]: c for c in objs[("v1", "configmaps")]},
+                           **{f"secret/{c['metadata']['name']}": c for c in objs[("v1", "secrets")]}}
                       for ns, objs in listed.items()}
         for key in [k for k, pod in self.pods.items()
                     if k not in desired or desired[k][2] != pod.template_hash]:

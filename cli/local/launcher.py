@@ -113,6 +113,7 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         out.write(f"run directory: {run_dir}\nstarting services: {', '.join(processes.ORDER)}\n")
+        processes.issue_certificates(run_dir, job.metadata.name)
         group = processes.trainer_group(job.spec.trainer.data_parallel)
         for name in processes.ORDER:
             addrs = {n: s.address for n, s in services.items()}

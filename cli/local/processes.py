@@ -2,7 +2,8 @@
 
 Each service runs from the same entry point the operator runs in its pod (`python -m
 kiln.services.<name>.main`), with the resolved job file, a free port (announced through a port
-file), its own state directory under the run directory, and a log file. Addresses of the other
+file), its own state directory under the run directory, its own certificate under
+`RUN_DIR/tls/<component>/` (mutual TLS, as on a cluster), and a log file. Addresses of the other
 services are passed in the same environment variables the operator sets (`KILN_<NAME>_ADDR`).
 
 Not covered: what the services are told to do (`driver.py`).
@@ -21,6 +22,9 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kiln import tls
+from kiln.tls import TLS_DIR_ENV
 
 # Start order: a service is started after the ones it talks to.
 ORDER = ("buffer", "sandbox", "weight_sync", "trainer", "rollout")
@@ -67,6 +71,8 @@ def start(name: str, job_file: Path, run_dir: Path, addresses: dict[str, str],
     log_path = run_dir / "logs" / f"{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **{env_var(k): v for k, v in addresses.items()}, **(extra_env or {})}
+    # Each service's own certificate (`issue_certificates`); the launcher's is the operator's.
+    env[TLS_DIR_ENV] = str(run_dir / "tls" / component_of(name))
     env.setdefault("KILN_LOG_FORMAT", "json")
     module = "trainer" if name.startswith(REPLICA_PREFIX) else name
     cmd = [sys.executable, "-m", f"kiln.services.{module}.main", "--job", str(job_file),
@@ -80,6 +86,20 @@ def start(name: str, job_file: Path, run_dir: Path, addresses: dict[str, str],
     return ServiceProcess(name, proc, state, log_path, port=port)
 
 
+def component_of(name: str) -> str:
+    """The component (certificate identity) a local service process runs as."""
+    return "trainer" if name.startswith(REPLICA_PREFIX) else name.replace("_", "-")
+
+
+def issue_certificates(run_dir: Path, job_name: str) -> None:
+    """A fresh CA for this launch and a certificate per component under `run_dir/tls/`; the
+    launcher (which drives the job, as the operator does on a cluster) takes the operator's."""
+    from kiln.tls import issue_all
+
+    folders = issue_all(run_dir / "tls", job_name)
+    os.environ[TLS_DIR_ENV] = str(folders["operator"])
+
+
 def wait_ready(svc: ServiceProcess, timeout: float = 180.0) -> None:
     """Wait for the port file, then for the health service to say SERVING."""
     port_file = svc.state_dir / "ports.json"
@@ -91,7 +111,7 @@ def wait_ready(svc: ServiceProcess, timeout: float = 180.0) -> None:
         time.sleep(0.05)
     info = json.loads(port_file.read_text())
     svc.port, svc.metrics_port = info["port"], info["metrics_port"]
-    with grpc.insecure_channel(svc.address) as ch:
+    with tls.channel(svc.address, component_of(svc.name)) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             _check_alive(svc)

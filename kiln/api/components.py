@@ -192,6 +192,9 @@ class WeightSyncSpec(Model):
     """Tensors are streamed in checksummed buckets of about this size."""
     timeout_seconds: float = Field(120, gt=0)
     """A publish not complete after this long is abandoned (the trainer publishes again)."""
+    max_version_step: int = Field(64, ge=1)
+    """A published version more than this ahead of the latest one is refused: the trainer only
+    ever publishes the next one, and a leap would make all its later publishes stale."""
     resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="2Gi"))
     """Resources of the weight-sync pod."""
     pod: PodSettings = Field(default_factory=PodSettings)

@@ -36,6 +36,7 @@ from typing import Any, Awaitable, Callable, Protocol, Sequence, TypeVar
 
 import grpc
 
+from kiln import tls
 from kiln.protos.kiln.v1 import buffer_pb2, buffer_pb2_grpc
 from kiln.services.buffer import wire
 from kiln.services.buffer.buffer import TrajectoryBuffer
@@ -148,7 +149,7 @@ class GrpcBufferClient:
         self.target = target
         self.backoff = backoff or Backoff()
         self.rpc_timeout = rpc_timeout
-        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._channel = tls.channel(target, "buffer", CHANNEL_OPTIONS)
         self._stub = buffer_pb2_grpc.BufferStub(self._channel)
         self._aio: grpc.aio.Channel | None = None
 
@@ -166,7 +167,7 @@ class GrpcBufferClient:
                         *, still_wanted: Callable[[], bool] = lambda: True) -> PutResult | None:
         if self._aio is None:
             # Created on first use, on the caller's event loop.
-            self._aio = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+            self._aio = tls.aio_channel(self.target, "buffer", CHANNEL_OPTIONS)
         stub = buffer_pb2_grpc.BufferStub(self._aio)
         req = _put_request(trajectories, group_size)
 

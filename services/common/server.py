@@ -38,6 +38,8 @@ from kiln.api.validate import ManifestError, load_job
 from kiln.services.common import metrics
 from kiln.services.common.interceptors import ObservabilityInterceptor
 from kiln.services.common.logs import setup_logging
+from kiln.services.common.tls import INSECURE_ENV, AuthorizationInterceptor, server_credentials
+from kiln.tls import TLS_DIR_ENV, Bundle, own_bundle
 
 log = logging.getLogger("kiln.server")
 
@@ -101,8 +103,13 @@ class Served:
 
 
 async def start_server(address: str, registrations: Sequence[Registration] = (), *,
-                       ready: bool = True) -> Served:
-    server = grpc.aio.server(interceptors=[ObservabilityInterceptor()], options=CHANNEL_OPTIONS)
+                       ready: bool = True, tls: Bundle | None = None) -> Served:
+    """Serve on `address`: mutual TLS with `tls` (each RPC authorized by the caller's
+    component), plain text without it."""
+    interceptors: list[grpc.aio.ServerInterceptor] = [ObservabilityInterceptor()]
+    if tls is not None:
+        interceptors.append(AuthorizationInterceptor())
+    server = grpc.aio.server(interceptors=interceptors, options=CHANNEL_OPTIONS)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     late = _LateHandlers()
@@ -113,7 +120,8 @@ async def start_server(address: str, registrations: Sequence[Registration] = (),
         + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
         server,
     )
-    port = server.add_insecure_port(address)
+    port = (server.add_secure_port(address, server_credentials(tls)) if tls is not None
+            else server.add_insecure_port(address))
     if port == 0:
         raise OSError(f"could not bind gRPC server to {address}")
     await server.start()
@@ -123,9 +131,9 @@ async def start_server(address: str, registrations: Sequence[Registration] = (),
 
 
 async def create_server(address: str, registrations: Sequence[Registration] = (), *,
-                        ready: bool = True) -> tuple[grpc.aio.Server, int]:
+                        ready: bool = True, tls: Bundle | None = None) -> tuple[grpc.aio.Server, int]:
     """Build and start a server bound to `address` ("127.0.0.1:0" picks a free port)."""
-    served = await start_server(address, registrations, ready=ready)
+    served = await start_server(address, registrations, ready=ready, tls=tls)
     return served.server, served.port
 
 
@@ -149,7 +157,38 @@ def service_argparser(service: str) -> argparse.ArgumentParser:
     p.add_argument("--run-dir", type=Path, default=Path("."), help="directory for state and checkpoints")
     p.add_argument("--port-file", type=Path, help="write the bound gRPC and metrics ports here (JSON)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight RPCs get on SIGTERM")
+    p.add_argument("--tls-dir", type=Path,
+                   help=f"this component's certificate folder: ca.crt, tls.crt, tls.key (default ${TLS_DIR_ENV})")
+    p.add_argument("--insecure", action="store_true",
+                   help=f"serve plain-text gRPC without a certificate folder (debugging only; or {INSECURE_ENV}=1)")
+    p.add_argument("--health-address",
+                   help="also answer plain-text health checks, and nothing else, here (Kubernetes' gRPC probes "
+                        "cannot speak TLS)")
     return p
+
+
+def metrics_host(address: str) -> str:
+    """Where /metrics listens: the host gRPC serves on (loopback stays loopback); loopback for
+    a Unix socket."""
+    if address.startswith("unix:"):
+        return "127.0.0.1"
+    return address.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
+
+
+def _tls(service: str, args: argparse.Namespace) -> tuple[Bundle | None, str | None]:
+    """(certificate bundle or None for plain text, an error to exit with)."""
+    try:
+        bundle = own_bundle(args.tls_dir)
+    except ValueError as exc:
+        return None, str(exc)
+    if bundle is not None:
+        # This process's own clients (the trainer's to the buffer, ...) use the same certificate.
+        os.environ[TLS_DIR_ENV] = str(args.tls_dir or os.environ[TLS_DIR_ENV])
+        return bundle, None
+    if args.insecure or os.environ.get(INSECURE_ENV) == "1":
+        return None, None
+    return None, (f"no certificate folder: give --tls-dir DIR (ca.crt, tls.crt, tls.key) or "
+                  f"${TLS_DIR_ENV}; --insecure serves plain text (debugging only)")
 
 
 def run_service(service: str, build: BuildFn, argv: Sequence[str] | None = None,
@@ -166,16 +205,29 @@ def run_service(service: str, build: BuildFn, argv: Sequence[str] | None = None,
             # A bad manifest will not fix itself on restart; say exactly what is wrong.
             print(f"kiln-{service}: invalid job file:\n{exc}", file=sys.stderr)
             return 2
-    return asyncio.run(_serve(service, build, job, args))
+    tls, problem = _tls(service, args)
+    if problem:
+        print(f"kiln-{service}: {problem}", file=sys.stderr)
+        return 2
+    if tls is None:
+        log.warning("%s serves plain-text gRPC: any client can call it (insecure mode)", service)
+    return asyncio.run(_serve(service, build, job, args, tls))
 
 
-async def _serve(service: str, build: BuildFn, job: RLJob | None, args: argparse.Namespace) -> int:
+async def _serve(service: str, build: BuildFn, job: RLJob | None, args: argparse.Namespace,
+                 tls: Bundle | None) -> int:
     import json
 
-    http, _thread = start_http_server(args.metrics_port, addr="0.0.0.0")
+    http, _thread = start_http_server(args.metrics_port, addr=metrics_host(args.address))
     metrics_port = http.server_port
     # Bind and answer health checks (NOT_SERVING) before the possibly slow build.
-    served = await start_server(args.address, ready=False)
+    served = await start_server(args.address, ready=False, tls=tls)
+    if args.health_address:
+        probes = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(served.health, probes)
+        if probes.add_insecure_port(args.health_address) == 0:
+            raise OSError(f"could not bind the health endpoint to {args.health_address}")
+        await probes.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

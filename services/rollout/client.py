@@ -3,8 +3,7 @@ driver's side). Blocking calls; SetMode and GetStatus are idempotent and retried
 errors, an evaluation is not (it is long, and its result is recorded by the caller)."""
 from __future__ import annotations
 
-import grpc
-
+from kiln import tls
 from kiln.protos.kiln.v1 import rollout_pb2, rollout_pb2_grpc
 from kiln.services.common.retry import call_with_retry
 from kiln.services.common.server import CHANNEL_OPTIONS
@@ -16,7 +15,7 @@ __all__ = ["Evaluation", "ModeRequest", "RolloutClient", "RolloutMode", "Rollout
 
 class RolloutClient:
     def __init__(self, target: str) -> None:
-        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._channel = tls.channel(target, "rollout", CHANNEL_OPTIONS)
         self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
 
     def set_mode(self, mode: ModeRequest) -> RolloutStatus:

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from kiln import tls
 from kiln.api.capabilities import job_model_refusals
 from kiln.api.spec import RLJob
 from kiln.services.common import metrics
@@ -40,7 +41,6 @@ def _addr(name: str) -> str:
 
 
 async def build(job: RLJob | None, args: argparse.Namespace):
-    import grpc
     from transformers import AutoTokenizer
 
     from kiln.protos.kiln.v1 import rollout_pb2_grpc
@@ -68,7 +68,7 @@ async def build(job: RLJob | None, args: argparse.Namespace):
     # vLLM has no CPU path for DSA checkpoints; the trainer's own model code generates instead.
     engine = await start_engine(engine_kind(spec.rollout.engine, spec.model.path),
                                 EngineSettings.from_job(job))
-    env_channel = grpc.aio.insecure_channel(sandbox, options=CHANNEL_OPTIONS)
+    env_channel = tls.aio_channel(sandbox, "sandbox", CHANNEL_OPTIONS)
     env = GrpcEnvClient(env_channel, owner=socket.gethostname())
     task_sets = await env.task_sets()
     s = spec.rollout.sampling
@@ -82,7 +82,7 @@ async def build(job: RLJob | None, args: argparse.Namespace):
         max_concurrent=spec.rollout.max_concurrent_episodes,
         samples_path=args.run_dir / "trajectories.jsonl", sample_every=spec.rollout.sample_every)
     producer.start()
-    sync_channel = grpc.aio.insecure_channel(sync_addr, options=CHANNEL_OPTIONS)
+    sync_channel = tls.aio_channel(sync_addr, "weight-sync", CHANNEL_OPTIONS)
 
     async def apply(version, named_tensors):
         await engine.apply_weights(version, named_tensors)

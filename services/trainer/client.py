@@ -5,8 +5,7 @@ reply is retried (`call_with_retry`).
 """
 from __future__ import annotations
 
-import grpc
-
+from kiln import tls
 from kiln.protos.kiln.v1 import trainer_pb2, trainer_pb2_grpc
 from kiln.services.common.retry import call_with_retry
 from kiln.services.common.server import CHANNEL_OPTIONS
@@ -17,7 +16,7 @@ __all__ = ["TrainerClient", "TrainerStatus"]
 
 class TrainerClient:
     def __init__(self, target: str) -> None:
-        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._channel = tls.channel(target, "trainer", CHANNEL_OPTIONS)
         self._stub = trainer_pb2_grpc.TrainerStub(self._channel)
 
     def start_stage(self, name: str) -> TrainerStatus:

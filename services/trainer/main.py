@@ -21,6 +21,7 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
+from kiln import tls
 from kiln.api.capabilities import job_model_refusals
 from kiln.api.spec import RLJob
 from kiln.services.common.server import Registration, run_service, service_argparser
@@ -158,7 +159,6 @@ def _local_rank_main(args: argparse.Namespace) -> int:
 
 async def _stage_runner(job: RLJob, engine, engine_lock: threading.Lock, args: argparse.Namespace):
     """The stage runner, when the buffer and weight-sync addresses are known (else None)."""
-    import grpc
 
     from kiln.services.buffer.client import GrpcBufferClient
     from kiln.services.common.server import CHANNEL_OPTIONS
@@ -171,7 +171,7 @@ async def _stage_runner(job: RLJob, engine, engine_lock: threading.Lock, args: a
     if not buffer_addr or not sync_addr:
         log.info("no KILN_BUFFER_ADDR/KILN_WEIGHT_SYNC_ADDR: serving RPCs only, no stages")
         return None
-    channel = grpc.aio.insecure_channel(sync_addr, options=CHANNEL_OPTIONS)
+    channel = tls.aio_channel(sync_addr, "weight-sync", CHANNEL_OPTIONS)
     ws = job.spec.weight_sync
     publisher = GrpcWeightPublisher(asyncio.get_running_loop(), channel, bucket_bytes=ws.bucket_bytes,
                                     timeout=ws.timeout_seconds)

@@ -13,11 +13,13 @@ from kiln.api.spec import RLJob, WeightSyncSpec
 from kiln.protos.kiln.v1 import weight_sync_pb2_grpc as pb_grpc
 from kiln.services.common.server import Registration, run_service
 from kiln.services.weight_sync.servicer import SERVICE_NAME, WeightSyncServicer
+from kiln.services.weight_sync.store import WeightStore
 
 
 async def build(job: RLJob | None, args: argparse.Namespace):
     spec = job.spec.weight_sync if job is not None else WeightSyncSpec()
-    servicer = WeightSyncServicer(commit_timeout=spec.timeout_seconds)
+    servicer = WeightSyncServicer(WeightStore(max_version_step=spec.max_version_step),
+                                  commit_timeout=spec.timeout_seconds)
     return [Registration(pb_grpc.add_WeightSyncServicer_to_server, servicer, SERVICE_NAME)], None
 
 

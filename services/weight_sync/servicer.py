@@ -29,6 +29,7 @@ STREAMS_METADATA = "x-kiln-publish-streams"
 _CODES = {
     "stale": grpc.StatusCode.FAILED_PRECONDITION,
     "manifest": grpc.StatusCode.INVALID_ARGUMENT,
+    "jump": grpc.StatusCode.INVALID_ARGUMENT,
     "checksum": grpc.StatusCode.DATA_LOSS,
     "truncated": grpc.StatusCode.DATA_LOSS,
 }

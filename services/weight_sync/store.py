@@ -57,7 +57,9 @@ class ReplicaState:
 
 
 class WeightStore:
-    def __init__(self) -> None:
+    def __init__(self, max_version_step: int | None = None) -> None:
+        self.max_version_step = max_version_step
+        """Refuse a version more than this ahead of the latest committed one (None: any)."""
         self.latest: StoredVersion | None = None
         self._pending: dict[int, PendingVersion] = {}
         self._changed = asyncio.Condition()
@@ -78,6 +80,14 @@ class WeightStore:
             raise TransferError(
                 "stale", f"version {manifest.policy_version} is not newer than the latest committed "
                 f"version {self.policy_version}; versions only move forward")
+        step = self.max_version_step
+        if step is not None and self.latest is not None and manifest.policy_version > self.policy_version + step:
+            # A trainer publishes the next version (or, after a restart, the one it resumed at);
+            # a leap would make every later publish stale.
+            SYNC_FAILURES.labels("jump").inc()
+            raise TransferError(
+                "jump", f"version {manifest.policy_version} is more than {step} ahead of the latest "
+                f"committed version {self.policy_version} (spec.weightSync.maxVersionStep)")
         pending = self._pending.get(manifest.policy_version)
         if pending is None:
             pending = PendingVersion(Assembly(manifest), expected_streams)

@@ -7,10 +7,13 @@ both on unix sockets named after the job (`KILN_OPERATOR_ADDRESS_TEMPLATE`).
 """
 from __future__ import annotations
 
+import base64
 import copy
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -22,8 +25,11 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kiln.protos.kiln.v1 import trainer_pb2, trainer_pb2_grpc
 from kiln.cli.devcluster.api import RLJOBS, running_fake_api, write_kubeconfig
+from kiln.protos.kiln.v1 import trainer_pb2, trainer_pb2_grpc
+from kiln.services.common.tls import server_credentials
+from kiln.tls import channel as tls_channel
+from kiln.tls import read_bundle
 
 NS = "kiln-e2e"
 GROUP, VERSION, PLURAL = "kiln.dev", "v1alpha1", "rljobs"
@@ -111,10 +117,25 @@ class Cluster:
         health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
         status = _TrainerStatus()
         trainer_pb2_grpc.add_TrainerServicer_to_server(status, server)
-        server.add_insecure_port(f"unix:{self.sockets}/{job}-trainer.sock")
+        # With the certificate the operator issued for the job's trainer, as its pod mounts it.
+        bundle = read_bundle(self.tls_dir(job, "trainer"))
+        server.add_secure_port(f"unix:{self.sockets}/{job}-trainer.sock", server_credentials(bundle))
         server.start()
         self._cleanup.append(lambda: server.stop(0))
         return servicer, status
+
+    def tls_dir(self, job: str, component: str) -> Path:
+        """The job's `component` certificate folder, from the Secret the operator made (what
+        the component's pod mounts at /etc/kiln/tls)."""
+        secret = wait_for(f"{job}-{component}-tls", lambda: self.obj("v1/secrets", f"{job}-{component}-tls"))
+        if not hasattr(self, "_tls_root"):
+            self._tls_root = Path(tempfile.mkdtemp(prefix="kiln-e2e-tls-"))
+            self._cleanup.append(lambda: shutil.rmtree(self._tls_root, ignore_errors=True))
+        folder = self._tls_root / job / component
+        folder.mkdir(parents=True, exist_ok=True)
+        for key, value in secret["data"].items():
+            (folder / key).write_bytes(base64.b64decode(value))
+        return folder
 
     def start_buffer(self, job: str, spec: dict[str, Any], run_dir: Path) -> str:
         job_file = run_dir / "job.yaml"
@@ -122,7 +143,8 @@ class Cluster:
         address = f"unix:{self.sockets}/{job}-buffer.sock"
         proc = subprocess.Popen(
             [sys.executable, "-m", "kiln.services.buffer.main", "--job", str(job_file),
-             "--address", address, "--metrics-port", "0", "--run-dir", str(run_dir)],
+             "--address", address, "--metrics-port", "0", "--run-dir", str(run_dir),
+             "--tls-dir", str(self.tls_dir(job, "buffer"))],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
         def stop() -> None:
@@ -223,7 +245,7 @@ def test_create_applies_owned_children_and_status_follows_services(cluster: Clus
     trainer.set("", health_pb2.HealthCheckResponse.SERVING)
     trainer_status.policy_version = 7
     address = c.start_buffer("alpha", {}, tmp_path)
-    channel = grpc.insecure_channel(address)
+    channel = tls_channel(address, "buffer", bundle=read_bundle(c.tls_dir("alpha", "buffer")))
     grpc.channel_ready_future(channel).result(timeout=20)
     wait_for("Running with version 7", lambda: c.status("alpha").get("phase") == "Running"
              and c.status("alpha").get("policyVersion") == 7, timeout=20)

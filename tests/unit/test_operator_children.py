@@ -77,7 +77,8 @@ def workload(objs: list[dict[str, Any]], component: str) -> dict[str, Any]:
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_children_pass_kubernetes_schema_validation(data: dict[str, Any], version: str) -> None:
     objs = children.desired_children(JOB, spec(data))
-    assert len(objs) == (14 if data is FULL else 13)  # FULL adds the trainer's DP replicas
+    # 13 children and a NetworkPolicy per component; FULL adds the trainer's DP replicas.
+    assert len(objs) == (19 if data is FULL else 18)
     for obj in objs:
         kubernetes_validate.validate(obj, version, strict=True)
 
@@ -118,10 +119,17 @@ def test_service_containers_run_the_component_with_spec_resources_and_grpc_probe
         assert main["image"] == "registry.example.com/kiln:0.1.0"
         assert main["command"] == [f"kiln-{component}"]
         assert main["args"] == ["--job", "/etc/kiln/job.yaml", "--address", "0.0.0.0:50051",
-                                "--metrics-port", "9090", "--run-dir", "/var/lib/kiln"]
+                                "--metrics-port", "9090", "--run-dir", "/var/lib/kiln",
+                                "--health-address", "0.0.0.0:50050"]
+        # The kubelet's probes cannot speak TLS: they use the plain-text, health-only port.
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert main[probe]["grpc"] == {"port": 50051}
+            assert main[probe]["grpc"] == {"port": 50050}
         env = {e["name"]: e.get("value") for e in main["env"]}
+        # Mutual TLS with the component's own certificate.
+        assert env["KILN_TLS_DIR"] == "/etc/kiln/tls"
+        assert {"name": "tls", "mountPath": "/etc/kiln/tls", "readOnly": True} in main["volumeMounts"]
+        assert {"name": "tls", "secret": {"secretName": f"demo-{component}-tls", "defaultMode": 0o440}} \
+            in pod["volumes"]
         assert env["KILN_BUFFER_ADDR"] == "demo-buffer:50051"
         assert env["KILN_WEIGHT_SYNC_ADDR"] == "demo-weight-sync:50051"
         assert env["KILN_TRAINER_ADDR"] == "demo-trainer:50051"
@@ -326,3 +334,24 @@ def test_data_parallel_trainer_replicas_meet_at_trainer_pod_zero() -> None:
     # Suspended: the replicas scale to zero with the rest.
     idle = by_name(children.desired_children(JOB, spec(FULL), active=False))
     assert idle["StatefulSet/demo-trainer-replica"]["spec"]["replicas"] == 0
+
+
+def test_network_policies_admit_only_each_components_clients() -> None:
+    objs = by_name(children.desired_children(JOB, spec(FULL)))
+    sandbox = objs["NetworkPolicy/demo-sandbox"]["spec"]
+    assert sandbox["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "sandbox"
+    grpc_rule, open_rule = sandbox["ingress"][:2]
+    assert grpc_rule["ports"] == [{"port": 50051, "protocol": "TCP"}]
+    assert grpc_rule["from"] == [{"podSelector": {
+        "matchLabels": {"app.kubernetes.io/instance": "demo"},
+        "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In", "values": ["rollout"]}]}}]
+    assert "from" not in open_rule and {p["port"] for p in open_rule["ports"]} == {50050, 9090}
+    buffer = objs["NetworkPolicy/demo-buffer"]["spec"]["ingress"][0]["from"]
+    assert buffer[0] == {"namespaceSelector": {}, "podSelector": {"matchLabels": {
+        "app.kubernetes.io/part-of": "kiln", "app.kubernetes.io/component": "operator"}}}
+    assert buffer[1]["podSelector"]["matchExpressions"][0]["values"] == ["trainer", "rollout"]
+    trainer = objs["NetworkPolicy/demo-trainer"]["spec"]
+    assert trainer["podSelector"]["matchExpressions"][0]["values"] == ["trainer", "trainer-replica"]
+    assert {"from": [{"podSelector": trainer["podSelector"]}]} in trainer["ingress"]  # rank to rank
+    rollout = objs["NetworkPolicy/demo-rollout"]["spec"]["ingress"]
+    assert {"ports": [{"port": 8000, "protocol": "TCP"}]} in rollout  # the OpenAI endpoint

@@ -210,3 +210,25 @@ def test_store_versions_only_move_forward() -> None:
             await pending.done
 
     asyncio.run(main())
+
+
+def test_store_refuses_a_leap_ahead_but_not_a_first_version() -> None:
+    async def main() -> None:
+        store = WeightStore(max_version_step=4)
+
+        async def commit(version: int) -> None:
+            packed = pack(version, _tensors(version), 64)
+            pending = store.open_stream(packed.manifest)
+            for b in packed.buckets:
+                store.add_bucket(pending, b)
+            store.close_stream(pending)
+            await pending.done
+
+        await commit(40)  # a fresh weight-sync takes a resumed trainer's version
+        with pytest.raises(TransferError) as err:
+            store.open_stream(pack(2**64 - 1, _tensors(1), 64).manifest)
+        assert err.value.reason == "jump" and "maxVersionStep" in str(err.value)
+        await commit(44)
+        assert store.policy_version == 44
+
+    asyncio.run(main())

@@ -58,7 +58,8 @@ app.kubernetes.io/component: operator
   resources: ["rljobs/status"]
   verbs: ["get", "patch", "update"]
 - apiGroups: [""]
-  resources: ["configmaps", "services"]
+  # secrets: each job's CA and its components' certificates (mutual TLS between the services).
+  resources: ["configmaps", "services", "secrets"]
   verbs: ["get", "create", "patch"]
 - apiGroups: [""]
   # delete: the finalizer removes PVCs whose spec says retain: false.
@@ -66,6 +67,9 @@ app.kubernetes.io/component: operator
   verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["apps"]
   resources: ["deployments", "statefulsets"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
   verbs: ["get", "create", "patch"]
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
