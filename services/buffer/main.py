@@ -19,8 +19,9 @@ from typing import Sequence
 from kiln.api.spec import RLJob, RLStage
 from kiln.protos.kiln.v1 import buffer_pb2_grpc
 from kiln.services.buffer.buffer import TrajectoryBuffer
-from kiln.services.buffer.types import BufferConfig
+from kiln.services.buffer.records import CorruptLog
 from kiln.services.buffer.servicer import BufferServicer
+from kiln.services.buffer.types import BufferConfig
 from kiln.services.common.server import Registration, run_service, service_argparser
 
 
@@ -71,7 +72,12 @@ async def build(job: RLJob | None, args: argparse.Namespace):  # type: ignore[no
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_service("buffer", build, argv, build_parser())
+    try:
+        return run_service("buffer", build, argv, build_parser())
+    except CorruptLog as exc:
+        # Damage a restart cannot fix, and no record is dropped to get past it: say where.
+        print(f"kiln-buffer: {exc}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

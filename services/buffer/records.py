@@ -2,19 +2,28 @@
 
 Layout of one record (little-endian):
 
-    magic u16 (0x4B4C) | kind u16 | length u32 | crc32 u32 | payload (length bytes)
+    magic u16 (0x4B4D) | kind u16 | length u32 | payload crc32 u32 | header crc32 u32 | payload
 
-The CRC covers kind, length and payload. The magic makes a zero-filled tail (what some
-filesystems leave after a crash that extended the file but did not write it) read as invalid
-rather than as an empty record.
+The header carries its own checksum (of the 12 bytes before it), so a damaged length is known
+for damage and never taken for the end of the file. Files written before that (magic 0x4B4C,
+one CRC over kind, length and payload) are still read.
 
-A crash can only tear the last record of a file, because records are only ever appended and a
-file is fsync'd before the next one is written. `read_records` therefore treats an invalid record
-that reaches the end of the file (or is followed only by zero bytes) as torn and reports the
-offset to truncate at; an invalid record followed by more data is corruption and raises
-`CorruptLog`, because dropping it silently could lose acknowledged data.
+What counts as a torn tail, which recovery truncates: only what an interrupted append leaves,
+never anything an acknowledged (fsync'd) record can become through damage:
+- fewer bytes than a header at the end of the file, or nothing but zero bytes from some offset
+  on (a filesystem that extended the file before a crash but did not write it);
+- a record whose header is intact (checksum and all) but whose payload runs past the end of the
+  file: the append was cut short.
+Everything else that does not verify raises `CorruptLog` naming the file and offset, wherever it
+is, including a payload checksum mismatch in the last record (a flipped bit there is damage to an
+acknowledged record, not a torn write). `kiln buffer check` reports and `kiln buffer repair`
+salvages such files.
 
-Not covered here: what the payloads mean (`store.py`), or fsync policy (the caller decides).
+Writes: `append_durably` writes with `os.write` and fsyncs; a write that fails (ENOSPC, EIO)
+cuts the file back to where it was, so nothing of a failed, unacknowledged append stays behind
+to reappear later.
+
+Not covered here: what the payloads mean (`store.py`).
 """
 from __future__ import annotations
 
@@ -25,19 +34,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterable
 
-MAGIC = 0x4B4C
-HEADER = struct.Struct("<HHII")
+MAGIC = 0x4B4D
+MAGIC_V1 = 0x4B4C
+HEADER = struct.Struct("<HHIII")
+HEADER_V1 = struct.Struct("<HHII")
 MAX_RECORD_BYTES = 1 << 30
 
 
 class CorruptLog(Exception):
-    """A record in the middle of a log file is invalid. Restarting will not help: the file needs
-    inspection (the path and offset are in the message)."""
+    """A record that an append cannot have left behind is invalid. Restarting will not help: the
+    file needs inspection (the path and offset are in the message; `kiln buffer check`)."""
 
 
 def encode(kind: int, payload: bytes) -> bytes:
-    crc = zlib.crc32(payload, zlib.crc32(struct.pack("<HI", kind, len(payload))))
-    return HEADER.pack(MAGIC, kind, len(payload), crc) + payload
+    head = struct.pack("<HHII", MAGIC, kind, len(payload), zlib.crc32(payload))
+    return head + struct.pack("<I", zlib.crc32(head)) + payload
 
 
 def encode_many(items: Iterable[tuple[int, bytes]]) -> bytes:
@@ -54,38 +65,93 @@ class ReadResult:
     """True if bytes after `valid_end` were an incomplete record (to be truncated)."""
 
 
+@dataclass
+class Damage:
+    offset: int
+    problem: str
+
+
+def _check(data: bytes, pos: int) -> tuple[int, int, int] | Damage | None:
+    """At `pos`: (kind, payload start, end) of a valid record, Damage, or None for a torn tail."""
+    size = len(data)
+    rest = size - pos
+    if not data[pos:].strip(b"\0"):
+        return None  # zero-filled tail
+    if rest < 2:
+        return None  # one byte of an interrupted header
+    magic = struct.unpack_from("<H", data, pos)[0]
+    if magic == MAGIC:
+        if rest < HEADER.size:
+            return None  # an interrupted header: no acknowledged record is this short
+        _, kind, length, crc, head_crc = HEADER.unpack_from(data, pos)
+        if zlib.crc32(data[pos:pos + 12]) != head_crc:
+            return Damage(pos, "header checksum mismatch")
+        start, end = pos + HEADER.size, pos + HEADER.size + length
+        if end > size:
+            return None  # an intact header, the payload cut short: an interrupted append
+        if zlib.crc32(data[start:end]) != crc:
+            return Damage(pos, "payload checksum mismatch")
+        return kind, start, end
+    if magic == MAGIC_V1:
+        # Files of the old format keep the old reading: their header has no checksum of its own.
+        if rest < HEADER_V1.size:
+            return None
+        _, kind, length, crc = HEADER_V1.unpack_from(data, pos)
+        start, end = pos + HEADER_V1.size, pos + HEADER_V1.size + length
+        if length > MAX_RECORD_BYTES or end > size:
+            return None
+        if zlib.crc32(data[start:end], zlib.crc32(struct.pack("<HI", kind, length))) != crc:
+            return None if not data[end:].strip(b"\0") else Damage(pos, "checksum mismatch")
+        return kind, start, end
+    return Damage(pos, "bad magic")
+
+
 def parse(data: bytes, path: Path | str = "<memory>") -> ReadResult:
     records: list[tuple[int, int, bytes]] = []
     pos, size = 0, len(data)
     while pos < size:
-        problem = None
-        if size - pos < HEADER.size:
-            problem = "short header"
-        else:
-            magic, kind, length, crc = HEADER.unpack_from(data, pos)
-            end = pos + HEADER.size + length
-            if magic != MAGIC:
-                problem = "bad magic"
-            elif length > MAX_RECORD_BYTES or end > size:
-                problem = "record runs past end of file"
-            else:
-                payload = data[pos + HEADER.size:end]
-                expect = zlib.crc32(payload, zlib.crc32(struct.pack("<HI", kind, length)))
-                if expect != crc:
-                    problem = "checksum mismatch"
-        if problem is None:
-            records.append((pos, kind, payload))
-            pos = end
-            continue
-        # Invalid record at `pos`. Torn if nothing meaningful follows it.
-        if problem in ("short header", "record runs past end of file"):
+        found = _check(data, pos)
+        if found is None:
             return ReadResult(records, pos, True)
-        rest = data[end:] if problem == "checksum mismatch" else data[pos:]
-        if not rest.strip(b"\0"):
-            return ReadResult(records, pos, True)
-        raise CorruptLog(f"{path}: {problem} at offset {pos} with {size - pos} bytes after it; "
-                         "the file is damaged in the middle, not torn at the end")
+        if isinstance(found, Damage):
+            raise CorruptLog(f"{path}: {found.problem} at offset {found.offset} ({size - pos} bytes "
+                             "from there to the end); not a torn tail: `kiln buffer check` reports, "
+                             "`kiln buffer repair` salvages")
+        kind, start, end = found
+        records.append((pos, kind, data[start:end]))
+        pos = end
     return ReadResult(records, pos, False)
+
+
+def salvage(data: bytes) -> tuple[list[tuple[int, int, bytes]], list[Damage]]:
+    """Every valid record of a damaged file, skipping damaged stretches: after damage, the next
+    offset where a record verifies (header checksum included) resumes the reading."""
+    records: list[tuple[int, int, bytes]] = []
+    damage: list[Damage] = []
+    pos, size = 0, len(data)
+    while pos < size:
+        found = _check(data, pos)
+        if found is None:
+            break
+        if isinstance(found, Damage):
+            damage.append(found)
+            nxt = pos + 1
+            while nxt < size:
+                at = data.find(MAGIC.to_bytes(2, "little"), nxt)
+                if at < 0:
+                    nxt = size
+                    break
+                probe = _check(data, at)
+                if probe is not None and not isinstance(probe, Damage):
+                    nxt = at
+                    break
+                nxt = at + 1
+            pos = nxt
+            continue
+        kind, start, end = found
+        records.append((pos, kind, data[start:end]))
+        pos = end
+    return records, damage
 
 
 def read_records(path: Path) -> ReadResult:
@@ -110,7 +176,21 @@ def fsync_dir(path: Path) -> None:
 
 
 def append_durably(f: BinaryIO, data: bytes) -> None:
-    """Write `data` at the end of `f`, then flush and fsync before returning."""
-    f.write(data)
-    f.flush()
-    os.fsync(f.fileno())
+    """Write `data` at the end of `f` and fsync before returning. On failure the file is cut
+    back to its previous size (nothing buffered, nothing half-written is left) and the error
+    raised: the append did not happen."""
+    f.flush()  # nothing is ever left in the buffer; os.write below bypasses it
+    fd = f.fileno()
+    start = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except OSError:
+        try:
+            os.ftruncate(fd, start)
+            os.fsync(fd)
+        finally:
+            os.lseek(fd, start, os.SEEK_SET)
+        raise

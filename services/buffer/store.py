@@ -188,13 +188,8 @@ class TrajectoryStore:
             (KIND_TRAJECTORY, buffer_pb2.BufferRecord(id=tid, trajectory=payload,
                                                       group_size=size).SerializeToString())
             for tid, payload, size in recs)
-        start = self._active.tell()
-        try:
-            records.append_durably(self._active, data)
-        except OSError:
-            # Leave no half-written batch behind for a later append to land after.
-            self._active.truncate(start)
-            raise
+        # On failure nothing of the batch stays behind for a later append to land after.
+        records.append_durably(self._active, data)
         seg = self._segments[self._active_no]
         for tid, _, _ in recs:
             seg.live.add(tid)
@@ -203,12 +198,7 @@ class TrajectoryStore:
     def log_event(self, event: dict[str, Any]) -> None:
         """Append one event durably; ids in `event["consumed"]` are never recovered again."""
         data = records.encode(KIND_EVENT, json.dumps(event, separators=(",", ":")).encode())
-        start = self._side.tell()
-        try:
-            records.append_durably(self._side, data)
-        except OSError:
-            self._side.truncate(start)
-            raise
+        records.append_durably(self._side, data)
         ids = event.get("consumed", ())
         self._consumed.update(ids)
         touched = set()

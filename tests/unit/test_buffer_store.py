@@ -47,12 +47,67 @@ def test_zero_filled_tail_is_torn() -> None:
     assert result.torn and result.valid_end == len(good)
 
 
-def test_bad_checksum_at_the_end_is_torn() -> None:
+def test_bad_checksum_in_the_last_record_is_damage_not_a_torn_tail() -> None:
+    # An intact header and a payload that does not verify: damage to an acknowledged record.
     good = records.encode(1, b"first")
     last = bytearray(records.encode(1, b"second"))
     last[-1] ^= 0xFF
-    result = records.parse(good + bytes(last))
-    assert result.torn and result.valid_end == len(good)
+    with pytest.raises(records.CorruptLog, match=f"payload checksum mismatch at offset {len(good)}"):
+        records.parse(good + bytes(last))
+
+
+def test_a_damaged_length_is_not_taken_for_the_end_of_the_file() -> None:
+    good = records.encode(1, b"first")
+    last = bytearray(records.encode(1, b"second"))
+    last[4] ^= 0x40  # length 6 -> 70: past the end, but the header no longer verifies
+    with pytest.raises(records.CorruptLog, match=f"header checksum mismatch at offset {len(good)}"):
+        records.parse(good + bytes(last))
+
+
+def test_old_format_files_are_still_read() -> None:
+    import struct
+    import zlib
+
+    def v1(kind: int, payload: bytes) -> bytes:
+        crc = zlib.crc32(payload, zlib.crc32(struct.pack("<HI", kind, len(payload))))
+        return struct.pack("<HHII", records.MAGIC_V1, kind, len(payload), crc) + payload
+
+    result = records.parse(v1(1, b"old") + records.encode(1, b"new"))
+    assert [p for _, _, p in result.records] == [b"old", b"new"] and not result.torn
+
+
+def test_salvage_skips_damage_and_keeps_the_rest() -> None:
+    first, second, third = (records.encode(1, p) for p in (b"one", b"two", b"three"))
+    damaged = bytearray(second)
+    damaged[17] ^= 1  # in the payload
+    found, damage = records.salvage(first + bytes(damaged) + third)
+    assert [p for _, _, p in found] == [b"one", b"three"]
+    assert [(d.offset, d.problem) for d in damage] == [(len(first), "payload checksum mismatch")]
+
+
+def test_a_failed_write_leaves_the_file_as_it_was(tmp_path: Path, monkeypatch) -> None:
+    import errno
+    import os
+
+    path = tmp_path / "log"
+    with open(path, "ab") as f:
+        records.append_durably(f, records.encode(1, b"kept"))
+        real = os.write
+        calls = []
+
+        def short_then_enospc(fd, data):
+            calls.append(len(data))
+            if len(calls) == 1:
+                return real(fd, bytes(data[:5]))  # part of the record reaches the disk
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(os, "write", short_then_enospc)
+        with pytest.raises(OSError):
+            records.append_durably(f, records.encode(1, b"refused"))
+        monkeypatch.setattr(os, "write", real)
+        # Space again: the next append lands right after the kept record, nothing in between.
+        records.append_durably(f, records.encode(1, b"next"))
+    assert [p for _, _, p in records.read_records(path).records] == [b"kept", b"next"]
 
 
 def test_damage_in_the_middle_is_an_error() -> None:
