@@ -140,10 +140,12 @@ class BubblewrapSandbox(Sandbox):
             CappedBuffer(self.limits.output_limit_bytes)
         t0 = time.monotonic()
         # Spawning is shielded: a cancelled spawn would leave a process we hold no handle to.
+        # An empty environment from the first process on: bwrap is PID 1 inside the sandbox,
+        # and /proc/1/environ would otherwise show the service's (addresses, secrets).
         spawn = asyncio.ensure_future(asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            start_new_session=True))
+            start_new_session=True, env={"PATH": "/usr/bin:/bin"}))
         try:
             proc = await asyncio.shield(spawn)
         except asyncio.CancelledError:

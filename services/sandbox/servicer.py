@@ -26,6 +26,9 @@ def _task(text: str) -> dict | None:
     except json.JSONDecodeError as exc:
         raise ValueError(f"task_json: not valid JSON ({exc.msg})") from None
 
+# The most one ReadFile returns (a caller asking for more, or for 0 = no limit, gets this).
+READ_LIMIT_BYTES = 16 << 20
+
 
 class SandboxServicer(sandbox_pb2_grpc.SandboxServicer):
     def __init__(self, manager: SessionManager) -> None:
@@ -64,7 +67,9 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServicer):
             if which is None:
                 raise ValueError("command: set shell or argv")
             cmd = request.shell if which == "shell" else list(request.argv.args)
-            r = await session.sandbox.exec(cmd, timeout=request.timeout_seconds or None,
+            # The job's timeout bounds every exec; a caller may only ask for less.
+            limit = session.sandbox.limits.timeout_seconds
+            r = await session.sandbox.exec(cmd, timeout=min(request.timeout_seconds or limit, limit),
                                            workdir=request.workdir or None,
                                            env=dict(request.env) or None,
                                            stdin=request.stdin or None)
@@ -77,7 +82,9 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServicer):
     async def ReadFile(self, request, context):
         async def go():
             session = self.manager.get(request.session_id)
-            data = await session.sandbox.read_file(request.path, request.max_bytes or None)
+            # Finite by default: a reply is held in memory whole (and must fit a gRPC message).
+            data = await session.sandbox.read_file(request.path, min(request.max_bytes or READ_LIMIT_BYTES,
+                                                                     READ_LIMIT_BYTES))
             return sandbox_pb2.ReadFileResponse(data=data)
         return await self._call(context, go())
 

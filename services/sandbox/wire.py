@@ -96,11 +96,12 @@ def demonstration_from_proto(msg: pb.Demonstration) -> Demonstration:
 
 
 def limits_from_proto(msg: sandbox_pb2.Limits, defaults: SandboxLimits) -> SandboxLimits:
-    """Requested limits; zero fields keep `defaults`."""
+    """Requested limits, capped at `defaults` (the job's spec.sandbox: a caller may ask for
+    less, never for more); zero fields keep `defaults`. Network only where the job allows it."""
     data = defaults.model_dump()
     for field in ("memory_bytes", "pids", "cpu", "timeout_seconds", "output_limit_bytes"):
         value = getattr(msg, field)
         if value:
-            data[field] = value
-    data["network"] = msg.network
+            data[field] = min(value, data[field])
+    data["network"] = msg.network and defaults.network
     return SandboxLimits(**data)

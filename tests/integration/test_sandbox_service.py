@@ -186,3 +186,42 @@ def test_killed_service_is_cleaned_up_by_its_successor(tmp_path):
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
     assert leftovers(config) == []
+
+
+def test_the_job_sets_the_limits_not_the_caller(monkeypatch):
+    """A caller asking for the network, 1 TiB and 10^9 s gets the job's limits; nothing of the
+    service's environment is readable inside, from any process's /proc/*/environ."""
+    from kiln.services.sandbox.config import SandboxLimits
+
+    monkeypatch.setenv("KILN_SECRET_TOKEN", "do-not-leak-me")
+    job_limits = SandboxLimits(memory_bytes=256 << 20, pids=64, cpu=0.5, timeout_seconds=3,
+                               network=False)
+    config = BubblewrapConfig(owner=f"g{uuid.uuid4().hex[:8]}", limits=job_limits)
+
+    async def go():
+        manager, server, port = await _serve(config, PoolConfig(max_concurrent=2, warm_pool=0,
+                                                                tasks_dir=EXAMPLES))
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = sandbox_pb2_grpc.SandboxStub(ch)
+                s = await stub.CreateSession(sandbox_pb2.CreateSessionRequest(
+                    owner="rollout-0", ttl_seconds=60, limits=sandbox_pb2.Limits(
+                        memory_bytes=1 << 40, pids=10**6, cpu=64, timeout_seconds=10**9,
+                        network=True)))
+                limits = manager.get(s.session_id).sandbox.limits
+                assert limits == job_limits  # capped, field by field
+                r = await stub.Exec(sandbox_pb2.ExecRequest(
+                    session_id=s.session_id, timeout_seconds=10**9,
+                    shell="cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n'; "
+                          "cat /sys/class/net/*/address 2>/dev/null | wc -l; sleep 10"))
+                assert "do-not-leak-me" not in r.stdout and "KILN_" not in r.stdout
+                assert r.timed_out and r.duration_seconds < 8  # the job's 3 s, not 10^9
+                # Asking for less is fine.
+                small = await stub.CreateSession(sandbox_pb2.CreateSessionRequest(
+                    owner="rollout-0", ttl_seconds=60, limits=sandbox_pb2.Limits(memory_bytes=64 << 20)))
+                assert manager.get(small.session_id).sandbox.limits.memory_bytes == 64 << 20
+        finally:
+            await server.stop(0)
+            await manager.close()
+
+    asyncio.run(go())
