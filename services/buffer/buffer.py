@@ -86,8 +86,13 @@ class TrajectoryBuffer:
     def put(self, items: Sequence[bytes | Trajectory], group_size: int | None = None) -> PutResult:
         """Store `items` durably: serialized trajectories as they came over the wire, or domain
         records (encoded once). Raises InvalidTrajectory, BufferFull, ValueError, OSError."""
+        size = group_size or self.index.config.group_size
+        if size > self.index.config.capacity:
+            # Its members would be admitted past the capacity, and the group never completes.
+            raise ValueError(f"group_size {size} is larger than the buffer's capacity "
+                             f"{self.index.config.capacity}")
         with self._cv:
-            result = self._put_locked(items, group_size or self.index.config.group_size)
+            result = self._put_locked(items, size)
             self._cv.notify_all()
         self._notify()
         return result

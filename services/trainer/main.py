@@ -175,20 +175,41 @@ async def _stage_runner(job: RLJob, engine, engine_lock: threading.Lock, args: a
     ws = job.spec.weight_sync
     publisher = GrpcWeightPublisher(asyncio.get_running_loop(), channel, bucket_bytes=ws.bucket_bytes,
                                     timeout=ws.timeout_seconds)
-    if engine.policy_version > 0:
-        # Resumed from a checkpoint: weight-sync (which keeps versions in memory) may have
-        # restarted too; announce the weights rollout must serve.
-        from kiln.services.weight_sync.client import PublishError, publish
-        try:
-            await publish(channel, engine.policy_version, list(engine.named_hf_tensors()), ws.bucket_bytes)
-        except PublishError as exc:
-            if exc.retryable:
-                raise
-            log.info("weight-sync already holds version %d or newer", engine.policy_version)
+    await _agree_with_weight_sync(engine, channel, ws.bucket_bytes)
     tracker = Tracker(args.run_dir / "tensorboard", run_name="trainer", group=job.metadata.name,
                       spec=job.spec.tracking, config=job.spec.model_dump(mode="json", by_alias=True))
     return StageRunner(job, engine, engine_lock, GrpcBufferClient(buffer_addr), publisher,
                        args.run_dir, tracker)
+
+
+async def _agree_with_weight_sync(engine, channel, bucket_bytes: int) -> None:
+    """Make weight-sync's latest version the weights this trainer holds, before any stage.
+
+    Versions are published every sync interval and checkpointed less often, so a trainer that
+    crashed resumes at version V while weight-sync may hold V+k: weights nobody has any more,
+    and every publish of V+1.. would be refused as stale. The trainer then takes the next
+    version after weight-sync's, with the weights it has. A weight-sync that restarted (it keeps
+    versions in memory) gets the trainer's version again.
+    """
+    from kiln.services.weight_sync.client import PublishError, publish, status
+
+    latest = int((await status(channel)).policy_version)
+    if latest > engine.policy_version:
+        log.warning("weight-sync holds version %d, this trainer resumed at %d (versions since its "
+                    "last checkpoint were lost with it): publishing its weights as version %d",
+                    latest, engine.policy_version, latest + 1)
+        engine.policy_version = latest
+        version = engine.new_version()
+    elif engine.policy_version > latest:
+        version = engine.policy_version
+    else:
+        return  # both hold the same version
+    try:
+        await publish(channel, version, list(engine.named_hf_tensors()), bucket_bytes)
+    except PublishError as exc:
+        if exc.retryable:
+            raise
+        log.info("weight-sync already holds version %d or newer", version)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -133,7 +133,7 @@ def spawn_local_ranks(world: World, argv: list[str]) -> list[subprocess.Popen]:
 
 def _settings(engine) -> dict[str, Any]:
     return {
-        "config": engine.config, "stage": engine.stage,
+        "config": engine.config, "stage": engine.stage, "policy_version": engine.policy_version,
         "groups": [{k: g[k] for k in ("lr", "initial_lr", "betas") if k in g}
                    for g in engine.optimizer.param_groups],
         "base_lrs": list(engine.scheduler.base_lrs),
@@ -142,6 +142,7 @@ def _settings(engine) -> dict[str, Any]:
 
 def _apply(engine, settings: dict[str, Any]) -> None:
     engine.config, engine.stage = settings["config"], settings["stage"]
+    engine.policy_version = settings["policy_version"]
     for group, values in zip(engine.optimizer.param_groups, settings["groups"]):
         group.update(values)
     engine.scheduler.base_lrs = list(settings["base_lrs"])

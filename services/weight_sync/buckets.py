@@ -39,8 +39,8 @@ ITEMSIZE: dict[str, int] = {
 
 class TransferError(ValueError):
     """A version's transfer is unusable. `reason` is one of: checksum, truncated, manifest,
-    stale. Re-sending the version (or publishing a newer one) may succeed; the same bytes will
-    not."""
+    stale, jump (too far ahead), busy (too many versions in flight). Re-sending the version (or
+    publishing a newer one) may succeed; the same bytes will not."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
@@ -186,7 +186,8 @@ class Assembly:
     def __init__(self, manifest: Manifest) -> None:
         manifest.validate()
         self.manifest = manifest
-        self.buckets: list[Bucket | None] = [None] * manifest.num_buckets
+        # Filled as buckets arrive: memory follows the bytes received, not what a manifest claims.
+        self.buckets: dict[int, Bucket] = {}
         self.received = 0
         self.received_bytes = 0
 
@@ -205,7 +206,7 @@ class Assembly:
             raise TransferError("manifest", f"{where}: bucket says version {bucket.policy_version}")
         if not 0 <= bucket.index < m.num_buckets:
             raise TransferError("manifest", f"{where}: index out of range (0..{m.num_buckets - 1})")
-        if self.buckets[bucket.index] is not None:
+        if bucket.index in self.buckets:
             raise TransferError("manifest", f"{where}: received twice")
         if len(bucket.data) != m.bucket_size(bucket.index):
             raise TransferError(
@@ -223,7 +224,7 @@ class Assembly:
         if not self.complete:
             missing = m.num_buckets - self.received
             raise TransferError("truncated", f"version {m.policy_version}: {missing} of {m.num_buckets} buckets missing")
-        buckets: list[Bucket] = self.buckets  # type: ignore[assignment]
+        buckets = [self.buckets[i] for i in range(m.num_buckets)]
         if digest(m.digest_algorithm, b"".join(b.digest for b in buckets)) != m.digest:
             raise TransferError("checksum", f"version {m.policy_version}: bucket digests do not match the manifest digest")
         return buckets

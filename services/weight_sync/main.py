@@ -18,7 +18,8 @@ from kiln.services.weight_sync.store import WeightStore
 
 async def build(job: RLJob | None, args: argparse.Namespace):
     spec = job.spec.weight_sync if job is not None else WeightSyncSpec()
-    servicer = WeightSyncServicer(WeightStore(max_version_step=spec.max_version_step),
+    servicer = WeightSyncServicer(WeightStore(max_version_step=spec.max_version_step,
+                                              abandon_after_s=2 * spec.timeout_seconds),
                                   commit_timeout=spec.timeout_seconds)
     return [Registration(pb_grpc.add_WeightSyncServicer_to_server, servicer, SERVICE_NAME)], None
 

@@ -30,15 +30,25 @@ _CODES = {
     "stale": grpc.StatusCode.FAILED_PRECONDITION,
     "manifest": grpc.StatusCode.INVALID_ARGUMENT,
     "jump": grpc.StatusCode.INVALID_ARGUMENT,
+    "busy": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "checksum": grpc.StatusCode.DATA_LOSS,
     "truncated": grpc.StatusCode.DATA_LOSS,
 }
 
 
+MAX_STREAMS = 64
+
+
 def _expected_streams(context: grpc.aio.ServicerContext) -> int:
     for key, value in context.invocation_metadata() or ():
         if key == STREAMS_METADATA:
-            return max(int(value), 1)
+            try:
+                streams = int(value)
+            except ValueError:
+                raise TransferError("manifest", f"{STREAMS_METADATA}: {value!r} is not a number") from None
+            if not 1 <= streams <= MAX_STREAMS:
+                raise TransferError("manifest", f"{STREAMS_METADATA}: {streams} is not in 1..{MAX_STREAMS}")
+            return streams
     return 1
 
 
@@ -55,7 +65,10 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         try:
             try:
                 async for msg in request_iterator:
-                    chunk = wire.chunk_from_pb(msg)
+                    try:
+                        chunk = wire.chunk_from_pb(msg)
+                    except ValueError as exc:  # an empty or malformed chunk
+                        raise TransferError("manifest", str(exc)) from None
                     if pending is None:
                         if not isinstance(chunk, Manifest):
                             raise TransferError("manifest", "a publish stream must start with the manifest")

@@ -56,9 +56,15 @@ class ReplicaState:
     last_error: str = ""
 
 
+MAX_PENDING = 4
+
+
 class WeightStore:
-    def __init__(self, max_version_step: int | None = None) -> None:
+    def __init__(self, max_version_step: int | None = None, abandon_after_s: float = 300.0) -> None:
         self.max_version_step = max_version_step
+        self.abandon_after_s = abandon_after_s
+        """A pending version not committed this long after it opened is dropped (its publisher
+        gave up or died, or announced streams that never came)."""
         """Refuse a version more than this ahead of the latest committed one (None: any)."""
         self.latest: StoredVersion | None = None
         self._pending: dict[int, PendingVersion] = {}
@@ -88,7 +94,17 @@ class WeightStore:
             raise TransferError(
                 "jump", f"version {manifest.policy_version} is more than {step} ahead of the latest "
                 f"committed version {self.policy_version} (spec.weightSync.maxVersionStep)")
+        now = time.monotonic()
+        for stale in [p for p in self._pending.values() if now - p.started_at > self.abandon_after_s]:
+            self._fail(stale, TransferError("truncated", f"version {stale.assembly.policy_version} "
+                                            f"abandoned after {self.abandon_after_s:.0f} s"))
         pending = self._pending.get(manifest.policy_version)
+        if pending is None and len(self._pending) >= MAX_PENDING:
+            # Each pending version holds its received buckets: half-finished publishes must not
+            # pile up (a trainer publishes one version at a time).
+            SYNC_FAILURES.labels("busy").inc()
+            raise TransferError("busy", f"{len(self._pending)} versions are being published already "
+                                f"({sorted(self._pending)}); retry when one is committed or abandoned")
         if pending is None:
             pending = PendingVersion(Assembly(manifest), expected_streams)
             self._pending[manifest.policy_version] = pending

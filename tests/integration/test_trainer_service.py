@@ -113,11 +113,33 @@ def test_service_runs_a_stage_exports_metrics_and_resumes(tmp_path: Path) -> Non
         assert _stop(proc) == 0
         assert (tmp_path / "trainer" / "checkpoints" / "step_00000002" / "meta.json").exists()
 
+        # Weight-sync moved on while the trainer was down (versions published after its last
+        # checkpoint, lost with it): the restarted trainer takes the next version, with its
+        # own weights, instead of having every publish refused as stale.
+        import asyncio
+
+        import grpc
+        import torch
+
+        from kiln.services.weight_sync.client import publish
+        from kiln.services.weight_sync.client import status as ws_status
+
+        async def leap() -> None:
+            async with grpc.aio.insecure_channel(env["KILN_WEIGHT_SYNC_ADDR"]) as ch:
+                await publish(ch, 5, [("w", torch.zeros(4))], 1 << 20)
+
+        asyncio.run(leap())
         proc, info = _start("trainer", tmp_path / "trainer", job, env, ["--threads", "1"])
         trainer = TrainerClient(f"127.0.0.1:{info['port']}")
         _wait("trainer ready again", lambda: _serving(trainer))
         status = trainer.status()
-        assert (status.step, status.policy_version) == (2, 1)
+        assert (status.step, status.policy_version) == (2, 6)
+
+        async def latest() -> int:
+            async with grpc.aio.insecure_channel(env["KILN_WEIGHT_SYNC_ADDR"]) as ch:
+                return int((await ws_status(ch)).policy_version)
+
+        assert asyncio.run(latest()) == 6
         assert status.last_checkpoint.endswith("step_00000002")
         assert status.last_metrics["loss"] == pytest.approx(float(loss_line.split()[-1]))
         trainer.close()

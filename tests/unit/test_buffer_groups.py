@@ -182,3 +182,11 @@ def test_group_pool_keeps_its_member_count() -> None:
         pool.pop("absent")
     with pytest.raises(TypeError):
         pool.update({})
+
+
+def test_a_group_larger_than_the_capacity_is_refused(tmp_path: Path) -> None:
+    buf = _open(tmp_path, capacity=100)
+    with pytest.raises(ValueError, match="group_size 4294967295 is larger than the buffer's capacity 100"):
+        buf.put([synthetic_trajectory(f"g{i}", version=0) for i in range(300)], group_size=2**32 - 1)
+    assert buf.status().depth == 0  # nothing admitted
+    buf.close()

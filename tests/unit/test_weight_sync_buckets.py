@@ -232,3 +232,36 @@ def test_store_refuses_a_leap_ahead_but_not_a_first_version() -> None:
         assert store.policy_version == 44
 
     asyncio.run(main())
+
+
+def test_claims_cost_nothing_until_bytes_arrive_and_pending_versions_are_bounded() -> None:
+    from kiln.services.weight_sync.store import MAX_PENDING
+
+    async def main() -> None:
+        store = WeightStore(abandon_after_s=0.2)
+        # A manifest claiming a huge layout allocates nothing per claimed bucket.
+        huge = pack(1, _tensors(1), 64).manifest
+        claimed = dataclasses.replace(huge, tensors=(dataclasses.replace(huge.tensors[0], shape=(1 << 26,),
+                                                                          nbytes=4 << 26),),
+                                      total_bytes=4 << 26, bucket_bytes=4,
+                                      num_buckets=1 << 26)
+        pending = store.open_stream(claimed)
+        assert pending.assembly.buckets == {}
+        for v in range(2, MAX_PENDING + 1):
+            store.open_stream(pack(v, _tensors(v), 64).manifest, expected_streams=64)
+        with pytest.raises(TransferError) as err:
+            store.open_stream(pack(99, _tensors(1), 64).manifest)
+        assert err.value.reason == "busy"
+        # Half-finished publishes are dropped after the timeout, and publishing works again.
+        await asyncio.sleep(0.3)
+        packed = pack(100, _tensors(1), 64)
+        fresh = store.open_stream(packed.manifest)
+        for b in packed.buckets:
+            store.add_bucket(fresh, b)
+        store.close_stream(fresh)
+        assert (await fresh.done).policy_version == 100
+        for p in (pending,):
+            with pytest.raises(TransferError):
+                await p.done
+
+    asyncio.run(main())
