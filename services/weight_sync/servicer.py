@@ -18,7 +18,7 @@ from kiln.protos.kiln.v1 import weight_sync_pb2_grpc as pb_grpc
 from kiln.services.common.metrics import SYNC_BYTES
 from kiln.services.weight_sync import wire
 from kiln.services.weight_sync.buckets import Manifest, TransferError
-from kiln.services.weight_sync.store import PendingVersion, ReplicaState, WeightStore
+from kiln.services.weight_sync.store import PendingVersion, WeightStore
 
 log = logging.getLogger("kiln.weight_sync")
 
@@ -108,7 +108,10 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
             wire.stream_indices(0, request.stream_index, n)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        self.store.replicas.setdefault(replica, ReplicaState(replica))
+        try:
+            self.store.add_replica(replica)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         sent = 0
         while True:
             stored = await self.store.wait_newer(sent)
@@ -124,10 +127,14 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
             sent = stored.policy_version
 
     async def Ack(self, request: pb.AckRequest, context: grpc.aio.ServicerContext) -> pb.AckReply:
-        state = self.store.record_ack(request.replica_id, request.policy_version, request.ok, request.error)
+        try:
+            state = self.store.record_ack(request.replica_id, request.policy_version, request.ok,
+                                          request.error)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         if not request.ok:
-            log.warning("replica %s rejected version %d: %s (still on %d)", request.replica_id,
-                        request.policy_version, request.error, state.applied_policy_version)
+            log.warning("replica %s rejected version %d: %s (still on %d)", request.replica_id[:80],
+                        request.policy_version, request.error[:200], state.applied_policy_version)
         return pb.AckReply()
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusReply:

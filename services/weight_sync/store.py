@@ -57,6 +57,8 @@ class ReplicaState:
 
 
 MAX_PENDING = 4
+MAX_REPLICAS = 4096
+MAX_ERROR_CHARS = 500
 
 
 class WeightStore:
@@ -189,11 +191,27 @@ class WeightStore:
             return self.latest
 
     def record_ack(self, replica_id: str, version: int, ok: bool, error: str) -> ReplicaState:
-        state = self.replicas.setdefault(replica_id, ReplicaState(replica_id))
+        """Record a replica's answer. ValueError for a replica that never subscribed (or beyond
+        MAX_REPLICAS): what Status reports stays bounded whoever sends Acks."""
+        state = self.replicas.get(replica_id)
+        if state is None:
+            raise ValueError(f"replica_id {replica_id[:80]!r} has not subscribed")
+        # The error text of a replica is shown in Status: keep it to a line.
+        error = error[:MAX_ERROR_CHARS]
         state.last_policy_version, state.last_ok, state.last_error = version, ok, error
         if ok:
             state.applied_policy_version = max(state.applied_policy_version, version)
             committed = self._commit_times.get(version)
             if committed is not None:
                 SYNC_SECONDS.observe(max(time.time() - committed, 0.0))
+        return state
+
+    def add_replica(self, replica_id: str) -> ReplicaState:
+        """A subscribing replica (again, after a reconnect: its state is kept). ValueError past
+        MAX_REPLICAS distinct ones."""
+        state = self.replicas.get(replica_id)
+        if state is None:
+            if len(self.replicas) >= MAX_REPLICAS:
+                raise ValueError(f"{len(self.replicas)} replicas are known already (at most {MAX_REPLICAS})")
+            state = self.replicas[replica_id] = ReplicaState(replica_id)
         return state

@@ -265,3 +265,23 @@ def test_claims_cost_nothing_until_bytes_arrive_and_pending_versions_are_bounded
                 await p.done
 
     asyncio.run(main())
+
+
+def test_status_stays_bounded_whoever_sends_acks(monkeypatch) -> None:
+    from kiln.services.weight_sync import store as store_module
+
+    monkeypatch.setattr(store_module, "MAX_REPLICAS", 3)
+
+    async def main() -> None:
+        store = WeightStore()
+        with pytest.raises(ValueError, match="has not subscribed"):
+            store.record_ack("anyone", 1, False, "x" * 10_000)
+        for r in ("r0", "r1", "r2"):
+            store.add_replica(r)
+        store.add_replica("r1")  # a reconnect keeps its state
+        with pytest.raises(ValueError, match="at most 3"):
+            store.add_replica("r3")
+        state = store.record_ack("r0", 1, False, "x" * 10_000)
+        assert len(state.last_error) == store_module.MAX_ERROR_CHARS and len(store.replicas) == 3
+
+    asyncio.run(main())
