@@ -130,8 +130,13 @@ class _LazySandbox:
 class EpisodeManager:
     def __init__(self, job: RLJob, *, base_dir: Path, owner: str = "env",
                  config: BubblewrapConfig | DockerConfig | None = None,
-                 idle_ttl: float | None = None) -> None:
+                 idle_ttl: float | None = None, room: asyncio.Semaphore | None = None,
+                 room_timeout_s: float = 600.0) -> None:
         self.job = job
+        self.room, self.room_timeout_s = room, room_timeout_s
+        """`room`: the sandbox service's count of living sandboxes (its sessions' and these
+        episodes' together: spec.sandbox.maxConcurrent bounds them all); each episode sandbox
+        holds one unit from its start to its destruction."""
         self.config = config or config_from_spec(job.spec.sandbox, owner)
         reaped = reap_orphans(self.config)
         if reaped:
@@ -204,6 +209,12 @@ class EpisodeManager:
         return StepResult(outputs=list(turn.outputs))
 
     async def _start_sandbox(self, ep: _Episode) -> None:
+        if self.room is not None:
+            try:
+                await asyncio.wait_for(self.room.acquire(), self.room_timeout_s)
+            except asyncio.TimeoutError:
+                raise EpisodeError(f"every sandbox of this service is in use for "
+                                   f"{self.room_timeout_s:g} s (spec.sandbox.maxConcurrent)") from None
         async with self._slots:
             start = time.perf_counter()
             sandbox = make_sandbox(self.config)
@@ -212,6 +223,8 @@ class EpisodeManager:
             except Exception:
                 metrics.SANDBOX_FAILURES.labels(self.config.type, "start").inc()
                 await sandbox.destroy()
+                if self.room is not None:
+                    self.room.release()
                 raise
             metrics.SANDBOX_START_SECONDS.labels(self.config.type).observe(time.perf_counter() - start)
             metrics.SANDBOX_ACTIVE.labels(self.config.type).inc()
@@ -243,8 +256,16 @@ class EpisodeManager:
     async def close(self, episode_id: str) -> None:
         ep = self._episodes.pop(episode_id, None)
         if ep is not None and ep.sandbox is not None:
+            await self._destroy(ep)
+
+    async def _destroy(self, ep: _Episode) -> None:
+        try:
             await ep.sandbox.destroy()
+        finally:
+            ep.sandbox = None
             metrics.SANDBOX_ACTIVE.labels(self.config.type).dec()
+            if self.room is not None:
+                self.room.release()
 
     async def reap_idle(self) -> int:
         now = time.monotonic()
@@ -287,7 +308,6 @@ class EpisodeManager:
             grade = known if known is not None else await self._grade(ts, task, sandbox, answer, ep.turns)
         finally:
             if ep.sandbox is not None:
-                await ep.sandbox.destroy()
-                metrics.SANDBOX_ACTIVE.labels(self.config.type).dec()
+                await self._destroy(ep)
         messages, tools = self._opening(ts, task)
         return Demonstration(task.id, messages, tools, ep.turns, grade.reward, grade.output)

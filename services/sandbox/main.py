@@ -78,8 +78,11 @@ async def build(job, args):
         from .env_servicer import EnvironmentServicer
         from .episodes import EpisodeManager
 
+        # One bound on living sandboxes, sessions' and episodes' together.
         episodes = EpisodeManager(job, base_dir=Path.cwd(), config=config.model_copy(
-            update={"owner": f"{owner[:37]}-ep"}))
+            update={"owner": f"{owner[:37]}-ep"}), room=manager.room,
+            # An episode waits for a sandbox as long as it may run at all.
+            room_timeout_s=job.spec.rollout.episode_timeout_seconds)
         registrations.append(Registration(env_pb2_grpc.add_EnvironmentServicer_to_server,
                                           EnvironmentServicer(episodes), "kiln.v1.Environment"))
 

@@ -77,6 +77,8 @@ class SessionManager:
         self.client = client
         self.sessions: dict[str, Session] = {}
         self._room = asyncio.Semaphore(self.pool.max_concurrent)
+        self.room = self._room
+        """Living sandboxes (warm ones included); the episode manager draws from it too."""
         self._starts = asyncio.Semaphore(self.pool.max_parallel_starts)
         self._warm: dict[str, list[Sandbox]] = {}
         self._bg: set[asyncio.Task] = set()

@@ -225,3 +225,36 @@ def test_the_job_sets_the_limits_not_the_caller(monkeypatch):
             await manager.close()
 
     asyncio.run(go())
+
+
+def test_episode_sandboxes_count_against_the_services_limit():
+    """Sessions and episodes draw from one bound on living sandboxes: with a limit of 2 and
+    two episodes holding sandboxes, a session cannot be created until one episode closes."""
+    from kiln.api.validate import load_job
+    from kiln.services.sandbox.episodes import EpisodeManager
+
+    job = load_job(Path(__file__).resolve().parents[2] / "deploy" / "examples" / "terminal-quickstart.yaml")
+    config = BubblewrapConfig(owner=f"g{uuid.uuid4().hex[:8]}")
+
+    async def go():
+        manager = SessionManager(config, PoolConfig(max_concurrent=2, warm_pool=0,
+                                                    acquire_timeout_s=0.5, tasks_dir=EXAMPLES))
+        await manager.start()
+        episodes = EpisodeManager(job, base_dir=Path(__file__).resolve().parents[2],
+                                  config=config.model_copy(update={"owner": config.owner + "-ep"}),
+                                  room=manager.room, room_timeout_s=0.5)
+        try:
+            task_set = job.spec.tasks[0].name
+            opened = [episodes.open(task_set, i) for i in range(2)]
+            for info in opened:
+                await episodes._start_sandbox(episodes._episodes[info.episode_id])
+            with pytest.raises(Exception, match="sandboxes busy"):
+                await manager.create("rollout-0")
+            await episodes.close(opened[0].episode_id)
+            session = await manager.create("rollout-0")  # room again
+            await manager.destroy(session.id)
+        finally:
+            await episodes.close_all()
+            await manager.close()
+
+    asyncio.run(go())
