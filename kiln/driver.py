@@ -207,7 +207,8 @@ class Driver:
             restarted = self.supervise()
             if restarted:
                 self.say(f"\nrestarted {', '.join(restarted)}; resuming stage {stage.name}")
-                self.on_event({"event": "restart", "services": restarted, "stage": stage.name})
+                self.on_event({"event": "restart", "time": time.time(), "services": restarted,
+                               "stage": stage.name})
             t = self._call(self.trainer.status)
             if t.stage_failed:
                 raise RuntimeError(f"trainer failed in stage {stage.name}: {t.message}")
