@@ -118,6 +118,12 @@ class EngineSettings(BaseModel):
                    enforce_eager=spec.rollout.enforce_eager, seed=spec.seed, **overrides)
 
 
+class EngineBroken(RuntimeError):
+    """The engine's weights are in an unknown state (a reload failed part-way): it must not
+    generate again. The rollout service exits so that it is restarted, loads its model afresh
+    and takes the latest version whole from weight-sync."""
+
+
 class EngineBase:
     """The state every engine keeps: its settings, the policy version new tokens get, and the
     fingerprint recorded on every trajectory."""

@@ -46,7 +46,8 @@ async def build(job: RLJob | None, args: argparse.Namespace):
     from kiln.protos.kiln.v1 import rollout_pb2_grpc
     from kiln.services.buffer.client import GrpcBufferClient
     from kiln.services.rollout.agent import Limits
-    from kiln.services.rollout.engine import EngineSettings, SamplingOptions, engine_kind, start_engine
+    from kiln.services.rollout.engine import (EngineBroken, EngineSettings, SamplingOptions, engine_kind,
+                                              start_engine)
     from kiln.services.rollout.formats import choose_format, make_format
     from kiln.services.rollout.producer import Producer
     from kiln.services.rollout.servicer import RolloutServicer
@@ -85,7 +86,12 @@ async def build(job: RLJob | None, args: argparse.Namespace):
     sync_channel = tls.aio_channel(sync_addr, "weight-sync", CHANNEL_OPTIONS)
 
     async def apply(version, named_tensors):
-        await engine.apply_weights(version, named_tensors)
+        try:
+            await engine.apply_weights(version, named_tensors)
+        except EngineBroken as exc:
+            # A restart loads the model afresh and then takes the latest version whole.
+            log.critical("%s; exiting so that this service is restarted", exc)
+            os._exit(1)
         metrics.POLICY_VERSION.labels("rollout").set(version)
         log.info("applied policy version %d", version)
 

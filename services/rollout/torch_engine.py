@@ -87,6 +87,11 @@ class TorchEngine(EngineBase):
             if unknown:
                 raise ValueError(f"weights {unknown[:5]} are not parameters of the model; "
                                  "old weights kept")
+            missing = sorted(set(self._params) - {n for n, _ in tensors})
+            if missing:
+                # A version is applied whole or not at all: a part of it would be served as N.
+                raise ValueError(f"weights for version {version} lack {missing[:5]} "
+                                 f"({len(missing)} of {len(self._params)}); old weights kept")
             for name, t in tensors:
                 if t.shape != self._params[name].shape:
                     raise ValueError(f"weight {name} has shape {tuple(t.shape)}, expected "

@@ -22,7 +22,7 @@ import uuid
 from typing import Any, Sequence
 
 from kiln.services.rollout.engine import (
-    EngineBase, EngineSettings, Generation, NamedTensors, SamplingOptions)
+    EngineBase, EngineBroken, EngineSettings, Generation, NamedTensors, SamplingOptions)
 
 
 def _reload_in_worker(worker: Any, path: str) -> None:
@@ -85,6 +85,7 @@ class VllmEngine(EngineBase):
         super().__init__(settings, fingerprint)
         self._llm = llm
         self._update_lock = asyncio.Lock()
+        self._broken = ""  # why the engine must not generate again (see EngineBroken)
 
     @classmethod
     async def start(cls, settings: EngineSettings) -> "VllmEngine":
@@ -117,6 +118,8 @@ class VllmEngine(EngineBase):
         return cls(llm, settings, fingerprint)
 
     async def generate(self, prompt_token_ids: Sequence[int], sampling: SamplingOptions) -> Generation:
+        if self._broken:
+            raise EngineBroken(self._broken)
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -149,14 +152,23 @@ class VllmEngine(EngineBase):
             path = await asyncio.to_thread(_write_weights, named_tensors)
             llm = self._llm
             await llm.pause_generation(mode="keep", clear_cache=False)
+            broken = False
             try:
-                await llm.collective_rpc(_reload_in_worker, kwargs={"path": path})
+                try:
+                    await llm.collective_rpc(_reload_in_worker, kwargs={"path": path})
+                except Exception as exc:
+                    # Some weights may be the new version's already: a mix no version names.
+                    # Generation stays paused for good rather than resume on it.
+                    broken = True
+                    self._broken = f"reloading version {version} failed part-way: {exc}"
+                    raise EngineBroken(self._broken) from exc
                 await llm.update_weight_version(str(version))
                 # Running requests are preempted and re-prefilled under the new weights.
                 await llm.reset_prefix_cache(reset_running_requests=True)
                 self._switched_to(version)
             finally:
-                await llm.resume_generation()
+                if not broken:
+                    await llm.resume_generation()
                 os.unlink(path)
 
     async def close(self) -> None:

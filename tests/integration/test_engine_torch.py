@@ -58,6 +58,13 @@ def test_weights_change_mid_generation_with_exact_versions(models) -> None:
         gens = await asyncio.gather(*tasks)
         with pytest.raises(ValueError):
             await engine.apply_weights(1, [])
+        # Part of a version is refused whole: nothing of it is served under its number.
+        part = list(load_file(str(v0 / "model.safetensors")).items())[:3]
+        before = {n: t.clone() for n, t in engine._params.items()}
+        with pytest.raises(ValueError, match="weights for version 2 lack"):
+            await engine.apply_weights(2, part)
+        assert engine.policy_version == 1
+        assert all(torch.equal(before[n], t) for n, t in engine._params.items())
         return engine, prompts, gens
 
     engine, prompts, gens = asyncio.run(main())

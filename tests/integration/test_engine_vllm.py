@@ -145,3 +145,26 @@ def test_published_version_reaches_engine_and_changes_logprobs(env: Env) -> None
     # The new weights give different log-probs for the old continuation.
     old_under_new = reference_logprobs(env.dirs[2], prompt, before.token_ids)
     assert (old_under_new - torch.tensor(before.logprobs)).abs().max() > 1e-2
+
+
+def test_a_reload_that_fails_part_way_never_generates_again(env: Env) -> None:
+    """Last in this module: it breaks the shared engine on purpose. A version whose reload fails
+    after some weights were loaded leaves a mix no version names; the engine refuses to generate
+    rather than serve it (the rollout service then exits to be restarted)."""
+    from kiln.services.rollout.engine import EngineBroken
+
+    eng = env.engine
+    weights = env.weights(1)
+    names = [n for n, _ in weights]
+    bad = names[len(names) // 2]  # past the first weights, which load
+    broken = [(n, t[..., :-1].contiguous() if n == bad and t.dim() == 2 else t) for n, t in weights]
+
+    async def main():
+        with pytest.raises(EngineBroken, match="failed part-way"):
+            await eng.apply_weights(eng.policy_version + 1, broken)
+        with pytest.raises(EngineBroken):
+            await eng.generate([1, 2, 3], SamplingOptions(max_tokens=4))
+
+    version = eng.policy_version
+    env.run(main())
+    assert eng.policy_version == version  # not relabelled
