@@ -135,6 +135,7 @@ class Driver:
         # Called every poll (`kiln run`: restart services that died, return their names; those
         # get their orders again at once).
         self.supervise = supervise
+        self._restarted: list[str] = []  # restarted while a call waited; announced next poll
         self.should_stop = should_stop
         self.transient, self.unavailable_seconds = transient, unavailable_seconds
         self.tracker = tracker
@@ -163,6 +164,8 @@ class Driver:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"a service stayed unavailable for "
                                        f"{self.unavailable_seconds:.0f} s: {exc}") from exc
+                # The service may have died: have it restarted while waiting for it.
+                self._restarted += self.supervise()
                 time.sleep(self.poll_seconds)
 
     def _evaluate(self, stage: SFTStage | RLStage, when: str) -> None:
@@ -204,7 +207,8 @@ class Driver:
         self._call(lambda: self.rollout.set_mode(mode))
         start = time.monotonic()
         while True:
-            restarted = self.supervise()
+            restarted = list(dict.fromkeys(self._restarted + self.supervise()))
+            self._restarted = []
             if restarted:
                 self.say(f"\nrestarted {', '.join(restarted)}; resuming stage {stage.name}")
                 self.on_event({"event": "restart", "time": time.time(), "services": restarted,

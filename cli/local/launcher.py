@@ -124,9 +124,9 @@ def main(args: argparse.Namespace) -> int:
         for name in (*group, "rollout"):
             processes.wait_ready(services[name])
         out.write(f"all services healthy after {time.time() - started:.1f} s\n")
-        trainer = TrainerClient(services["trainer"].address)
-        rollout = RolloutClient(services["rollout"].address)
-        buffer = GrpcBufferClient(services["buffer"].address)
+        trainer = _WhileDown(TrainerClient(services["trainer"].address))
+        rollout = _WhileDown(RolloutClient(services["rollout"].address))
+        buffer = _WhileDown(GrpcBufferClient(services["buffer"].address))
 
         def supervise() -> list[str]:
             """Restart any service that died, on its old port; it resumes from its state."""
@@ -144,7 +144,7 @@ def main(args: argparse.Namespace) -> int:
         shown = LocalProgress(run_dir, out)
         driver = Driver(job, trainer, rollout, buffer, RunState.load(FileStore(run_dir / "state.json")),
                         say=shown.say, on_progress=shown.progress, on_event=shown.event,
-                        supervise=supervise, tracker=tracker)
+                        supervise=supervise, transient=(ServiceDown,), tracker=tracker)
         state = driver.run()
     except KeyboardInterrupt:
         interrupted = True
@@ -170,6 +170,33 @@ def main(args: argparse.Namespace) -> int:
     write_report(run_dir, rl_stages={s.name for s in job.spec.stages if s.type == "rl"})
     out.write(json.dumps(summary, indent=2) + "\n")
     return 0
+
+
+class ServiceDown(Exception):
+    """A service did not answer (it died, or is restarting): the driver waits for it, and has
+    it restarted meanwhile."""
+
+
+class _WhileDown:
+    """A service client whose calls raise ServiceDown for an unreachable service (the clients'
+    own retries cover a lost reply, not a restart that takes a model load)."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            try:
+                return attr(*args, **kwargs)
+            except grpc.RpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise ServiceDown(f"{name}: {exc.code().name}") from exc
+                raise
+        return call
 
 
 def _stop_all(services) -> None:

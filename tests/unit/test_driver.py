@@ -138,3 +138,31 @@ def test_transient_errors_are_waited_out_and_a_stop_is_honoured(tmp_path: Path) 
     with pytest.raises(Stopped):
         _driver(tmp_path / "y", trainer, FakeRollout(trainer), should_stop=lambda: next(stop)).run()
     assert not RunState.load(FileStore(tmp_path / "y" / "state.json")).finished_stages
+
+
+def test_a_service_down_during_a_call_is_restarted_and_given_its_orders(tmp_path: Path) -> None:
+    """The trainer dies while the driver waits on it: the driver has it restarted from inside
+    the wait (nothing else would), then gives the new process its stage again."""
+    trainer = FakeTrainer()
+    rollout = FakeRollout(trainer)
+    polls, supervised = [], []
+
+    def on_progress(p) -> None:
+        polls.append(p.step)
+        if len(polls) == 1:
+            trainer.down = 10 ** 6  # dead until restarted
+
+    def supervise() -> list[str]:
+        if trainer.down:
+            trainer.down = 0
+            trainer.restart()
+            supervised.append("trainer")
+            return ["trainer"]
+        return []
+
+    events = []
+    _driver(tmp_path, trainer, rollout, on_progress=on_progress, supervise=supervise,
+            transient=(Down,), on_event=events.append, unavailable_seconds=5).run()
+    assert supervised == ["trainer"]
+    assert [e["services"] for e in events if e.get("event") == "restart"] == [["trainer"]]
+    assert trainer.orders.count("sft") == 2 and trainer.steps == {"sft": 5, "rl": 2}
