@@ -211,7 +211,11 @@ def run_service(service: str, build: BuildFn, argv: Sequence[str] | None = None,
         return 2
     if tls is None:
         log.warning("%s serves plain-text gRPC: any client can call it (insecure mode)", service)
-    return asyncio.run(_serve(service, build, job, args, tls))
+    code = asyncio.run(_serve(service, build, job, args, tls))
+    # Stopped cleanly: a second SIGTERM during the interpreter's teardown must not turn this
+    # exit into a death by signal.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return code
 
 
 async def _serve(service: str, build: BuildFn, job: RLJob | None, args: argparse.Namespace,
