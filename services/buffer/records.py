@@ -75,11 +75,11 @@ def _check(data: bytes, pos: int) -> tuple[int, int, int] | Damage | None:
     """At `pos`: (kind, payload start, end) of a valid record, Damage, or None for a torn tail."""
     size = len(data)
     rest = size - pos
-    if not data[pos:].strip(b"\0"):
-        return None  # zero-filled tail
     if rest < 2:
         return None  # one byte of an interrupted header
     magic = struct.unpack_from("<H", data, pos)[0]
+    if magic not in (MAGIC, MAGIC_V1) and _zeros_from(data, pos):
+        return None  # zero-filled tail
     if magic == MAGIC:
         if rest < HEADER.size:
             return None  # an interrupted header: no acknowledged record is this short
@@ -101,9 +101,15 @@ def _check(data: bytes, pos: int) -> tuple[int, int, int] | Damage | None:
         if length > MAX_RECORD_BYTES or end > size:
             return None
         if zlib.crc32(data[start:end], zlib.crc32(struct.pack("<HI", kind, length))) != crc:
-            return None if not data[end:].strip(b"\0") else Damage(pos, "checksum mismatch")
+            return None if _zeros_from(data, end) else Damage(pos, "checksum mismatch")
         return kind, start, end
     return Damage(pos, "bad magic")
+
+
+def _zeros_from(data: bytes, pos: int) -> bool:
+    """Whether `data` holds only zero bytes from `pos` on (looked at only where a record does
+    not verify, so reading a healthy file stays linear)."""
+    return not data[pos:].strip(b"\0")
 
 
 def parse(data: bytes, path: Path | str = "<memory>") -> ReadResult:

@@ -63,19 +63,22 @@ class ObservabilityInterceptor(grpc.aio.ServerInterceptor):
                     _leave(context, method, token, start)
             return inner
 
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                wrap_unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                wrap_unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                wrap_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
-        if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(
-                wrap_stream(handler.stream_stream), handler.request_deserializer, handler.response_serializer)
-        return handler
+        return rewrap(handler, wrap_unary, wrap_stream)
+
+
+def rewrap(handler: grpc.RpcMethodHandler, unary: Callable[[Any], Any],
+           stream: Callable[[Any], Any]) -> grpc.RpcMethodHandler:
+    """`handler` with its behaviour wrapped: `unary(fn)` for the kinds that return one reply,
+    `stream(fn)` for those that stream replies (what a server interceptor hands back)."""
+    kinds = (("unary_unary", unary, grpc.unary_unary_rpc_method_handler),
+             ("stream_unary", unary, grpc.stream_unary_rpc_method_handler),
+             ("unary_stream", stream, grpc.unary_stream_rpc_method_handler),
+             ("stream_stream", stream, grpc.stream_stream_rpc_method_handler))
+    for attr, wrap, make in kinds:
+        fn = getattr(handler, attr)
+        if fn:
+            return make(wrap(fn), handler.request_deserializer, handler.response_serializer)
+    return handler
 
 
 def _enter(context: grpc.aio.ServicerContext) -> tuple[Any, float]:

@@ -18,6 +18,7 @@ from typing import Awaitable, Callable
 
 import grpc
 
+from kiln.services.common.interceptors import rewrap
 from kiln.tls import Bundle
 
 log = logging.getLogger("kiln.tls")
@@ -101,12 +102,4 @@ class AuthorizationInterceptor(grpc.aio.ServerInterceptor):
                     yield item
             return inner
 
-        kinds = (("unary_unary", unary, grpc.unary_unary_rpc_method_handler),
-                 ("stream_unary", unary, grpc.stream_unary_rpc_method_handler),
-                 ("unary_stream", stream, grpc.unary_stream_rpc_method_handler),
-                 ("stream_stream", stream, grpc.stream_stream_rpc_method_handler))
-        for attr, wrap, make in kinds:
-            fn = getattr(handler, attr)
-            if fn:
-                return make(wrap(fn), handler.request_deserializer, handler.response_serializer)
-        return handler
+        return rewrap(handler, unary, stream)
