@@ -1,7 +1,7 @@
 """`kiln sandbox ...`: run a command in a fresh sandbox, check a TaskSet, build the local image.
 
     kiln sandbox exec [--backend bubblewrap|docker] [--timeout S] [--memory SIZE] [--pids N]
-                      [--network] [--workdir DIR] [--output-limit SIZE] -- COMMAND...
+                      [--disk SIZE] [--network] [--workdir DIR] [--output-limit SIZE] -- COMMAND...
     kiln sandbox verify TASKSET.jsonl --solutions DIR [--backend ...]
     kiln sandbox image                 (build the docker backend's image from the host's /usr)
     kiln sandbox reap [--owner NAME]   (remove sandboxes a killed process left behind)
@@ -39,6 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     backend_args(p)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds (default 60)")
     p.add_argument("--memory", default="512m", help="memory limit, e.g. 256m, 1g")
+    p.add_argument("--disk", default="1g",
+                   help="workspace size (a tmpfs; writes past it fail with ENOSPC), default 1g")
     p.add_argument("--pids", type=int, default=256,
                    help="processes and threads alive at once (default 256)")
     p.add_argument("--cpu", type=float, default=1.0, help="CPU cores (default 1)")
@@ -103,7 +105,8 @@ def _run_exec(args: argparse.Namespace) -> int:
     if not command:
         print("kiln sandbox exec: no command given (put it after --)", file=sys.stderr)
         return 2
-    config = _config(args, {"memory_bytes": args.memory, "pids": args.pids, "cpu": args.cpu,
+    config = _config(args, {"memory_bytes": args.memory, "disk_bytes": args.disk,
+                            "pids": args.pids, "cpu": args.cpu,
                             "timeout_seconds": args.timeout, "network": args.network,
                             "output_limit_bytes": args.output_limit})
 

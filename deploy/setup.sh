@@ -23,6 +23,9 @@ command -v podman >/dev/null || need_apt+=(podman)
 command -v setpriv >/dev/null || need_apt+=(util-linux)
 command -v runc >/dev/null || need_apt+=(runc)
 command -v git >/dev/null || need_apt+=(git)
+command -v mkfs.ext4 >/dev/null || [ -x /usr/sbin/mkfs.ext4 ] || need_apt+=(e2fsprogs)
+command -v iptables >/dev/null || [ -x /usr/sbin/iptables ] || need_apt+=(iptables)
+command -v ip >/dev/null || [ -x /usr/sbin/ip ] || need_apt+=(iproute2)
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "apt-get install ${need_apt[*]}"
   export DEBIAN_FRONTEND=noninteractive

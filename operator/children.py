@@ -21,7 +21,7 @@ import yaml
 from kiln.api.spec import API_GROUP, API_VERSION, KIND, RLJobSpec, StorageSpec
 from kiln.operator import naming
 from kiln.operator.naming import GRPC_PORT, METRICS_PORT, JobRef
-from kiln.operator.workloads import DIND_IMAGE, HEALTH_PORT, TRAINER_REPLICAS, workloads
+from kiln.operator.workloads import HEALTH_PORT, TRAINER_REPLICAS, SandboxHosting, workloads
 
 JOB_FILE_KEY = "job.yaml"
 
@@ -221,7 +221,8 @@ def retained_pvc_names(job: JobRef, spec: RLJobSpec) -> dict[str, bool]:
 
 
 def desired_children(job: JobRef, spec: RLJobSpec, *, active: bool = True,
-                     dind_image: str = DIND_IMAGE, ca_fingerprint: str = "") -> list[dict[str, Any]]:
+                     hosting: SandboxHosting = SandboxHosting(),
+                     ca_fingerprint: str = "") -> list[dict[str, Any]]:
     """Every child manifest, in apply order. `active=False` scales all workloads to zero.
     `ca_fingerprint` (of the job's CA, `tls.py`) joins every pod's config hash: pods restart
     onto a new CA."""
@@ -233,6 +234,6 @@ def desired_children(job: JobRef, spec: RLJobSpec, *, active: bool = True,
         *pvcs(job, spec),
         *(service(job, c, spec.image, spec.rollout.openai_port if c == "rollout" else None)
           for c in naming.COMPONENTS),
-        *workloads(job, spec, hashes, active=active, dind_image=dind_image),
+        *workloads(job, spec, hashes, active=active, hosting=hosting),
         *(network_policy(job, spec, c) for c in naming.COMPONENTS),
     ]

@@ -12,7 +12,7 @@ import os
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kiln.operator.status import DEFAULT_ADDRESS
-from kiln.operator.workloads import DIND_IMAGE
+from kiln.operator.workloads import DIND_IMAGE, SandboxHosting
 
 PREFIX = "KILN_OPERATOR_"
 
@@ -36,6 +36,31 @@ class OperatorConfig(BaseModel):
     (written by the development cluster's node agent; empty in a real cluster)."""
     dind_image: str = DIND_IMAGE
     """Docker-in-pod sidecar image for sandboxes with the docker backend."""
+    allow_privileged_sandboxes: bool = False
+    """Let RLJobs run sandbox pods privileged on the nodes' own kernel (bubblewrap needs root
+    for cgroups and mounts; docker a privileged dind sidecar): whoever may create an RLJob is
+    then root on the nodes that run its sandbox pods. Off, and with no `sandbox_runtime_class`,
+    a job with sandboxes is refused (reason NotAllowed) and nothing of it is applied."""
+    sandbox_runtime_class: str = ""
+    """RuntimeClass for sandbox pods that gives each pod a kernel of its own (Kata Containers,
+    gVisor): the privileges the sandboxes need then stay inside the pod's VM, and jobs with
+    sandboxes are admitted without `allow_privileged_sandboxes`."""
+
+    @property
+    def hosting(self) -> SandboxHosting:
+        return SandboxHosting(dind_image=self.dind_image, runtime_class=self.sandbox_runtime_class)
+
+    def refusals(self, spec) -> list[str]:
+        """What this operator will not run of an accepted spec (kiln.api.spec.RLJobSpec)."""
+        if spec.sandbox.replicas == 0 or self.allow_privileged_sandboxes or self.sandbox_runtime_class:
+            return []
+        need = ("a privileged Docker-in-pod sidecar" if spec.sandbox.backend == "docker"
+                else "a privileged container (cgroups for the limits, mounts for the disk quota)")
+        return [f"sandbox: the {spec.sandbox.backend} backend needs {need}, which this operator "
+                "does not allow on the nodes' own kernel; the cluster admin can set the chart's "
+                "operator.sandboxRuntimeClass (e.g. kata: a VM per sandbox pod) or "
+                "operator.allowPrivilegedSandboxes (whoever can create an RLJob is then root on "
+                "the sandbox nodes); spec.sandbox.replicas 0 runs no sandboxes"]
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> OperatorConfig:

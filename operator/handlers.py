@@ -144,8 +144,14 @@ def reconcile_job(body: kopf.Body, name: str, namespace: str, uid: str, patch: k
         _refuse(body, patch, status, "InvalidSpec", problems, "Failed")
         _track(namespace, name, "Failed")
         return
+    not_allowed = memo.config.refusals(spec)
+    if not_allowed:
+        # The operator's own policy: editing the spec (or the operator's settings) is the fix.
+        _refuse(body, patch, status, "NotAllowed", not_allowed, "Failed")
+        _track(namespace, name, "Failed")
+        return
     job = JobRef(name=name, namespace=namespace, uid=uid)
-    result = reconcile(memo.kube, job, spec, dind_image=memo.config.dind_image,
+    result = reconcile(memo.kube, job, spec, hosting=memo.config.hosting,
                        active=_active(spec, status))
     if result.refused:
         # The job keeps running on the spec it was accepted with.
@@ -241,9 +247,9 @@ def _repair(body: kopf.Body, name: str, job: JobRef, status: dict[str, Any],
     """Re-apply the children (level-triggered drift repair)."""
     memo.last_repair = time.monotonic()
     spec, _problems = parse_spec(name, dict(body.spec))
-    if spec is None:
+    if spec is None or memo.config.refusals(spec):
         return
-    result = reconcile(memo.kube, job, spec, dind_image=memo.config.dind_image,
+    result = reconcile(memo.kube, job, spec, hosting=memo.config.hosting,
                        active=_active(spec, status))
     repaired = {k: v for k, v in result.actions.items() if v != "unchanged"}
     if repaired:
@@ -318,7 +324,7 @@ def _drive_until_stopped(stopped: kopf.DaemonStopped, body: kopf.Body, job: JobR
         if outcome == "succeeded":
             kopf.event(body, type="Normal", reason="Succeeded", message="every stage completed")
             # Give the nodes back: the services scale to zero, PVCs stay.
-            reconcile(memo.kube, job, spec, dind_image=memo.config.dind_image, active=False)
+            reconcile(memo.kube, job, spec, hosting=memo.config.hosting, active=False)
             _track(job.namespace, job.name, "Succeeded")
         elif outcome == "failed":
             kopf.event(body, type="Warning", reason="Failed",

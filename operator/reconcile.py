@@ -23,7 +23,7 @@ from kiln.operator import children
 from kiln.operator.kube import Kube
 from kiln.operator.naming import RETAINED_FROM, JobRef
 from kiln.operator.tls import ensure_certificates
-from kiln.operator.workloads import DIND_IMAGE
+from kiln.operator.workloads import SandboxHosting
 
 log = logging.getLogger("kiln.operator")
 
@@ -64,7 +64,7 @@ def accepted_spec(kube: Kube, job: JobRef) -> RLJobSpec | None:
 
 
 def reconcile(kube: Kube, job: JobRef, spec: RLJobSpec, *,
-              dind_image: str = DIND_IMAGE, active: bool | None = None) -> Result:
+              hosting: SandboxHosting = SandboxHosting(), active: bool | None = None) -> Result:
     """`active`: whether the services run (default: unless suspended)."""
     result = Result()
     previous = accepted_spec(kube, job)
@@ -75,7 +75,7 @@ def reconcile(kube: Kube, job: JobRef, spec: RLJobSpec, *,
     # Certificates first: the pods mount them, and the CA is part of their config hash.
     ca = ensure_certificates(kube, job, spec.image)
     for manifest in children.desired_children(job, spec, active=not spec.suspend if active is None else active,
-                                              dind_image=dind_image, ca_fingerprint=ca):
+                                              hosting=hosting, ca_fingerprint=ca):
         key = f"{manifest['kind']}/{manifest['metadata']['name']}"
         result.actions[key] = kube.apply(manifest)
     return result

@@ -4,17 +4,20 @@ Every service container runs `kiln-<component> --job /etc/kiln/job.yaml --addres
 --metrics-port 9090 --run-dir /var/lib/kiln` from `spec.image`, with the component's
 `spec.<component>.resources`, mutual TLS with the component's certificate (Secret
 `<job>-<component>-tls` at /etc/kiln/tls), Kubernetes-native gRPC probes against a plain-text,
-health-only port 50050, and one `KILN_<COMPONENT>_ADDR` variable per peer. The sandbox pod runs a
-Docker-in-pod sidecar (`docker:dind`, privileged, a native sidecar so it starts first) when the
-sandbox backend is `docker`; its limits cover `maxConcurrent` sandboxes of the spec's size.
+health-only port 50050, and one `KILN_<COMPONENT>_ADDR` variable per peer; each runs as an
+unprivileged uid with no capabilities. The sandbox pod is the exception: with bubblewrap its
+container is privileged root, with docker it has a privileged Docker-in-pod sidecar (`docker:dind`,
+a native sidecar so it starts first) whose limits cover `maxConcurrent` sandboxes of the spec's
+size; the pod gets the operator's sandbox RuntimeClass when one is set (`SandboxHosting`).
 
 Not covered: Services, PVCs and the job ConfigMap (`kiln.operator.children`).
 """
 from __future__ import annotations
 
-import re
+from dataclasses import dataclass
 from typing import Any
 
+from kiln.api.base import quantity_value
 from kiln.api.scheduling import PodSettings
 from kiln.api.spec import Resources, RLJobSpec
 from kiln.operator import naming
@@ -23,6 +26,17 @@ from kiln.operator.naming import (CONFIG_HASH, GRPC_PORT, JOB_FILE, METRICS_PORT
                                   RUN_DIR, JobRef)
 
 DIND_IMAGE = "docker:27-dind"
+
+
+@dataclass(frozen=True)
+class SandboxHosting:
+    """How the cluster hosts sandbox pods (the operator's settings, not the job's)."""
+
+    dind_image: str = DIND_IMAGE
+    """Docker-in-pod sidecar image (docker backend)."""
+    runtime_class: str = ""
+    """RuntimeClass of sandbox pods (e.g. kata, gvisor): a kernel of their own per pod, so the
+    privileges the sandbox needs stay inside it. Empty: the node's default runtime."""
 RENDEZVOUS_PORT = 29500  # torch.distributed's customary port
 HEALTH_PORT = 50050
 TLS_DIR = "/etc/kiln/tls"
@@ -30,23 +44,15 @@ TRAINER_REPLICAS = "trainer-replica"
 DIND_SOCKET_DIR = "/run/dind"
 SERVICE_UID = 1000
 
-_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|Ki|M|Mi|G|Gi|T|Ti)?$")
-_FACTORS = {None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
-            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
-
-
-def quantity_value(quantity: str) -> float:
-    """A Kubernetes quantity ("512Mi", "1.5", "250m") as a plain number."""
-    match = _QUANTITY.match(quantity)
-    if match is None:
-        raise ValueError(f"not a Kubernetes quantity: {quantity!r}")
-    return float(match.group(1)) * _FACTORS[match.group(2)]
-
-
-def resources(res: Resources) -> dict[str, Any]:
+def resources(res: Resources, extra_storage_bytes: int = 0) -> dict[str, Any]:
     """Requests equal limits (Guaranteed QoS): training and engines should not be throttled or
-    evicted ahead of best-effort pods."""
-    amounts: dict[str, Any] = {"cpu": res.cpu, "memory": res.memory}
+    evicted ahead of best-effort pods. Local disk is bounded too (`ephemeral-storage`: the
+    container's own layer, its logs and the pod's emptyDir folders), plus `extra_storage_bytes`
+    for what the component keeps there by design (the sandboxes' workspace images)."""
+    storage = res.ephemeral_storage
+    if extra_storage_bytes:
+        storage = f"{int(quantity_value(storage) + extra_storage_bytes) // 2**20}Mi"
+    amounts: dict[str, Any] = {"cpu": res.cpu, "memory": res.memory, "ephemeral-storage": storage}
     limits = dict(amounts)
     if res.gpu:
         limits["nvidia.com/gpu"] = res.gpu
@@ -76,15 +82,14 @@ def _env(job: JobRef, component: str) -> list[dict[str, Any]]:
     return env
 
 
-def _service_security(unconfined: bool = False) -> dict[str, Any]:
+def _service_security() -> dict[str, Any]:
     return {
         "runAsNonRoot": True,
         "runAsUser": SERVICE_UID,
         "runAsGroup": SERVICE_UID,
         "allowPrivilegeEscalation": False,
         "capabilities": {"drop": ["ALL"]},
-        # bubblewrap creates user namespaces, which the runtime's default seccomp profile forbids.
-        "seccompProfile": {"type": "Unconfined" if unconfined else "RuntimeDefault"},
+        "seccompProfile": {"type": "RuntimeDefault"},
     }
 
 
@@ -94,7 +99,7 @@ def pod_settings(spec: RLJobSpec, component: str) -> PodSettings:
 
 def service_container(job: JobRef, spec: RLJobSpec, component: str, res: Resources,
                       extra_env: list[dict[str, Any]] = (), extra_mounts: list[dict[str, Any]] = (),
-                      unconfined: bool = False) -> dict[str, Any]:
+                      extra_storage_bytes: int = 0) -> dict[str, Any]:
     settings = pod_settings(spec, component)
     container = {
         "name": component,
@@ -112,7 +117,7 @@ def service_container(job: JobRef, spec: RLJobSpec, component: str, res: Resourc
         # Mutual TLS: the component's certificate from the job's CA (operator/tls.py).
         "env": [*_env(job, component), {"name": "KILN_TLS_DIR", "value": TLS_DIR}, *extra_env,
                 *settings.env],
-        "resources": resources(res),
+        "resources": resources(res, extra_storage_bytes),
         **_grpc_probes(),
         "volumeMounts": [
             # subPath: a pod keeps the job file it started with; a change to the sections it
@@ -122,7 +127,7 @@ def service_container(job: JobRef, spec: RLJobSpec, component: str, res: Resourc
             {"name": "tls", "mountPath": TLS_DIR, "readOnly": True},
             *extra_mounts,
         ],
-        "securityContext": _service_security(unconfined),
+        "securityContext": _service_security(),
     }
     if settings.env_from:
         container["envFrom"] = list(settings.env_from)
@@ -131,6 +136,12 @@ def service_container(job: JobRef, spec: RLJobSpec, component: str, res: Resourc
 
 def _job_volume(job: JobRef) -> dict[str, Any]:
     return {"name": "job", "configMap": {"name": job.child("config")}}
+
+
+def _scratch(res: Resources) -> dict[str, Any]:
+    """An emptyDir bounded by the component's local-disk allowance (the kubelet evicts the pod
+    past it, instead of the node's disk filling up)."""
+    return {"emptyDir": {"sizeLimit": res.ephemeral_storage}}
 
 
 def _model_volume(spec: RLJobSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
@@ -270,7 +281,7 @@ def trainer_replicas(job: JobRef, spec: RLJobSpec, config_hash: str, active: boo
         return None
     rendezvous = _rendezvous_env(job, {"name": "KILN_TRAINER_REPLICA_OFFSET", "value": "1"})
     return _trainer_statefulset(job, spec, TRAINER_REPLICAS, config_hash, dp - 1 if active else 0,
-                                {"emptyDir": {}}, rendezvous)
+                                _scratch(spec.trainer.resources), rendezvous)
 
 
 def rollout(job: JobRef, spec: RLJobSpec, config_hash: str, active: bool) -> dict[str, Any]:
@@ -279,19 +290,23 @@ def rollout(job: JobRef, spec: RLJobSpec, config_hash: str, active: bool) -> dic
     if spec.rollout.openai_port:
         container["ports"].append({"name": "openai", "containerPort": spec.rollout.openai_port,
                                    "protocol": "TCP"})
-    volumes = [_job_volume(job), {"name": "run", "emptyDir": {}}, *volumes]
+    volumes = [_job_volume(job), {"name": "run", **_scratch(spec.rollout.resources)}, *volumes]
     template = pod_template(job, spec, "rollout", config_hash, [container], volumes,
                             model_init_container(spec, spec.rollout.resources))
     return _deployment(job, spec, "rollout", spec.rollout.replicas if active else 0, template)
 
 
 def dind_resources(spec: RLJobSpec) -> dict[str, Any]:
-    """Room for one sandbox guaranteed, `maxConcurrent` of the spec's size at most."""
+    """Room for one sandbox guaranteed, `maxConcurrent` of the spec's size at most. A
+    container's workspace is a tmpfs (its disk quota), so its memory is memory plus disk."""
     sb = spec.sandbox
-    memory = quantity_value(sb.memory)
-    one = {"cpu": f"{round(sb.cpu * 1000)}m", "memory": f"{int(memory // 2**20)}Mi"}
+    memory = quantity_value(sb.memory) + quantity_value(sb.disk)
+    storage = sb.resources.ephemeral_storage  # images and container layers
+    one = {"cpu": f"{round(sb.cpu * 1000)}m", "memory": f"{int(memory // 2**20)}Mi",
+           "ephemeral-storage": storage}
     most = {"cpu": f"{round(sb.cpu * sb.max_concurrent * 1000)}m",
-            "memory": f"{int(memory * sb.max_concurrent // 2**20)}Mi"}
+            "memory": f"{int(memory * sb.max_concurrent // 2**20)}Mi",
+            "ephemeral-storage": storage}
     return {"requests": one, "limits": most}
 
 
@@ -316,26 +331,43 @@ def dind_sidecar(spec: RLJobSpec, image: str = DIND_IMAGE) -> dict[str, Any]:
 
 
 def sandbox(job: JobRef, spec: RLJobSpec, config_hash: str, active: bool,
-            dind_image: str = DIND_IMAGE) -> dict[str, Any]:
+            hosting: SandboxHosting = SandboxHosting()) -> dict[str, Any]:
+    """The sandbox service's pod. Sandboxes need privileges a pod does not have by default:
+    bubblewrap creates cgroups (the limits) and mounts (the disk quota), so its container runs
+    as root, privileged; the docker backend's dind sidecar is privileged and the service beside
+    it is not. The operator admits either only where its admin allows it or the pod runs in an
+    isolating runtime class (`OperatorConfig.refusals`)."""
     docker = spec.sandbox.backend == "docker"
-    volumes = [_job_volume(job), {"name": "run", "emptyDir": {}}]
+    volumes = [_job_volume(job), {"name": "run", **_scratch(spec.sandbox.resources)}]
     env: list[dict[str, Any]] = []
     mounts: list[dict[str, Any]] = []
     sidecars: list[dict[str, Any]] = []
     if docker:
         env = [{"name": "DOCKER_HOST", "value": f"unix://{DIND_SOCKET_DIR}/docker.sock"}]
         mounts = [{"name": "dind-socket", "mountPath": DIND_SOCKET_DIR}]
-        volumes += [{"name": "dind-socket", "emptyDir": {}}, {"name": "dind-storage", "emptyDir": {}}]
-        sidecars = [dind_sidecar(spec, dind_image)]
+        volumes += [{"name": "dind-socket", "emptyDir": {}},
+                    {"name": "dind-storage", **_scratch(spec.sandbox.resources)}]
+        sidecars = [dind_sidecar(spec, hosting.dind_image)]
+    # bubblewrap keeps each sandbox's workspace image in the container's own filesystem.
+    images = (0 if docker or spec.sandbox.workspace_fs == "tmpfs"
+              else quantity_value(spec.sandbox.disk) * spec.sandbox.max_concurrent)
     container = service_container(job, spec, "sandbox", spec.sandbox.resources, env, mounts,
-                                  unconfined=not docker)
+                                  extra_storage_bytes=int(images))
+    if not docker:
+        # Root for cgroups, uid changes and mounts; privileged because a container's cgroup
+        # tree is read-only otherwise. Each sandbox still drops to an unprivileged uid with no
+        # capabilities inside its own namespaces.
+        container["securityContext"] = {"privileged": True, "runAsUser": 0, "runAsGroup": 0,
+                                        "runAsNonRoot": False}
     template = pod_template(job, spec, "sandbox", config_hash, [container], volumes, sidecars)
+    if hosting.runtime_class:
+        template["spec"]["runtimeClassName"] = hosting.runtime_class
     return _deployment(job, spec, "sandbox", spec.sandbox.replicas if active else 0, template)
 
 
 def weight_sync(job: JobRef, spec: RLJobSpec, config_hash: str, active: bool) -> dict[str, Any]:
     container = service_container(job, spec, "weight-sync", spec.weight_sync.resources)
-    volumes = [_job_volume(job), {"name": "run", "emptyDir": {}}]
+    volumes = [_job_volume(job), {"name": "run", **_scratch(spec.weight_sync.resources)}]
     template = pod_template(job, spec, "weight-sync", config_hash, [container], volumes)
     return _deployment(job, spec, "weight-sync", 1 if active else 0, template)
 
@@ -349,13 +381,13 @@ def buffer(job: JobRef, spec: RLJobSpec, config_hash: str, active: bool) -> dict
 
 
 def workloads(job: JobRef, spec: RLJobSpec, hashes: dict[str, str], *, active: bool,
-              dind_image: str = DIND_IMAGE) -> list[dict[str, Any]]:
+              hosting: SandboxHosting = SandboxHosting()) -> list[dict[str, Any]]:
     replicas = trainer_replicas(job, spec, hashes["trainer"], active)
     return [
         trainer(job, spec, hashes["trainer"], active),
         *([replicas] if replicas is not None else []),
         rollout(job, spec, hashes["rollout"], active),
-        sandbox(job, spec, hashes["sandbox"], active, dind_image),
+        sandbox(job, spec, hashes["sandbox"], active, hosting),
         weight_sync(job, spec, hashes["weight-sync"], active),
         buffer(job, spec, hashes["buffer"], active),
     ]

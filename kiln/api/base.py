@@ -1,6 +1,8 @@
 """The base of every RLJob section (`kiln.api.spec` is the module to import)."""
 from __future__ import annotations
 
+import re
+
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
@@ -16,3 +18,16 @@ class Model(BaseModel):
         use_attribute_docstrings=True,
         validate_default=True,
     )
+
+
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|Ki|M|Mi|G|Gi|T|Ti)?$")
+_FACTORS = {None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
+            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def quantity_value(quantity: str) -> float:
+    """A Kubernetes quantity ("512Mi", "1.5", "250m") as a plain number."""
+    match = _QUANTITY.match(quantity)
+    if match is None:
+        raise ValueError(f"not a Kubernetes quantity: {quantity!r}")
+    return float(match.group(1)) * _FACTORS[match.group(2)]

@@ -29,6 +29,11 @@ class Resources(Model):
     """Memory, as a Kubernetes quantity (e.g. `512Mi`, `16Gi`)."""
     gpu: int = Field(0, ge=0)
     """GPUs (`nvidia.com/gpu`) per pod."""
+    ephemeral_storage: Quantity = "8Gi"
+    """Local disk the pod's containers may fill (their own layer, logs, caches, scratch
+    folders); the kubelet evicts a pod that passes it rather than let the node's disk fill up.
+    A model named by hub id is downloaded there: size it to fit, or use `model.pvc`. The
+    sandbox pod gets `maxConcurrent` workspaces (`disk`) on top."""
 
 
 # --------------------------------------------------------------------------------------- rollout
@@ -158,12 +163,22 @@ class SandboxSpec(Model):
     """Memory limit per sandbox; the process tree is OOM-killed beyond it."""
     pids: int = Field(256, ge=8)
     """Processes and threads alive at once per sandbox (holds fork bombs)."""
+    disk: Quantity = "1Gi"
+    """Workspace size per sandbox: a write past it fails inside the sandbox with ENOSPC. A
+    filesystem of its own (bubblewrap: see `workspace_fs`; docker: a tmpfs, which counts
+    towards `memory`)."""
+    workspace_fs: Literal["ext4", "tmpfs"] = "ext4"
+    """bubblewrap backend: the workspace is a loop-mounted ext4 image (disk-backed) or a tmpfs
+    (memory-backed, no loop device needed)."""
     timeout_seconds: float = Field(30, gt=0)
     """Wall-clock limit of one tool call."""
     network: bool = False
     """Give sandboxes the host's network; off, a sandbox has only its own loopback."""
     max_concurrent: int = Field(32, ge=1)
     """Sandboxes alive at once per sandbox replica."""
+    max_per_owner: int | None = Field(None, ge=1)
+    """Sessions one owner (a rollout replica) may hold at once per sandbox replica, so one
+    cannot starve the others; unset: only `maxConcurrent` bounds them."""
     warm_pool: int = Field(0, ge=0)
     """Sandboxes started ahead of demand (cuts start latency of container backends)."""
     output_limit_bytes: int = Field(65536, ge=1024)
@@ -217,6 +232,9 @@ class BufferSpec(Model):
 
     capacity: int = Field(4096, ge=1)
     """Trajectories held before producers are told to back off."""
+    capacity_bytes: Quantity = "1Gi"
+    """Bytes of trajectories held (all in memory) before producers are told to back off; keep
+    it well under `resources.memory`."""
     storage: StorageSpec = Field(default_factory=StorageSpec)
     """The buffer's volume (its append-only log)."""
     resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="2Gi"))

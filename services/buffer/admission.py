@@ -6,10 +6,11 @@ group that is not already complete, one group size per group) before any is stor
 `InvalidTrajectory` names the first bad one. Then, in order:
 - idempotence: an id seen before (stored, served or dropped) is acknowledged as a duplicate and
   not stored again, so a client may retry any Put;
-- backpressure: when the unconsumed count (waiting plus leased) has reached capacity, a Put that
-  would start a new group is refused (`BufferFull`, retryable). Members of groups already
-  started are always taken: refusing them could leave the buffer full of incomplete groups
-  that can never be served;
+- backpressure: when the unconsumed count (waiting plus leased) has reached capacity, or their
+  bytes with the Put's would pass the byte capacity, a Put that would start a new group is
+  refused (`BufferFull`, retryable). Members of groups already started are always taken:
+  refusing them could leave the buffer full of incomplete groups that can never be served. A
+  Put bigger than the whole byte capacity can never be taken (ValueError);
 - freshness on arrival: a stale member condemns its whole group (see groups.py), and a member
   of a group dropped earlier is dropped with it.
 
@@ -90,6 +91,17 @@ def plan_put(index: BufferIndex, items: Sequence[bytes | Trajectory], size: int)
         raise BufferFull(f"buffer holds {unconsumed} unconsumed trajectories ({index.depth} "
                          f"waiting, {index.leases.trajectories} leased), its capacity "
                          f"({index.config.capacity}); retry after the trainer acks a batch")
+    if starts_group:
+        incoming = sum(len(a.payload) for a in arrivals)
+        limit = index.config.capacity_bytes
+        if incoming > limit:
+            raise ValueError(f"trajectories: this Put holds {incoming} bytes, more than the "
+                             f"buffer's whole byte capacity ({limit}, spec.buffer.capacityBytes)")
+        held = index.unconsumed_bytes
+        if held + incoming > limit:
+            raise BufferFull(f"buffer holds {held} bytes of unconsumed trajectories; with this "
+                             f"Put's {incoming} it would pass its byte capacity ({limit}); "
+                             "retry after the trainer acks a batch")
     for a in arrivals:
         if a.key in index.dropped_keys:
             plan.doomed[a.key] = index.dropped_keys[a.key]

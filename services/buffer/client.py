@@ -14,8 +14,8 @@ over, and they must not land in the next stage's batches).
 Retries. Put retries with exponential backoff and jitter on RESOURCE_EXHAUSTED (the buffer is
 full) and UNAVAILABLE (restarting, or a failed disk write); it is idempotent by trajectory id, so
 a retry after a lost acknowledgement stores nothing twice. The other calls retry on UNAVAILABLE
-only (AckBatch is idempotent, and a GetBatch whose answer was lost leaves a lease that is served
-again). Other codes raise `grpc.RpcError` at once (INVALID_ARGUMENT will not heal).
+and DEADLINE_EXCEEDED only (AckBatch is idempotent, and a GetBatch whose answer was lost leaves
+a lease that is served again). Other codes raise `grpc.RpcError` at once (INVALID_ARGUMENT will not heal).
 
 The trainer's side of the lease protocol: `get_batch`, train, `ack_batch(batch.batch_id)`. A batch
 whose ack did not arrive comes back with the same `batch_id` (and `delivery` > 1); a trainer that
@@ -134,7 +134,9 @@ def _put_retryable(exc: BaseException) -> bool:
 
 
 def _unavailable(exc: BaseException) -> bool:
-    return _code(exc) == grpc.StatusCode.UNAVAILABLE
+    # A deadline passed is the network, not the request (a partition, a restart in the
+    # middle): these calls are idempotent, so trying again is safe.
+    return _code(exc) in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def _put_request(trajectories: Sequence[Trajectory], group_size: int | None) -> buffer_pb2.PutRequest:

@@ -165,8 +165,14 @@ class BufferIndex:
         """Stored and waiting to be served (not leased, consumed nor dropped)."""
         return sum(len(g.members) for g in self.pending.values()) + self.ready.members
 
+    @property
+    def unconsumed_bytes(self) -> int:
+        """Bytes of every stored trajectory not consumed (waiting, ready and leased)."""
+        return sum(len(e.payload) for g in self.unserved_groups() for e in g.members)
+
     def update_gauges(self) -> None:
         metrics.BUFFER_DEPTH.set(self.depth)
+        metrics.BUFFER_BYTES.set(self.unconsumed_bytes)
         LEASED.set(self.leases.trajectories)
         metrics.POLICY_VERSION.labels("buffer").set(self.policy_version)
 
@@ -190,6 +196,7 @@ class BufferIndex:
             dropped_stale=self.dropped_stale, dropped_other=self.dropped_other,
             batches=self.leases.last_id, max_staleness=self.max_staleness,
             policy_version=self.policy_version, capacity=self.config.capacity,
+            unconsumed_bytes=self.unconsumed_bytes, capacity_bytes=self.config.capacity_bytes,
             group_size=self.config.group_size, tau=self.config.tau,
             leased=self.leases.trajectories, leases=len(self.leases.open),
             batches_acked=self.leases.acked, redeliveries=self.leases.redeliveries,

@@ -16,6 +16,7 @@ import asyncio
 import sys
 from typing import Sequence
 
+from kiln.api.base import quantity_value
 from kiln.api.spec import RLJob, RLStage
 from kiln.protos.kiln.v1 import buffer_pb2_grpc
 from kiln.services.buffer.buffer import TrajectoryBuffer
@@ -41,6 +42,7 @@ def config_from(job: RLJob | None, args: argparse.Namespace) -> BufferConfig:
     values: dict = {"segment_bytes": args.segment_bytes, "lease_timeout": args.lease_timeout}
     if job is not None:
         values["capacity"] = job.spec.buffer.capacity
+        values["capacity_bytes"] = int(quantity_value(job.spec.buffer.capacity_bytes))
         rl = [s for s in job.spec.stages if isinstance(s, RLStage)]
         if args.stage is not None:
             named = [s for s in job.spec.stages if s.name == args.stage]

@@ -12,6 +12,7 @@ write failed (retry; the Put was not stored). The logic is in buffer.py.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import time
 
@@ -21,8 +22,19 @@ from kiln.protos.kiln.v1 import buffer_pb2, buffer_pb2_grpc
 from kiln.services.buffer import wire
 from kiln.services.buffer.buffer import TrajectoryBuffer
 from kiln.services.buffer.types import BufferFull, InvalidTrajectory
+from kiln.services.common import metrics
+from kiln.services.common.ratelimit import LogLimiter
 
 log = logging.getLogger("kiln.buffer.rpc")
+_WRITE_ERRORS = LogLimiter(burst=5, period_s=60)
+
+
+def _write_failed(exc: OSError) -> None:
+    """Count (by errno) and log, a few lines a minute, a write the buffer could not make: a
+    full disk fails every Put until space is freed, and the alert reads the counter."""
+    name = errno.errorcode.get(exc.errno or 0, "other")
+    metrics.BUFFER_WRITE_ERRORS.labels(name).inc()
+    _WRITE_ERRORS.log(log, logging.ERROR, name, "buffer write failed: %s", exc)
 
 
 class BufferServicer(buffer_pb2_grpc.BufferServicer):
@@ -63,7 +75,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except OSError as exc:
-            log.error("buffer write failed: %s", exc)
+            _write_failed(exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"buffer write failed, not stored: {exc}")
         return wire.put_result_to_proto(r)
 
@@ -90,7 +102,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except OSError as exc:
-            log.error("buffer write failed: %s", exc)
+            _write_failed(exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"buffer write failed: {exc}")
         return wire.batch_to_proto(batch)
 
@@ -100,7 +112,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         try:
             r = await asyncio.to_thread(self.buffer.ack_batch, request.batch_id)
         except OSError as exc:
-            log.error("buffer write failed: %s", exc)
+            _write_failed(exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"buffer write failed, batch not acked: {exc}")
         return wire.ack_to_proto(r)

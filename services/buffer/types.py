@@ -19,6 +19,9 @@ class BufferConfig(BaseModel):
     capacity: int = Field(4096, ge=1)
     """Unconsumed trajectories (waiting or leased) at which new groups are refused
     (spec.buffer.capacity)."""
+    capacity_bytes: int = Field(1 << 30, ge=1)
+    """Unconsumed bytes (serialized trajectories, all held in memory) at which new groups are
+    refused (spec.buffer.capacityBytes): a count alone lets a few huge records fill the RAM."""
     group_size: int = Field(1, ge=1)
     """Default samples per group (the RL stage's groupSize; 1 for SFT)."""
     tau: int | None = Field(None, ge=0)
@@ -101,6 +104,9 @@ class BufferStatus:
     capacity: int
     group_size: int
     tau: int | None
+    unconsumed_bytes: int = 0
+    """Bytes of the waiting and leased trajectories (what the byte capacity bounds)."""
+    capacity_bytes: int = 0
     leased: int = 0
     """Trajectories in batches served and not yet acked."""
     leases: int = 0

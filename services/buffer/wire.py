@@ -14,7 +14,7 @@ from kiln.services.buffer.types import Batch, BufferStatus, PutResult
 _STATUS_FIELDS = ("depth", "ready", "groups_pending", "groups_ready", "accepted", "served",
                   "dropped_stale", "dropped_other", "batches", "max_staleness", "policy_version",
                   "capacity", "group_size", "leased", "leases", "batches_acked", "redeliveries",
-                  "lease_timeout")
+                  "lease_timeout", "unconsumed_bytes", "capacity_bytes")
 
 
 def status_to_proto(s: BufferStatus) -> pb.BufferStatus:

@@ -15,8 +15,11 @@ import grpc
 from prometheus_client import Counter, Histogram
 
 from kiln.services.common.logs import request_id_var
+from kiln.services.common.ratelimit import LogLimiter
 
 log = logging.getLogger("kiln.rpc")
+# A client looping on a failing call logs a few lines a minute, not one per call.
+_FAILED_CALLS = LogLimiter(burst=5, period_s=60)
 
 RPC_TOTAL = Counter("kiln_rpc_requests_total", "RPCs handled", ["method", "code"])
 RPC_SECONDS = Histogram(
@@ -96,6 +99,10 @@ def _leave(context: grpc.aio.ServicerContext, method: str, token: Any, start: fl
     # Successful calls are routine (DEBUG); RESOURCE_EXHAUSTED is the buffer's backpressure,
     # expected flow control (INFO); anything else deserves attention.
     level = {"OK": logging.DEBUG, "RESOURCE_EXHAUSTED": logging.INFO}.get(name, logging.WARNING)
-    log.log(level, "%s %s %.1f ms", method, name, elapsed * 1e3,
-            extra={"fields": {"method": method, "code": name, "ms": round(elapsed * 1e3, 2)}})
+    extra = {"fields": {"method": method, "code": name, "ms": round(elapsed * 1e3, 2)}}
+    if level == logging.DEBUG:
+        log.debug("%s %s %.1f ms", method, name, elapsed * 1e3, extra=extra)
+    else:
+        _FAILED_CALLS.log(log, level, (method, name), "%s %s %.1f ms", method, name,
+                          elapsed * 1e3, extra=extra)
     request_id_var.reset(token)

@@ -59,6 +59,11 @@ SYNC_FAILURES = Counter(
 
 # --- buffer ------------------------------------------------------------------------------------
 BUFFER_DEPTH = Gauge("kiln_buffer_depth", "Trajectories waiting to be trained on")
+BUFFER_WRITE_ERRORS = Counter("kiln_buffer_write_errors_total",
+                              "Writes of the buffer's log that failed (the call was refused, "
+                              "nothing stored)", ["errno"])
+BUFFER_BYTES = Gauge("kiln_buffer_unconsumed_bytes",
+                     "Bytes of trajectories waiting or leased (bounded by spec.buffer.capacityBytes)")
 ACCEPTED = Counter("kiln_trajectories_accepted_total", "Trajectories accepted by the buffer")
 SERVED = Counter("kiln_trajectories_served_total", "Trajectories served for training")
 

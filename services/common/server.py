@@ -45,9 +45,22 @@ log = logging.getLogger("kiln.server")
 
 # gRPC's defaults (4 MiB) are too small for trajectory and weight batches.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+#: Keepalive pings every 15 s, a peer silent for 10 s more is dead. Without them a call in
+#: flight when the network drops packets (a partition, a node gone) waits out its whole
+#: deadline and the connection is not replaced until TCP gives up, minutes later. Both ends
+#: ping (a server learns of dead Subscribe streams), and accept pings that often even on an
+#: idle connection: gRPC's defaults answer them with GOAWAY after two.
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 15_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+]
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    *KEEPALIVE_OPTIONS,
 ]
 
 UP = metrics.SERVICE_UP

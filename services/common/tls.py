@@ -19,9 +19,11 @@ from typing import Awaitable, Callable
 import grpc
 
 from kiln.services.common.interceptors import rewrap
+from kiln.services.common.ratelimit import LogLimiter
 from kiln.tls import Bundle
 
 log = logging.getLogger("kiln.tls")
+_REFUSALS = LogLimiter(burst=5, period_s=60)
 
 INSECURE_ENV = "KILN_INSECURE"
 ANY = "*"
@@ -85,7 +87,8 @@ class AuthorizationInterceptor(grpc.aio.ServerInterceptor):
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                     "no client certificate of this job's CA")
             if not allowed(method, who):
-                log.warning("refused %s from %s", method, who)
+                _REFUSALS.log(log, logging.WARNING, (method, who), "refused %s from %s",
+                              method, who)
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                     f"{who} may not call {method}")
 

@@ -1,6 +1,7 @@
 """The local sandbox backend: bubblewrap namespaces, cgroup limits, an unprivileged uid.
 
-Each sandbox is a host workspace folder plus a cgroup (memory, pids, CPU limits; `cgroup.kill`).
+Each sandbox is a host workspace folder with a filesystem of the disk quota's size mounted on
+it (`quota.py`: a loop-mounted ext4 image, or a tmpfs) plus a cgroup (memory, pids, CPU limits; `cgroup.kill`).
 Each `exec` starts a fresh `bwrap` in that cgroup:
 
     sh (writes its pid into the cgroups, then execs)
@@ -22,6 +23,7 @@ production uses containers in a dind sidecar).
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import shutil
 import time
@@ -29,8 +31,10 @@ import uuid
 
 from .cgroups import Cgroup
 from .config import NAME_PREFIX, BubblewrapConfig
-from .interface import EXIT_OOM, EXIT_TIMEOUT, WORKSPACE, ExecResult, Sandbox, SandboxError
+from .interface import (EXIT_OOM, EXIT_TIMEOUT, WORKSPACE, ExecResult, Sandbox, SandboxError,
+                        WorkspaceFull)
 from .output import CappedBuffer, drain
+from .quota import check_tools, mount_workspace, unmount_workspace
 from .workspace_fs import read_beneath, write_beneath
 
 BWRAP = "/usr/bin/bwrap"
@@ -38,11 +42,12 @@ SETPRIV = "/usr/bin/setpriv"
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
 
 
-def check_host() -> None:
+def check_host(workspace_fs: str = "ext4") -> None:
     """Raise SandboxError naming what is missing for this backend (not retryable)."""
     for tool in (BWRAP, SETPRIV, "/bin/sh"):
         if not os.access(tool, os.X_OK):
             raise SandboxError(f"{tool} not found: install bubblewrap and util-linux")
+    check_tools(workspace_fs)
 
 
 class BubblewrapSandbox(Sandbox):
@@ -63,13 +68,15 @@ class BubblewrapSandbox(Sandbox):
         self.dir.mkdir(mode=0o711)
         try:
             self.workspace.mkdir(mode=0o755)
-            os.chown(self.workspace, cfg.uid, cfg.gid)
+            mount_workspace(self.workspace, self.limits.disk_bytes, cfg.uid, cfg.gid,
+                            cfg.workspace_fs)
             (self.dir / "passwd").write_text(
                 f"root:x:0:0:root:/root:/usr/sbin/nologin\n"
                 f"sandbox:x:{cfg.uid}:{cfg.gid}:sandbox:{WORKSPACE}:/bin/sh\n")
             (self.dir / "group").write_text(f"root:x:0:\nsandbox:x:{cfg.gid}:\n")
             self.cgroup.create(self.limits.memory_bytes, self.limits.pids, self.limits.cpu)
         except BaseException:
+            unmount_workspace(self.workspace)
             shutil.rmtree(self.dir, ignore_errors=True)
             raise
         self._started = True
@@ -82,7 +89,8 @@ class BubblewrapSandbox(Sandbox):
         await asyncio.to_thread(self._teardown)
 
     def _teardown(self) -> None:
-        self.cgroup.remove()
+        self.cgroup.remove()  # first: nothing may still write into the workspace
+        unmount_workspace(self.workspace)
         shutil.rmtree(self.dir)
 
     # -- commands -------------------------------------------------------------------------
@@ -193,8 +201,14 @@ class BubblewrapSandbox(Sandbox):
         return await asyncio.to_thread(read_beneath, self.workspace, path, max_bytes)
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
-        await asyncio.to_thread(write_beneath, self.workspace, path, data, mode,
-                                self.config.uid, self.config.gid)
+        try:
+            await asyncio.to_thread(write_beneath, self.workspace, path, data, mode,
+                                    self.config.uid, self.config.gid)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise WorkspaceFull(f"disk: writing {path} ({len(data)} bytes) passes the "
+                                    f"workspace quota of {self.limits.disk_bytes} bytes") from None
+            raise
 
 
 async def _feed(proc: asyncio.subprocess.Process, data: bytes) -> None:

@@ -19,6 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 #: 2 MiB per running command.
 DEFAULT_OUTPUT_LIMIT_BYTES = 1 << 20
 
+#: Workspace size when the job names none: room for a checked-out repository and its build,
+#: small enough that a runaway write stops long before it matters.
+DEFAULT_DISK_BYTES = 1 << 30
+
 #: Prefix of every cgroup, container, volume and workspace the sandbox creates; the reaper
 #: only ever touches names that start with it.
 NAME_PREFIX = "kiln-sbx"
@@ -61,11 +65,19 @@ class SandboxLimits(BaseModel):
     """Give the sandbox the host's network. Off: the sandbox has only its own loopback."""
     output_limit_bytes: int = DEFAULT_OUTPUT_LIMIT_BYTES
     """Bytes of stdout and of stderr kept per exec; the rest is dropped behind a marker."""
+    disk_bytes: int = DEFAULT_DISK_BYTES
+    """Size of the workspace, a filesystem of its own: a write past it fails with ENOSPC inside
+    the sandbox, and the host's disk never holds more than this per sandbox."""
 
     @field_validator("memory_bytes", mode="before")
     @classmethod
     def _memory(cls, value: int | str) -> int:
         return parse_size(value, "memory_bytes")
+
+    @field_validator("disk_bytes", mode="before")
+    @classmethod
+    def _disk(cls, value: int | str) -> int:
+        return parse_size(value, "disk_bytes")
 
     @field_validator("output_limit_bytes", mode="before")
     @classmethod
@@ -104,6 +116,9 @@ class BubblewrapConfig(BaseModel):
     gid: int = 65534
     """Unprivileged identity the sandboxed commands run as (on the host too)."""
     cgroup_root: Path = Path("/sys/fs/cgroup")
+    workspace_fs: Literal["ext4", "tmpfs"] = "ext4"
+    """What the workspace quota is made of (`quota.py`): a loop-mounted ext4 image on the state
+    folder's disk, or a tmpfs (no loop device needed; counts towards the memory limit)."""
     etc_files: list[str] = Field(
         default_factory=lambda: [
             "/etc/alternatives", "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d",
@@ -175,9 +190,9 @@ def config_from_spec(spec, owner: str) -> BubblewrapConfig | DockerConfig:
     """Backend config from an RLJob's `spec.sandbox` (kiln.api.spec.SandboxSpec)."""
     limits = SandboxLimits(memory_bytes=spec.memory, pids=spec.pids, cpu=spec.cpu,
                            timeout_seconds=spec.timeout_seconds, network=spec.network,
-                           output_limit_bytes=spec.output_limit_bytes)
+                           output_limit_bytes=spec.output_limit_bytes, disk_bytes=spec.disk)
     if spec.backend == "bubblewrap":
-        return BubblewrapConfig(limits=limits, owner=owner,
+        return BubblewrapConfig(limits=limits, owner=owner, workspace_fs=spec.workspace_fs,
                                 rootfs=Path(spec.rootfs) if spec.rootfs else None)
     if spec.backend == "docker":
         data: dict = {"limits": limits, "owner": owner}

@@ -9,7 +9,8 @@ Timeouts: the engine API cannot kill one exec, so on timeout the service runs `k
 the sandbox user inside the container, which signals every process of that user except the
 container's init: detached, setsid'd and double-forked children included. When that kill cannot
 even start (a fork bomb holding every pid), the container is killed and started again, which
-empties its cgroup; the workspace lives in the container's writable layer and survives. OOM kills are read
+empties its cgroup and, since the workspace is a size-limited tmpfs (the disk quota), empties
+the workspace too: the exec that caused it says so on stderr. OOM kills are read
 from the container's own memory cgroup (v1 `memory.oom_control` or v2 `memory.events`).
 
 File access goes through `get_archive`/`put_archive`; a path is first resolved inside the
@@ -30,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .config import NAME_PREFIX, DockerConfig
 from .interface import (EXIT_OOM, EXIT_TIMEOUT, WORKSPACE, ExecResult, PathEscapeError, Sandbox,
-                        SandboxError, workspace_relpath)
+                        SandboxError, WorkspaceFull, workspace_relpath)
 from .output import CappedBuffer
 
 LABEL_OWNER = "kiln.sandbox.owner"
@@ -114,12 +115,22 @@ class DockerSandbox(Sandbox):
                 cap_drop=["ALL"], security_opt=["no-new-privileges"],
                 ulimits=[Ulimit(name=k, soft=v, hard=v) for k, v in self.config.ulimits.items()],
                 labels={LABEL_OWNER: self.config.owner}, hostname="sandbox",
+                tmpfs={WORKSPACE: self._workspace_options()},
                 environment={"HOME": WORKSPACE, "LANG": "C.UTF-8"})
         except docker.errors.ImageNotFound as exc:
             raise SandboxError(f"image: {self.config.image} not found in the engine; build it "
                                "with `kiln sandbox image`") from exc
         except docker.errors.APIError as exc:
             raise SandboxError(f"container start failed: {exc}", retryable=True) from exc
+
+    def _workspace_options(self) -> str:
+        """tmpfs options of the workspace (the disk quota), owned by the sandbox user. Podman
+        refuses uid=/gid= and has `U` (chown to the container's user) instead."""
+        size = f"rw,size={self.limits.disk_bytes},nosuid,nodev"
+        if _is_podman(self.client):
+            return f"{size},U"
+        uid, _, gid = self.config.user.partition(":")
+        return f"{size},mode=0755,uid={uid},gid={gid or uid}"
 
     async def destroy(self) -> None:
         if self._destroyed:
@@ -167,17 +178,19 @@ class DockerSandbox(Sandbox):
         self.client.api.kill(self.name)
         self.client.api.start(self.name)
 
-    async def _stop_everything(self) -> None:
+    async def _stop_everything(self) -> bool:
         """Kill every process of the sandbox user; restart the container when even that
-        cannot run (a fork bomb holding every pid leaves no room for the `kill` process)."""
+        cannot run (a fork bomb holding every pid leaves no room for the `kill` process).
+        Returns whether it had to restart (which empties the workspace tmpfs)."""
         import docker
         try:
             code = await asyncio.wait_for(_in_thread(self._kill_all), KILL_EXEC_TIMEOUT_S)
             if code == 0:
-                return
+                return False
         except (asyncio.TimeoutError, docker.errors.APIError):
             pass
         await _in_thread(self._restart)
+        return True
 
     async def exec(self, cmd, *, timeout=None, workdir=None, env=None, stdin=None) -> ExecResult:
         if self.container is None or self._destroyed:
@@ -210,8 +223,11 @@ class DockerSandbox(Sandbox):
             code = await asyncio.wait_for(asyncio.shield(task), timeout)
         except asyncio.TimeoutError:
             timed_out = True
-            await self._stop_everything()
+            restarted = await self._stop_everything()
             code = await task
+            if restarted:
+                err.feed(b"\nkiln sandbox: the container had to be restarted to stop the "
+                         b"command; the workspace was reset\n")
         duration = time.monotonic() - t0
         oom = False
         if not timed_out and code == EXIT_OOM:
@@ -251,18 +267,24 @@ class DockerSandbox(Sandbox):
             stream, _ = self.client.api.get_archive(self.name, full)
         except docker.errors.NotFound:
             raise FileNotFoundError(path) from None
-        data = b"".join(stream)
-        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-            member = tar.next()
-            if member is None or not member.isfile():
-                raise PathEscapeError(f"path: {path!r} is not a regular file")
-            body = tar.extractfile(member).read()
-        return body if max_bytes is None else body[:max_bytes]
+        # Streamed: only the first `max_bytes` of the file are ever held in memory.
+        try:
+            with tarfile.open(fileobj=io.BufferedReader(_ChunkReader(stream)), mode="r|") as tar:
+                member = tar.next()
+                if member is None or not member.isfile():
+                    raise PathEscapeError(f"path: {path!r} is not a regular file")
+                f = tar.extractfile(member)
+                return f.read() if max_bytes is None else f.read(max_bytes)
+        finally:
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
         await _in_thread(self._write, path, data, mode)
 
     def _write(self, path: str, data: bytes, mode: int) -> None:
+        import docker
         full = self._resolve(path)
         parent, _, name = full.rpartition("/")
         if parent != WORKSPACE:
@@ -277,8 +299,51 @@ class DockerSandbox(Sandbox):
             info.size, info.mode = len(data), mode
             info.uid, info.gid = int(uid or 0), int(gid or uid or 0)
             tar.addfile(info, io.BytesIO(data))
-        if not self.client.api.put_archive(self.name, parent, buf.getvalue()):
+        try:
+            ok = self.client.api.put_archive(self.name, parent, buf.getvalue())
+        except docker.errors.APIError as exc:
+            if "no space left" in str(exc).lower():
+                raise WorkspaceFull(f"disk: writing {path} ({len(data)} bytes) passes the "
+                                    f"workspace quota of {self.limits.disk_bytes} bytes") from None
+            raise SandboxError(f"put_archive of {path} failed: {exc}", retryable=True) from exc
+        if not ok:
             raise SandboxError(f"put_archive of {path} failed", retryable=True)
+
+
+class _ChunkReader(io.RawIOBase):
+    """A readable file over an iterator of byte chunks (the engine's archive stream)."""
+
+    def __init__(self, chunks) -> None:
+        self._chunks = iter(chunks)
+        self._rest = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self._rest:
+            try:
+                self._rest = next(self._chunks)
+            except StopIteration:
+                return 0
+        n = min(len(buffer), len(self._rest))
+        buffer[:n] = self._rest[:n]
+        self._rest = self._rest[n:]
+        return n
+
+
+def _is_podman(client) -> bool:
+    """Whether the engine behind `client` is podman (its Docker API differs in small ways);
+    asked once per client."""
+    known = getattr(client, "_kiln_is_podman", None)
+    if known is None:
+        try:
+            components = client.version().get("Components") or []
+        except Exception:  # noqa: BLE001 - an engine that cannot say is treated as Docker
+            components = []
+        known = any("podman" in str(c.get("Name", "")).lower() for c in components)
+        client._kiln_is_podman = known
+    return known
 
 
 def reap_containers(client, owner: str) -> list[str]:

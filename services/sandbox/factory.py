@@ -48,12 +48,14 @@ def reap_orphans(config: BubblewrapConfig | DockerConfig, client=None) -> list[s
     prefix = f"{NAME_PREFIX}-{config.owner}-"
     if isinstance(config, BubblewrapConfig):
         from .cgroups import Cgroup, list_groups
+        from .quota import unmount_workspace
         names = list_groups(config.cgroup_root, prefix)
         for name in names:
             Cgroup(config.cgroup_root, name).remove()
         if config.state_dir.is_dir():
             for path in config.state_dir.iterdir():
                 if path.name.startswith(prefix):
+                    unmount_workspace(path / "workspace")
                     shutil.rmtree(path)
                     names.append(path.name)
         return sorted(set(names))

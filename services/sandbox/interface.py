@@ -29,6 +29,11 @@ class SandboxError(RuntimeError):
         self.retryable = retryable
 
 
+class WorkspaceFull(SandboxError):
+    """A file could not be written: the workspace reached its disk quota. Not retryable as is
+    (the sandbox's commands must free space first)."""
+
+
 class PathEscapeError(ValueError):
     """A file path leaves the workspace (`..`, an absolute path elsewhere, a symlink).
     Retrying never helps."""

@@ -62,6 +62,7 @@ async def build(job, args):
         config = engine.__enter__()
     pool = PoolConfig(
         max_concurrent=args.max_concurrent or (spec.max_concurrent if spec else 64),
+        max_per_owner=spec.max_per_owner if spec else None,
         warm_pool=args.warm_pool if args.warm_pool is not None else (spec.warm_pool if spec else 0),
         max_parallel_starts=args.max_parallel_starts,
         tasks_dir=(args.tasks_dir or Path.cwd()).resolve())

@@ -13,7 +13,7 @@ import grpc
 
 from kiln.protos.kiln.v1 import sandbox_pb2, sandbox_pb2_grpc
 
-from kiln.services.sandbox.interface import PathEscapeError, SandboxError
+from kiln.services.sandbox.interface import PathEscapeError, SandboxError, WorkspaceFull
 from kiln.services.sandbox.sessions import CapacityError, SessionManager, SessionNotFound
 from kiln.services.sandbox.wire import limits_from_proto
 
@@ -39,7 +39,7 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServicer):
             return await coro
         except SessionNotFound as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
-        except CapacityError as exc:
+        except (CapacityError, WorkspaceFull) as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except (PathEscapeError, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

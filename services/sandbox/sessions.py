@@ -5,6 +5,9 @@ starts. This is the logic behind the gRPC service; it knows nothing of protobuf.
   for `ttl_seconds`; `destroy_owner` ends all sessions of an owner that went away.
 - At most `max_concurrent` sandboxes exist at once (warm ones included); a create waits up to
   `acquire_timeout_s` for room, then fails with `CapacityError` (retryable).
+- One owner holds at most `max_per_owner` sessions (None: no bound beyond `max_concurrent`), so
+  one rollout replica cannot starve the others; a create past it fails with `CapacityError`
+  at once (the owner must end one of its own first).
 - At most `max_parallel_starts` sandboxes start at once, so a burst of creates does not stall
   the host (container starts are CPU-heavy).
 - `warm_pool` sandboxes per image are kept started with the default limits; a create with the
@@ -45,6 +48,7 @@ class SessionNotFound(KeyError):
 @dataclass
 class PoolConfig:
     max_concurrent: int = 64
+    max_per_owner: int | None = None
     max_parallel_starts: int = 8
     warm_pool: int = 0
     default_ttl_s: float = 600.0
@@ -76,6 +80,9 @@ class SessionManager:
         self.pool = pool or PoolConfig()
         self.client = client
         self.sessions: dict[str, Session] = {}
+        self._per_owner: dict[str, int] = {}
+        """Sessions of each owner, counted from the start of `create` (so concurrent creates
+        cannot all pass the bound) to the end of `destroy`."""
         self._room = asyncio.Semaphore(self.pool.max_concurrent)
         self.room = self._room
         """Living sandboxes (warm ones included); the episode manager draws from it too."""
@@ -177,13 +184,23 @@ class SessionManager:
         parsed = parse_task(task, "task") if task is not None else None
         if parsed is not None and parsed.image and not image:
             image = parsed.image
-        key = self._image_key(image)
-        pool = self._warm.get(key)
-        if limits is None and pool:
-            sandbox = pool.pop()
-            self._bg_task(self._refill(key))
-        else:
-            sandbox = await self._new_sandbox(image, limits)
+        held = self._per_owner.get(owner, 0)
+        bound = self.pool.max_per_owner
+        if bound is not None and held >= bound:
+            raise CapacityError(f"owner: {owner!r} holds {held} sandboxes, the most one owner "
+                                f"may (spec.sandbox.maxPerOwner = {bound}); end one first")
+        self._per_owner[owner] = held + 1
+        try:
+            key = self._image_key(image)
+            pool = self._warm.get(key)
+            if limits is None and pool:
+                sandbox = pool.pop()
+                self._bg_task(self._refill(key))
+            else:
+                sandbox = await self._new_sandbox(image, limits)
+        except BaseException:
+            self._owner_done(owner)
+            raise
         session = Session(uuid.uuid4().hex, owner, sandbox, ttl_s or self.pool.default_ttl_s,
                           parsed)
         self.sessions[session.id] = session
@@ -208,8 +225,16 @@ class SessionManager:
         session = self.sessions.pop(session_id, None)
         if session is None:
             return False
+        self._owner_done(session.owner)
         await self._release(session.sandbox)
         return True
+
+    def _owner_done(self, owner: str) -> None:
+        left = self._per_owner.get(owner, 1) - 1
+        if left > 0:
+            self._per_owner[owner] = left
+        else:
+            self._per_owner.pop(owner, None)
 
     async def destroy_owner(self, owner: str) -> int:
         ids = [s.id for s in self.sessions.values() if s.owner == owner]

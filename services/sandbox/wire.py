@@ -99,7 +99,8 @@ def limits_from_proto(msg: sandbox_pb2.Limits, defaults: SandboxLimits) -> Sandb
     """Requested limits, capped at `defaults` (the job's spec.sandbox: a caller may ask for
     less, never for more); zero fields keep `defaults`. Network only where the job allows it."""
     data = defaults.model_dump()
-    for field in ("memory_bytes", "pids", "cpu", "timeout_seconds", "output_limit_bytes"):
+    for field in ("memory_bytes", "pids", "cpu", "timeout_seconds", "output_limit_bytes",
+                  "disk_bytes"):
         value = getattr(msg, field)
         if value:
             data[field] = min(value, data[field])

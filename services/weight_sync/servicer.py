@@ -16,11 +16,14 @@ import grpc
 from kiln.protos.kiln.v1 import weight_sync_pb2 as pb
 from kiln.protos.kiln.v1 import weight_sync_pb2_grpc as pb_grpc
 from kiln.services.common.metrics import SYNC_BYTES
+from kiln.services.common.ratelimit import LogLimiter
 from kiln.services.weight_sync import wire
 from kiln.services.weight_sync.buckets import Manifest, TransferError
 from kiln.services.weight_sync.store import PendingVersion, WeightStore
 
 log = logging.getLogger("kiln.weight_sync")
+# Refused publishes and acks are logged a few a minute per reason; the counters see them all.
+_REJECTED = LogLimiter(burst=5, period_s=60)
 
 SERVICE_NAME = "kiln.v1.WeightSync"
 STREAMS_METADATA = "x-kiln-publish-streams"
@@ -82,7 +85,8 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
                 if pending is not None:
                     self.store.close_stream(pending)
         except TransferError as exc:
-            log.warning("publish rejected (%s): %s", exc.reason, exc)
+            _REJECTED.log(log, logging.WARNING, ("publish", exc.reason),
+                          "publish rejected (%s): %s", exc.reason, exc)
             await context.abort(_CODES[exc.reason], f"{exc.reason}: {exc}")
         if pending is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty publish stream")
@@ -133,8 +137,10 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         if not request.ok:
-            log.warning("replica %s rejected version %d: %s (still on %d)", request.replica_id[:80],
-                        request.policy_version, request.error[:200], state.applied_policy_version)
+            _REJECTED.log(log, logging.WARNING, ("ack", request.replica_id[:80]),
+                          "replica %s rejected version %d: %s (still on %d)",
+                          request.replica_id[:80], request.policy_version,
+                          request.error[:200], state.applied_policy_version)
         return pb.AckReply()
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusReply:

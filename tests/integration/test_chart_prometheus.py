@@ -53,7 +53,7 @@ def rules_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_alert_rules_pass_promtool_check(rules_file: Path) -> None:
     out = run(PROMTOOL, "check", "rules", rules_file)
-    assert "SUCCESS: 9 rules found" in out
+    assert "SUCCESS: 11 rules found" in out
 
 
 def _series(name: str, labels: dict[str, str], values: str) -> dict[str, str]:
@@ -110,6 +110,12 @@ def test_alert_rules_fire_for_the_drifting_job_only(rules_file: Path) -> None:
         _series("kiln_sandbox_start_seconds_count", {**BAD, "backend": "docker"}, "0+10x40"),
         _series("kiln_sandbox_failures_total", {**GOOD, "backend": "docker", "reason": "oom"}, "0x40"),
         _series("kiln_sandbox_start_seconds_count", {**GOOD, "backend": "docker"}, "0+10x40"),
+        _series("kiln_buffer_write_errors_total", {**BAD, "errno": "ENOSPC"}, "0+4x40"),
+        _series("kiln_buffer_write_errors_total", {**GOOD, "errno": "ENOSPC"}, "0x40"),
+        _series("kiln_rpc_requests_total", {**BAD, "method": "/kiln.v1.WeightSync/Publish",
+                                            "code": "PERMISSION_DENIED"}, "0+2x40"),
+        _series("kiln_rpc_requests_total", {**GOOD, "method": "/kiln.v1.WeightSync/Publish",
+                                            "code": "OK"}, "0+2x40"),
     ]
     alerts = ["KilnStalenessNearTau", "KilnTrajectoriesDroppedStale", "KilnRatioMaskFractionHigh",
               "KilnIcePopMaskFractionHigh", "KilnTrainInferenceMismatchHigh", "KilnWeightSyncSlow",
@@ -129,6 +135,10 @@ def test_alert_rules_fire_for_the_drifting_job_only(rules_file: Path) -> None:
         "description": "The trainer is up but took no optimizer step in 15 minutes; check the "
                        "buffer depth and the rollout and sandbox services."}
     cases.append({"eval_time": "10m", "alertname": "KilnTrainingStalled", "exp_alerts": []})
+    cases.append({"eval_time": "10m", "alertname": "KilnBufferWriteFailing", "exp_alerts": [
+        {"exp_labels": {"severity": "critical", "errno": "ENOSPC", **BAD}}]})
+    cases.append({"eval_time": "25m", "alertname": "KilnCallersRefused", "exp_alerts": [
+        {"exp_labels": {"severity": "warning", "method": "/kiln.v1.WeightSync/Publish", **BAD}}]})
     keep = {"KilnRatioMaskFractionHigh", "KilnTrainingStalled"}
     groups = yaml.safe_load(rules_file.read_text())["groups"]
     for group in groups:

@@ -62,9 +62,11 @@ def _get(url: str) -> tuple[int, str]:
         return 0, ""
 
 
-def _start_operator(kubeconfig: Path, namespace: str) -> tuple[subprocess.Popen, int, int]:
+def _start_operator(kubeconfig: Path, namespace: str,
+                    **settings: str) -> tuple[subprocess.Popen, int, int]:
     health, metrics = _free_port(), _free_port()
-    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "KILN_OPERATOR_STATUS_INTERVAL": "1"}
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "KILN_OPERATOR_STATUS_INTERVAL": "1",
+           **{f"KILN_OPERATOR_{k.upper()}": v for k, v in settings.items()}}
     proc = subprocess.Popen(
         [str(OPERATOR), "--namespace", namespace, "--liveness",
          f"http://127.0.0.1:{health}/healthz", "--metrics-port", str(metrics)],
@@ -88,12 +90,15 @@ def test_operator_process_serves_liveness_metrics_and_reconciles(tmp_path: Path)
     with running_fake_api() as (fake, url):
         fake.add_namespace("proc-ns")
         kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", url, "proc-ns")
-        proc, health, metrics = _start_operator(kubeconfig, "proc-ns")
+        proc, health, metrics = _start_operator(kubeconfig, "proc-ns", sandbox_runtime_class="kata")
         try:
             wait_for("liveness endpoint", lambda: _get(f"http://127.0.0.1:{health}/healthz")[0] == 200)
             api = kubernetes.client.CustomObjectsApi(kubernetes.config.new_client_from_config(str(kubeconfig)))
             api.create_namespaced_custom_object("kiln.dev", "v1alpha1", "proc-ns", "rljobs", JOB)
             wait_for("ConfigMap", lambda: fake.stored("v1/configmaps", "proc-ns", "proc-config"))
+            sandbox = wait_for("sandbox Deployment", lambda: fake.stored(
+                "apps/v1/deployments", "proc-ns", "proc-sandbox"))
+            assert sandbox["spec"]["template"]["spec"]["runtimeClassName"] == "kata"
             applied = 'kiln_operator_reconciles_total{result="applied"} 1.0'
             body = wait_for("reconcile metric", lambda: (
                 lambda text: applied in text and text)(_get(f"http://127.0.0.1:{metrics}/metrics")[1]))
@@ -101,6 +106,37 @@ def test_operator_process_serves_liveness_metrics_and_reconciles(tmp_path: Path)
             status, probe = _get(f"http://127.0.0.1:{health}/healthz")
             # kopf caches probe results for a while; the probe's presence is what is checked.
             assert status == 200 and "jobs" in json.loads(probe)
+        finally:
+            out = _stop(proc)
+        assert proc.returncode == 0, out[-3000:]
+
+
+def test_sandboxes_are_refused_unless_the_admin_allows_them(tmp_path: Path) -> None:
+    """An operator installed with the chart's defaults (no sandbox RuntimeClass, privileged
+    sandboxes not allowed) refuses a job with sandboxes, applies nothing of it, and says what
+    the admin can set; the same job without sandboxes is accepted."""
+    import kubernetes
+
+    with running_fake_api() as (fake, url):
+        fake.add_namespace("deny-ns")
+        kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", url, "deny-ns")
+        proc, health, _metrics = _start_operator(kubeconfig, "deny-ns")
+        try:
+            wait_for("liveness endpoint", lambda: _get(f"http://127.0.0.1:{health}/healthz")[0] == 200)
+            api = kubernetes.client.CustomObjectsApi(kubernetes.config.new_client_from_config(str(kubeconfig)))
+            api.create_namespaced_custom_object("kiln.dev", "v1alpha1", "deny-ns", "rljobs", JOB)
+
+            def status() -> dict:
+                return api.get_namespaced_custom_object("kiln.dev", "v1alpha1", "deny-ns", "rljobs",
+                                                        "proc").get("status") or {}
+            wait_for("refusal", lambda: status().get("phase") == "Failed")
+            valid = next(c for c in status()["conditions"] if c["type"] == "Valid")
+            assert valid["reason"] == "NotAllowed"
+            assert "sandboxRuntimeClass" in valid["message"] and "allowPrivilegedSandboxes" in valid["message"]
+            assert not fake.stored("v1/configmaps", "deny-ns", "proc-config")
+            api.patch_namespaced_custom_object("kiln.dev", "v1alpha1", "deny-ns", "rljobs", "proc",
+                                               {"spec": {"sandbox": {"replicas": 0}}})
+            wait_for("accepted", lambda: status().get("phase") == "Pending")
         finally:
             out = _stop(proc)
         assert proc.returncode == 0, out[-3000:]
@@ -132,7 +168,9 @@ def test_real_cluster_create_status_delete(request: pytest.FixtureRequest) -> No
     namespace = f"kiln-test-{uuid.uuid4().hex[:6]}"
     _kubectl(kubeconfig, "apply", "-f", str(ROOT / "charts" / "kiln" / "crds" / "rljobs.kiln.dev.yaml"))
     _kubectl(kubeconfig, "create", "namespace", namespace)
-    proc, _health, _metrics = _start_operator(Path(kubeconfig), namespace)
+    # A kind cluster's node is a container of the test machine: privileged pods are its own.
+    proc, _health, _metrics = _start_operator(Path(kubeconfig), namespace,
+                                              allow_privileged_sandboxes="true")
     try:
         manifest = Path(request.config.cache.mkdir("kiln")) / "proc.yaml"
         manifest.write_text(yaml.safe_dump(JOB))

@@ -53,3 +53,14 @@ def test_verify_reports_each_task():
     r = kiln("verify", str(EXAMPLES / "terminal.jsonl"), "--solutions", str(EXAMPLES))
     assert r.returncode == 1
     assert "FAIL count-words no reference solution" in r.stdout
+
+
+def test_exec_disk_caps_the_workspace():
+    r = kiln("exec", "--disk", "4m", "--", "sh", "-c",
+             "dd if=/dev/zero of=f bs=1M count=16 2>&1; df -k . | tail -1")
+    assert r.returncode == 0
+    assert "No space left on device" in r.stdout, r.stdout
+    size_kb = int(r.stdout.strip().splitlines()[-1].split()[1])
+    assert 3000 <= size_kb <= 4096, r.stdout
+    r = kiln("exec", "--disk", "lots", "--", "true")
+    assert r.returncode != 0 and "disk_bytes" in r.stderr

@@ -7,6 +7,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -281,3 +282,82 @@ def test_cancelled_starts_and_execs_leave_nothing(make_config):
     # from both (a loaded 2-core machine has taken 30 s for the starts and stops alone).
     assert time.monotonic() - t0 < 180
     assert leftovers(cfg) == []
+
+
+def _host_usage(path) -> int:
+    """Bytes the host filesystem holds for everything under `path` (blocks, not sizes; a
+    filesystem mounted below is counted by what its backing file takes, not walked)."""
+    total = 0
+    for root, dirs, files in os.walk(path):
+        dirs[:] = [d for d in dirs if not os.path.ismount(os.path.join(root, d))]
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except FileNotFoundError:
+                continue
+    return total
+
+
+def test_workspace_write_past_quota_fails_inside(make_config):
+    """A command writing 3x its disk quota gets ENOSPC inside; the host keeps at most the quota
+    per sandbox; deleting frees the room again; nothing is left mounted after."""
+    _quota_checks(make_config(disk_bytes="8m"), make_config.backend)
+
+
+def test_tmpfs_workspace_quota():
+    owner = f"t{uuid.uuid4().hex[:8]}"
+    cfg = BubblewrapConfig(owner=owner, workspace_fs="tmpfs",
+                           limits=SandboxLimits(memory_bytes="128m", disk_bytes="8m"))
+    _quota_checks(cfg, "bubblewrap")
+    assert leftovers(cfg) == []
+
+
+def _quota_checks(cfg, backend: str) -> None:
+    from kiln.services.sandbox.interface import WorkspaceFull
+
+    async def go():
+        async with make_sandbox(cfg) as sb:
+            r = await sb.exec("dd if=/dev/urandom of=big bs=1M count=24 2>&1; echo rc=$?; "
+                              "df -k . | tail -1")
+            host = _host_usage(sb.dir) if backend == "bubblewrap" else None
+            with pytest.raises(WorkspaceFull, match="disk: .*8388608 bytes"):
+                await sb.write_file("more.bin", b"x" * (4 << 20))
+            again = await sb.exec("rm -f big more.bin && dd if=/dev/zero of=small bs=1M count=2 "
+                                  "2>/dev/null && echo ok")
+            return r, host, again, sb
+
+    r, host, again, sb = run(go())
+    assert "No space left on device" in r.stdout and "rc=1" in r.stdout, r.stdout
+    assert again.stdout.strip() == "ok"
+    if host is not None:
+        # The filesystem's own metadata comes on top of the data, never 24 MiB of it.
+        assert host <= (8 << 20) + (1 << 20), host
+        assert not os.path.ismount(sb.workspace) and not sb.dir.exists()
+        with open("/proc/mounts") as f:
+            assert str(sb.workspace) not in f.read()
+
+
+def test_reaper_unmounts_a_killed_service_workspaces():
+    """A service killed with sandboxes alive leaves mounted workspaces; the next one's reaper
+    unmounts them (and frees their loop devices) before removing the folders."""
+    owner = f"t{uuid.uuid4().hex[:8]}"
+    cfg = BubblewrapConfig(owner=owner, limits=SandboxLimits(disk_bytes="4m"))
+    script = (
+        "import asyncio, os, sys\n"
+        "from kiln.services.sandbox.config import BubblewrapConfig, SandboxLimits\n"
+        "from kiln.services.sandbox.factory import make_sandbox\n"
+        f"cfg = BubblewrapConfig(owner={owner!r}, limits=SandboxLimits(disk_bytes='4m'))\n"
+        "async def main():\n"
+        "    sb = make_sandbox(cfg)\n"
+        "    await sb.start()\n"
+        "    await sb.write_file('x', b'1')\n"
+        "    print(sb.workspace, flush=True)\n"
+        "    os._exit(0)\n"
+        "asyncio.run(main())\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, check=True)
+    workspace = out.stdout.strip()
+    assert os.path.ismount(workspace)
+    removed = reap_orphans(cfg)
+    assert any(owner in name for name in removed)
+    assert not os.path.exists(workspace) and leftovers(cfg) == []

@@ -195,7 +195,7 @@ def test_the_job_sets_the_limits_not_the_caller(monkeypatch):
 
     monkeypatch.setenv("KILN_SECRET_TOKEN", "do-not-leak-me")
     job_limits = SandboxLimits(memory_bytes=256 << 20, pids=64, cpu=0.5, timeout_seconds=3,
-                               network=False)
+                               network=False, disk_bytes=16 << 20)
     config = BubblewrapConfig(owner=f"g{uuid.uuid4().hex[:8]}", limits=job_limits)
 
     async def go():
@@ -207,9 +207,15 @@ def test_the_job_sets_the_limits_not_the_caller(monkeypatch):
                 s = await stub.CreateSession(sandbox_pb2.CreateSessionRequest(
                     owner="rollout-0", ttl_seconds=60, limits=sandbox_pb2.Limits(
                         memory_bytes=1 << 40, pids=10**6, cpu=64, timeout_seconds=10**9,
-                        network=True)))
+                        network=True, disk_bytes=1 << 40)))
                 limits = manager.get(s.session_id).sandbox.limits
                 assert limits == job_limits  # capped, field by field
+                # The job's 16 MiB workspace: a bigger file is refused, and says why.
+                with pytest.raises(grpc.aio.AioRpcError) as exc:
+                    await stub.WriteFile(sandbox_pb2.WriteFileRequest(
+                        session_id=s.session_id, path="big.bin", data=b"0" * (20 << 20)))
+                assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "workspace quota of 16777216 bytes" in exc.value.details()
                 r = await stub.Exec(sandbox_pb2.ExecRequest(
                     session_id=s.session_id, timeout_seconds=10**9,
                     shell="cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n'; "
@@ -258,3 +264,67 @@ def test_episode_sandboxes_count_against_the_services_limit():
             await manager.close()
 
     asyncio.run(go())
+
+
+def test_one_owner_cannot_take_every_sandbox():
+    """With maxPerOwner 2, concurrent creates of one owner get two sandboxes and a retryable
+    refusal; another owner still gets one; ending a session gives the owner its room back."""
+    from kiln.services.sandbox.sessions import CapacityError
+
+    config = BubblewrapConfig(owner=f"g{uuid.uuid4().hex[:8]}")
+
+    async def go():
+        manager = SessionManager(config, PoolConfig(max_concurrent=4, max_per_owner=2,
+                                                    warm_pool=0, tasks_dir=EXAMPLES))
+        await manager.start()
+        try:
+            results = await asyncio.gather(*(manager.create("rollout-0") for _ in range(3)),
+                                           return_exceptions=True)
+            made = [r for r in results if not isinstance(r, BaseException)]
+            refused = [r for r in results if isinstance(r, BaseException)]
+            assert len(made) == 2 and len(refused) == 1
+            assert isinstance(refused[0], CapacityError) and refused[0].retryable
+            assert "maxPerOwner = 2" in str(refused[0])
+            other = await manager.create("rollout-1")
+            assert other.owner == "rollout-1"
+            await manager.destroy(made[0].id)
+            again = await manager.create("rollout-0")
+            assert again.owner == "rollout-0"
+        finally:
+            await manager.close()
+
+    asyncio.run(go())
+    assert leftovers(config) == []
+
+
+@pytest.mark.slow
+def test_a_hung_service_fails_its_callers_deadlines_and_serves_again(tmp_path):
+    """A sandbox service that stops answering (SIGSTOP: a stalled node, a stuck host) fails each
+    call at the caller's deadline instead of hanging it; resumed, it serves the same session
+    again, and nothing it started is lost or left behind."""
+    owner = f"h{uuid.uuid4().hex[:8]}"
+    config = BubblewrapConfig(owner=owner)
+    port_file = tmp_path / "ports.json"
+    proc = _start_service(owner, port_file)
+    try:
+        port = json.loads(port_file.read_text())["port"]
+        _wait_serving(port)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = sandbox_pb2_grpc.SandboxStub(ch)
+            sid = stub.CreateSession(sandbox_pb2.CreateSessionRequest(owner="r0")).session_id
+            stub.Exec(sandbox_pb2.ExecRequest(session_id=sid, shell="echo 1 > n"), timeout=30)
+            os.kill(proc.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as exc:
+                stub.Exec(sandbox_pb2.ExecRequest(session_id=sid, shell="cat n"), timeout=3)
+            assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert time.monotonic() - t0 < 10
+            os.kill(proc.pid, signal.SIGCONT)
+            r = stub.Exec(sandbox_pb2.ExecRequest(session_id=sid, shell="cat n"), timeout=30)
+            assert r.exit_code == 0 and r.stdout.strip() == "1"
+            stub.DestroySession(sandbox_pb2.DestroySessionRequest(session_id=sid), timeout=30)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    assert leftovers(config) == []

@@ -80,6 +80,35 @@ def test_backpressure_refuses_new_groups_only(tmp_path: Path) -> None:
     buf.close()
 
 
+def test_byte_capacity_bounds_what_is_held_in_memory(tmp_path: Path) -> None:
+    """Capacity in bytes as well as in count: a few big trajectories fill the buffer long
+    before the count does; acked bytes are freed; a Put bigger than the whole capacity is
+    refused for good (ValueError), not told to retry; the status reports both."""
+    from kiln.services.common import codec
+    size = {k: sum(len(codec.to_bytes(t)) for t in synthetic_group(k, 2)) for k in "abc"}
+    limit = size["a"] + size["b"] + size["c"] - 1
+    buf = _open(tmp_path, group_size=2, capacity=1000, capacity_bytes=limit)
+    buf.put(synthetic_group("a", 2))
+    buf.put(synthetic_group("b", 2))
+    assert buf.status().unconsumed_bytes == size["a"] + size["b"]
+    with pytest.raises(BufferFull, match="byte capacity"):
+        buf.put(synthetic_group("c", 2))
+    batch = buf.try_get_batch(2, 0)
+    assert {t.group_id for t in batch.trajectories} == {"a"}
+    with pytest.raises(BufferFull, match="byte capacity"):  # leased bytes still count
+        buf.put(synthetic_group("c", 2))
+    buf.ack_batch(batch.batch_id)
+    assert buf.put(synthetic_group("c", 2)).accepted == 2
+    assert (buf.status().unconsumed_bytes, buf.status().capacity_bytes) == \
+        (size["b"] + size["c"], limit)
+    one = len(codec.to_bytes(synthetic_trajectory("huge")))
+    big = _open(tmp_path / "big", group_size=1, capacity_bytes=one // 2)
+    with pytest.raises(ValueError, match="whole byte capacity"):
+        big.put([synthetic_trajectory("huge")])
+    big.close()
+    buf.close()
+
+
 def test_get_batch_waits_for_a_put_in_another_thread(tmp_path: Path) -> None:
     buf = _open(tmp_path, group_size=2)
     threading.Timer(0.2, lambda: buf.put(synthetic_group("late", 2))).start()

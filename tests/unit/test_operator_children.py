@@ -15,7 +15,7 @@ from kiln.api.validate import load_job
 from kiln.operator import children
 from kiln.operator.naming import COMPONENTS, JobRef
 from kiln.operator.reconcile import parse_spec
-from kiln.operator.workloads import quantity_value
+from kiln.api.base import quantity_value
 
 JOB = JobRef(name="demo", namespace="team-a", uid="0f5c2b9e-1111-2222-3333-444455556666")
 K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
@@ -135,7 +135,9 @@ def test_service_containers_run_the_component_with_spec_resources_and_grpc_probe
         assert env["KILN_TRAINER_ADDR"] == "demo-trainer:50051"
         if component in expected:
             res = expected[component]
-            assert main["resources"]["requests"] == {"cpu": res["cpu"], "memory": res["memory"]}
+            requests = dict(main["resources"]["requests"])
+            assert requests.pop("ephemeral-storage")  # every pod's local disk is bounded
+            assert requests == {"cpu": res["cpu"], "memory": res["memory"]}
             assert main["resources"]["limits"].get("nvidia.com/gpu", 0) == res["gpu"]
     trainer_pod = workload(objs, "trainer")["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in trainer_pod["volumes"]}
@@ -167,14 +169,36 @@ def test_docker_sandbox_gets_a_privileged_dind_sidecar_sized_from_the_spec() -> 
     (dind,) = pod["initContainers"]
     assert dind["image"].startswith("docker:") and "dind" in dind["image"]
     assert dind["restartPolicy"] == "Always" and dind["securityContext"] == {"privileged": True}
-    # 16 sandboxes of 0.5 CPU and 1 GiB at most; one guaranteed.
-    assert dind["resources"]["limits"] == {"cpu": "8000m", "memory": "16384Mi"}
-    assert dind["resources"]["requests"] == {"cpu": "500m", "memory": "1024Mi"}
+    # 16 sandboxes of 0.5 CPU and 1 GiB at most, each with its 1 GiB tmpfs workspace (memory
+    # too); one guaranteed.
+    assert dind["resources"]["limits"] == {"cpu": "8000m", "memory": "32768Mi",
+                                           "ephemeral-storage": "8Gi"}
+    assert dind["resources"]["requests"] == {"cpu": "500m", "memory": "2048Mi",
+                                             "ephemeral-storage": "8Gi"}
     main = pod["containers"][0]
     assert {"name": "DOCKER_HOST", "value": "unix:///run/dind/docker.sock"} in main["env"]
     plain = workload(children.desired_children(JOB, spec(SMALL)), "sandbox")["spec"]["template"]["spec"]
     assert "initContainers" not in plain
-    assert plain["containers"][0]["securityContext"]["seccompProfile"]["type"] == "Unconfined"
+    assert plain["containers"][0]["securityContext"]["privileged"] is True  # bubblewrap
+
+
+def test_local_disk_is_bounded_and_covers_the_sandbox_workspaces() -> None:
+    """Every container has an ephemeral-storage limit and every scratch emptyDir a sizeLimit;
+    the bubblewrap sandbox pod's covers maxConcurrent workspace images on top."""
+    data = {**SMALL, "sandbox": {"maxConcurrent": 8, "disk": "512Mi"}}
+    objs = children.desired_children(JOB, spec(data))
+    for component in COMPONENTS:
+        pod = workload(objs, component)["spec"]["template"]["spec"]
+        for c in pod["containers"]:
+            assert c["resources"]["limits"]["ephemeral-storage"], (component, c["name"])
+        for v in pod["volumes"]:
+            if "emptyDir" in v:
+                assert v["emptyDir"]["sizeLimit"] == "8Gi", (component, v)
+    box = workload(objs, "sandbox")["spec"]["template"]["spec"]["containers"][0]
+    assert box["resources"]["limits"]["ephemeral-storage"] == f"{8192 + 8 * 512}Mi"
+    tmpfs = spec({**SMALL, "sandbox": {"maxConcurrent": 8, "workspaceFs": "tmpfs"}})
+    box = workload(children.desired_children(JOB, tmpfs), "sandbox")["spec"]["template"]["spec"]
+    assert box["containers"][0]["resources"]["limits"]["ephemeral-storage"] == "8Gi"
 
 
 def test_job_file_round_trips_through_the_services_loader(tmp_path: Path) -> None:
@@ -317,7 +341,7 @@ def test_data_parallel_trainer_replicas_meet_at_trainer_pod_zero() -> None:
     assert rep_c["resources"]["limits"]["nvidia.com/gpu"] == 2  # one GPU per TP rank
     assert replicas["spec"]["template"]["spec"]["tolerations"] == leader["spec"]["template"]["spec"]["tolerations"]
     volumes = {v["name"]: v for v in replicas["spec"]["template"]["spec"]["volumes"]}
-    assert volumes["run"] == {"name": "run", "emptyDir": {}}
+    assert volumes["run"] == {"name": "run", "emptyDir": {"sizeLimit": "8Gi"}}
     lead_volumes = {v["name"]: v for v in leader["spec"]["template"]["spec"]["volumes"]}
     assert lead_volumes["run"]["persistentVolumeClaim"]["claimName"] == "demo-checkpoints"
     # The trainer Service (Trainer RPCs: replica 0 alone) does not select the replicas, whose
@@ -355,3 +379,33 @@ def test_network_policies_admit_only_each_components_clients() -> None:
     assert {"from": [{"podSelector": trainer["podSelector"]}]} in trainer["ingress"]  # rank to rank
     rollout = objs["NetworkPolicy/demo-rollout"]["spec"]["ingress"]
     assert {"ports": [{"port": 8000, "protocol": "TCP"}]} in rollout  # the OpenAI endpoint
+
+
+def test_operator_admits_sandboxes_only_where_the_admin_allows() -> None:
+    from kiln.operator.config import OperatorConfig
+    for backend in ("bubblewrap", "docker"):
+        job = spec({**SMALL, "sandbox": {"backend": backend}})
+        (why,) = OperatorConfig().refusals(job)
+        assert backend in why and "sandboxRuntimeClass" in why and "allowPrivilegedSandboxes" in why
+        for setting in ({"KILN_OPERATOR_ALLOW_PRIVILEGED_SANDBOXES": "true"},
+                        {"KILN_OPERATOR_SANDBOX_RUNTIME_CLASS": "kata"}):
+            assert OperatorConfig.from_env(setting).refusals(job) == []
+    assert OperatorConfig().refusals(spec({**SMALL, "sandbox": {"replicas": 0}})) == []
+
+
+def test_sandbox_pod_privileges_and_runtime_class() -> None:
+    """bubblewrap: the sandbox container itself is privileged root (cgroups, mounts); docker:
+    only the dind sidecar is. Every other container is unprivileged. The operator's
+    RuntimeClass goes on the sandbox pod only."""
+    from kiln.operator.workloads import SandboxHosting
+    for data in (SMALL, FULL):
+        objs = children.desired_children(JOB, spec(data), hosting=SandboxHosting(runtime_class="kata"))
+        for component in COMPONENTS:
+            pod = workload(objs, component)["spec"]["template"]["spec"]
+            assert pod.get("runtimeClassName") == ("kata" if component == "sandbox" else None)
+            main = next(c for c in pod["containers"] if c["name"] == component)
+            if component == "sandbox" and data is SMALL:
+                assert main["securityContext"]["privileged"] is True
+            else:
+                assert main["securityContext"]["runAsNonRoot"] is True
+                assert main["securityContext"]["capabilities"] == {"drop": ["ALL"]}

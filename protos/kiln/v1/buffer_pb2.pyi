@@ -105,7 +105,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BufferStatus(_message.Message):
-    __slots__ = ("depth", "ready", "groups_pending", "groups_ready", "accepted", "served", "dropped_stale", "dropped_other", "batches", "max_staleness", "policy_version", "capacity", "group_size", "tau", "leased", "leases", "batches_acked", "redeliveries", "lease_timeout")
+    __slots__ = ("depth", "ready", "groups_pending", "groups_ready", "accepted", "served", "dropped_stale", "dropped_other", "batches", "max_staleness", "policy_version", "capacity", "group_size", "tau", "leased", "leases", "batches_acked", "redeliveries", "lease_timeout", "unconsumed_bytes", "capacity_bytes")
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     GROUPS_PENDING_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,8 @@ class BufferStatus(_message.Message):
     BATCHES_ACKED_FIELD_NUMBER: _ClassVar[int]
     REDELIVERIES_FIELD_NUMBER: _ClassVar[int]
     LEASE_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    UNCONSUMED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     depth: int
     ready: int
     groups_pending: int
@@ -144,7 +146,9 @@ class BufferStatus(_message.Message):
     batches_acked: int
     redeliveries: int
     lease_timeout: float
-    def __init__(self, depth: _Optional[int] = ..., ready: _Optional[int] = ..., groups_pending: _Optional[int] = ..., groups_ready: _Optional[int] = ..., accepted: _Optional[int] = ..., served: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., dropped_other: _Optional[int] = ..., batches: _Optional[int] = ..., max_staleness: _Optional[int] = ..., policy_version: _Optional[int] = ..., capacity: _Optional[int] = ..., group_size: _Optional[int] = ..., tau: _Optional[int] = ..., leased: _Optional[int] = ..., leases: _Optional[int] = ..., batches_acked: _Optional[int] = ..., redeliveries: _Optional[int] = ..., lease_timeout: _Optional[float] = ...) -> None: ...
+    unconsumed_bytes: int
+    capacity_bytes: int
+    def __init__(self, depth: _Optional[int] = ..., ready: _Optional[int] = ..., groups_pending: _Optional[int] = ..., groups_ready: _Optional[int] = ..., accepted: _Optional[int] = ..., served: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., dropped_other: _Optional[int] = ..., batches: _Optional[int] = ..., max_staleness: _Optional[int] = ..., policy_version: _Optional[int] = ..., capacity: _Optional[int] = ..., group_size: _Optional[int] = ..., tau: _Optional[int] = ..., leased: _Optional[int] = ..., leases: _Optional[int] = ..., batches_acked: _Optional[int] = ..., redeliveries: _Optional[int] = ..., lease_timeout: _Optional[float] = ..., unconsumed_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
 
 class BufferRecord(_message.Message):
     __slots__ = ("trajectory", "group_size", "id")

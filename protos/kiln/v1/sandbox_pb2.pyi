@@ -7,20 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Limits(_message.Message):
-    __slots__ = ("memory_bytes", "pids", "cpu", "timeout_seconds", "network", "output_limit_bytes")
+    __slots__ = ("memory_bytes", "pids", "cpu", "timeout_seconds", "network", "output_limit_bytes", "disk_bytes")
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     PIDS_FIELD_NUMBER: _ClassVar[int]
     CPU_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NETWORK_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
     memory_bytes: int
     pids: int
     cpu: float
     timeout_seconds: float
     network: bool
     output_limit_bytes: int
-    def __init__(self, memory_bytes: _Optional[int] = ..., pids: _Optional[int] = ..., cpu: _Optional[float] = ..., timeout_seconds: _Optional[float] = ..., network: _Optional[bool] = ..., output_limit_bytes: _Optional[int] = ...) -> None: ...
+    disk_bytes: int
+    def __init__(self, memory_bytes: _Optional[int] = ..., pids: _Optional[int] = ..., cpu: _Optional[float] = ..., timeout_seconds: _Optional[float] = ..., network: _Optional[bool] = ..., output_limit_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ...) -> None: ...
 
 class CreateSessionRequest(_message.Message):
     __slots__ = ("owner", "image", "limits", "ttl_seconds", "task_json")
