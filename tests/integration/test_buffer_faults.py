@@ -21,6 +21,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kiln.services.buffer.client import Backoff, GrpcBufferClient
 from kiln.services.buffer.leases import AckStatus
@@ -56,6 +57,18 @@ class Buffer:
         ports = json.loads(self.port_file.read_text())
         self.target = f"{host}:{ports['port']}"
         self.metrics_url = f"http://{host}:{ports['metrics_port']}/metrics"
+        # The port opens before the buffer has replayed its log; SERVING says it has.
+        with grpc.insecure_channel(self.target) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while True:
+                try:
+                    r = stub.Check(health_pb2.HealthCheckRequest(service="kiln.v1.Buffer"), timeout=2)
+                    if r.status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.RpcError:
+                    pass
+                assert self.proc.poll() is None and time.monotonic() < deadline, self.output()
+                time.sleep(0.05)
 
     def metric(self, name: str, **labels: str) -> float:
         text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()

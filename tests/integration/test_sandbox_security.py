@@ -165,7 +165,12 @@ def test_fork_bomb_held_by_pids_limit(make_config):
         stop.set()
         t.join()
     assert res.timed_out and res.exit_code == 124
-    assert after.exit_code == 0 and after.stdout == "kept"
+    if "the workspace was reset" in res.stderr:
+        # docker, when even `kill` could not start: the container was restarted, and its
+        # workspace is a tmpfs (the disk quota). The sandbox works again, empty.
+        assert after.exit_code == 1 and "keep.txt" in after.stderr
+    else:
+        assert after.exit_code == 0 and after.stdout == "kept"
     assert worst[0] < 2.0, f"host stalled {worst[0]:.2f} s during the fork bomb"
 
 
