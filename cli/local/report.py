@@ -102,9 +102,12 @@ def write_report(run_dir: Path, rl_stages: set[str] | None = None) -> list[Path]
         "reward.png": ("Reward and rollout pass rate per step", [
             ("train batch reward", lambda r: r["trainer"].get("reward")),
             ("rollout pass rate (last 256)", lambda r: r["rollout"].get("mean_reward"))]),
-        "masks.png": ("Masked token fractions", [
-            ("ratio mask", lambda r: r["trainer"].get("ratio_mask")),
-            ("IcePop mask", lambda r: r["trainer"].get("icepop_mask"))]),
+        "masks.png": ("Masked token fractions (exclusive, and each mask in all)", [
+            ("ratio only", lambda r: r["trainer"].get("ratio_only")),
+            ("IcePop only", lambda r: r["trainer"].get("icepop_only")),
+            ("both", lambda r: r["trainer"].get("both_masked")),
+            ("ratio (all)", lambda r: r["trainer"].get("ratio_mask")),
+            ("IcePop (all)", lambda r: r["trainer"].get("icepop_mask"))]),
         "mismatch.png": ("Train/inference log-prob mismatch", [
             ("mean |diff|", lambda r: r["trainer"].get("mismatch_abs")),
             ("KL estimate", lambda r: r["trainer"].get("mismatch_kl"))]),

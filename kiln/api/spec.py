@@ -223,12 +223,23 @@ class RLSettings(_Model):
 
     group_size: int = Field(8, ge=2)
     """G: samples per task; advantages are relative to the group mean."""
+    loss_mode: Literal["masked", "ppo"] = "masked"
+    """`masked` (asynchronous agentic RL): ratio to the inference policy, tokens outside the
+    window dropped, no separate IcePop. `ppo` (reasoning RL): ratio to the trainer's weights at
+    the start of the step under PPO's clip, plus IcePop on the train/inference ratio as its own
+    mask and weight; give it `minibatches` > 1 so the two ratios differ."""
     eps_low: float = Field(0.2, ge=0, lt=1)
-    """Tokens with ratio below 1 - epsLow are masked out of the gradient."""
+    """masked: tokens with ratio below 1 - epsLow are masked out; ppo: the clip's lower bound."""
     eps_high: float = Field(0.28, ge=0)
-    """Tokens with ratio above 1 + epsHigh are masked out of the gradient."""
+    """masked: tokens with ratio above 1 + epsHigh are masked out; ppo: the clip's upper bound."""
+    dual_clip: float | None = Field(None, gt=1)
+    """ppo: bound the loss of negative-advantage tokens at dualClip * A (dual-clip PPO)."""
     icepop_beta: float | None = Field(2.0, gt=1)
-    """IcePop: keep a token only if pi_train_old / pi_infer_old is in [1/beta, beta]; null disables."""
+    """ppo: IcePop keeps a token only if pi_train_old / pi_infer is in [1/beta, beta] and
+    weighs it by that ratio; null disables. Not used by the masked mode."""
+    minibatches: int = Field(1, ge=1)
+    """Optimizer updates per step, each on a share of the batch (the trainer's log-probs at the
+    start of the step are what ppo's ratio and IcePop compare against)."""
     tau: int = Field(4, ge=0)
     """Freshness: drop a trajectory whose oldest policy version is more than tau behind."""
     sync_interval: int = Field(1, ge=1)
@@ -249,6 +260,8 @@ class RLSettings(_Model):
     def _opd(self) -> RLSettings:
         if self.advantage == "opd" and not self.teacher:
             raise ValueError("teacher must be set when advantage is 'opd'")
+        if self.dual_clip is not None and self.loss_mode != "ppo":
+            raise ValueError("dualClip applies to lossMode ppo only")
         return self
 
 

@@ -83,21 +83,26 @@ def config_from_job(job: RLJob, *, run_dir: Path, stage: str | None = None, mode
         raise ValueError(str(refused[0]))
     loss = PolicyLossConfig()
     reset = True
+    minibatches = 1
     if isinstance(st, RLStage):
         rl = st.rl
         loss = PolicyLossConfig(
+            mode=rl.loss_mode,
             eps_low=rl.eps_low,
             eps_high=rl.eps_high,
+            dual_clip=rl.dual_clip,
             icepop_beta=rl.icepop_beta,
             aggregation="token_mean" if rl.loss_aggregation == "token-mean" else "seq_mean",
         )
         reset = rl.reset_optimizer_on_sync
+        minibatches = rl.minibatches
     return TrainerConfig(
         model_dir=model_dir if model_dir is not None else Path(job.spec.model.path),
         tensor_parallel=t.tensor_parallel,
         data_parallel=t.data_parallel,
         params_dtype=job.spec.model.dtype,
         micro_batch_size=st.micro_batch_size,
+        minibatches_per_step=minibatches,
         loss=loss,
         optimizer=OptimizerConfig(
             lr=st.learning_rate, weight_decay=t.weight_decay, grad_clip=t.grad_clip, reset_moments_on_publish=reset,

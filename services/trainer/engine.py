@@ -4,7 +4,8 @@
 current process group), AdamW, the step and policy-version counters, and the Prometheus metrics.
 It knows nothing of gRPC, buffers or weight transport:
 - `logprobs(sequences)`: per-token log-probs under the current weights;
-- `step(trajectories, staleness)`: one RL step (policy loss with ratio masking and IcePop, see `loss.py`);
+- `step(trajectories, staleness)`: one RL step (the policy loss in the stage's mode, masked or
+  ppo with IcePop, see `loss.py`);
 - `sft_step(trajectories)`: one supervised step (cross-entropy on loss-masked tokens);
 - `new_version()`: declare the current weights a new policy version (on publish), resetting the
   optimizer moments if configured; `named_hf_tensors()`: the weights under HF names;
@@ -17,9 +18,10 @@ before clipping, so a step equals the one-replica step up to floating-point redu
 Checkpoints and exports are written by replica 0 alone; a resumed replica 0 hands its state to
 the others at start-up.
 
-`logp_train_old` for IcePop is the training engine's log-prob under the weights at the start of
-the step. With one optimizer update per step it equals the current log-prob, which is computed
-anyway; with `minibatches_per_step > 1` it is an extra no-grad pass before the first update.
+`logp_train_old` (ppo mode's ratio and IcePop) is the training engine's log-prob under the
+weights at the start of the step. With one optimizer update per step it equals the current
+log-prob, which is computed anyway; with `minibatches_per_step > 1` it is an extra no-grad pass
+before the first update.
 """
 from __future__ import annotations
 
@@ -136,7 +138,7 @@ class TrainerEngine:
                 logp, mb.logp_infer, mb.loss_mask, adv, cfg, logp_train_old=train_old, normalizer=normalizer
             )
 
-        return self._run(batch, loss_fn, needs_old=cfg.icepop_beta is not None,
+        return self._run(batch, loss_fn, needs_old=cfg.mode == "ppo",
                          aggregation=cfg.aggregation, rl=True, staleness=staleness)
 
     def sft_step(self, batch: list[Trajectory]) -> dict[str, float]:
@@ -176,6 +178,7 @@ class TrainerEngine:
                 normalizer = float((mask.sum(dim=1) > 0).sum().clamp(min=1))
             self.optimizer.zero_grad(set_to_none=True)
             part_loss = 0.0
+            part_stats = LossStats()
             # This replica's rows of the minibatch; the normalizer above is the whole
             # minibatch's, so the replicas' summed gradients are the one-replica gradient.
             rows = part[dp_rank::dp]
@@ -186,9 +189,11 @@ class TrainerEngine:
                 loss, st = loss_fn(logp, mb, train_old, normalizer)
                 loss.backward()
                 part_loss += loss.item()
-                stats = stats.merge(st)
+                part_stats = part_stats.merge(st)
             if dp > 1:
-                part_loss, stats = self._reduce_replicas(part_loss, stats)
+                # This minibatch's alone: the ones before were summed over replicas already.
+                part_loss, part_stats = self._reduce_replicas(part_loss, part_stats)
+            stats = stats.merge(part_stats)
             norms.append(self._clip_grads())
             self.optimizer.step()
             losses.append(part_loss)

@@ -1,20 +1,31 @@
-"""The policy-gradient loss with double-sided ratio masking and IcePop, and the SFT loss.
+"""The policy-gradient losses (two modes) and the SFT loss.
 
 Everything here is plain torch on `[B, T]` tensors aligned with the token sequence: entry `t`
 is about token `t` (its log-prob given tokens `< t`). No Megatron, no model: the trainer engine
-computes the log-probs and calls these functions, so the masking rules can be tested on
-hand-made numbers.
+computes the log-probs and calls these functions, so the rules can be tested on hand-made
+numbers.
 
-Rules (DESIGN.md, "Training algorithms"):
-- ratio mask: `r_t = exp(logp - logp_infer)`; a token with `r_t` outside
-  `[1 - eps_low, 1 + eps_high]` is dropped from the gradient (masked, not clipped);
-- IcePop: `rho_t = exp(logp_train_old - logp_infer)`; a token is kept only if `rho_t` is in
-  `[1 / beta, beta]`;
-- the kept tokens contribute `-A_t * r_t`, whose gradient is the importance-weighted policy
-  gradient `-A_t * r_t * grad(logp_t)`.
+Modes (DESIGN.md, "Training algorithms"; `PolicyLossConfig.mode`):
+- `masked` (asynchronous agentic RL): `r_t = exp(logp - logp_infer)`, the ratio to the policy
+  that generated the token; a token with `r_t` outside `[1 - eps_low, 1 + eps_high]` is dropped
+  from the gradient (masked, not clipped); kept tokens contribute `-A_t * r_t`. No separate
+  IcePop: `r_t` already measures the distance to the inference engine.
+- `ppo` (reasoning RL): `r_t = exp(logp - logp_train_old)`, the ratio to the trainer's own
+  weights at the start of the step, under PPO's clip (`-min(r A, clip(r) A)`, optionally
+  dual-clipped at `c * A` for negative advantages); IcePop on
+  `rho_t = exp(logp_train_old - logp_infer)`, the train/inference mismatch, masks tokens with
+  `rho_t` outside `[1 / beta, beta]` and weighs the others by `rho_t`. The two ratios differ
+  only when a step takes several minibatches (`logp_train_old` is then computed before the
+  first update), or when the inference engine drifts from the trainer.
 
-Both bounds are inclusive. The comparisons are made in log space, with the bounds rounded to the
-inputs' dtype, so a log-ratio equal to `log(bound)` in that dtype is on the bound and kept.
+Both bounds of every window are inclusive. The comparisons are made in log space, with the
+bounds rounded to the inputs' dtype, so a log-ratio equal to `log(bound)` in that dtype is on
+the bound and kept.
+
+Stats: each mask's fraction of the trainable tokens, exclusively too (dropped by the ratio
+only, by IcePop only, by both), the ratio's mean over the tokens that carry gradient, and the
+train/inference mismatch with log-ratios clamped to +-`LOG_RATIO_CLAMP` (and non-finite ones
+left out), so the KL estimate stays finite and NaN-free whatever the engines disagree on.
 
 Aggregation: "token_mean" divides the summed token losses by the number of loss-masked tokens
 (masked-out tokens still count, so dropping a token does not up-weight the others);
@@ -31,21 +42,41 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 Aggregation = Literal["token_mean", "seq_mean"]
+LossMode = Literal["masked", "ppo"]
+
+#: Log-ratios beyond this are clamped in the mismatch metrics: exp(20) is 5e8, far past any
+#: window, and float32's expm1 overflows near 88.
+LOG_RATIO_CLAMP = 20.0
 
 
 class PolicyLossConfig(BaseModel):
     """Knobs of the policy loss."""
 
+    mode: LossMode = "masked"
+    """`masked` or `ppo` (see the module doc)."""
     eps_low: float = Field(0.2, ge=0.0, lt=1.0)
-    """Tokens with `r_t < 1 - eps_low` are masked out."""
+    """masked: tokens with `r_t < 1 - eps_low` are dropped; ppo: the clip's lower bound."""
     eps_high: float = Field(0.28, ge=0.0)
-    """Tokens with `r_t > 1 + eps_high` are masked out."""
+    """masked: tokens with `r_t > 1 + eps_high` are dropped; ppo: the clip's upper bound."""
+    dual_clip: float | None = Field(None, gt=1.0)
+    """ppo: for negative advantages, bound the loss at `-dual_clip * A` (dual-clip PPO)."""
     icepop_beta: float | None = Field(2.0, gt=1.0)
-    """Keep a token only if `pi_train_old / pi_infer` is in `[1/beta, beta]`; None disables."""
+    """ppo: keep a token only if `pi_train_old / pi_infer` is in `[1/beta, beta]`, weighted by
+    that ratio; None disables. masked mode has no separate IcePop and ignores it."""
     aggregation: Aggregation = "token_mean"
+
+    @model_validator(mode="after")
+    def _dual_clip_is_ppo(self) -> "PolicyLossConfig":
+        if self.dual_clip is not None and self.mode != "ppo":
+            raise ValueError("dual_clip applies to mode 'ppo' only")
+        return self
+
+    @property
+    def uses_icepop(self) -> bool:
+        return self.mode == "ppo" and self.icepop_beta is not None
 
 
 @dataclass
@@ -56,14 +87,20 @@ class LossStats:
     tokens: float = 0.0
     """Loss-masked (trainable) tokens."""
     kept: float = 0.0
-    """Tokens that passed every mask and carry gradient."""
+    """Tokens that carry gradient (passed every mask, not clipped)."""
     ratio_masked: float = 0.0
+    """Tokens the ratio rule took the gradient from (masked mode: outside the window; ppo:
+    clipped)."""
     icepop_masked: float = 0.0
+    ratio_only: float = 0.0
+    icepop_only: float = 0.0
+    both_masked: float = 0.0
     mismatch_abs_sum: float = 0.0
-    """Sum of |logp_train_old - logp_infer|."""
+    """Sum of |logp_train_old - logp_infer| (clamped, finite tokens only)."""
     mismatch_kl_sum: float = 0.0
     """Sum of the k3 estimate of KL(pi_infer || pi_train_old): (rho - 1) - log(rho)."""
     ratio_sum: float = 0.0
+    """Sum of `r_t` over the kept tokens."""
     sequences: float = 0.0
 
     def merge(self, other: "LossStats") -> "LossStats":
@@ -94,13 +131,17 @@ class LossStats:
 
     @property
     def ratio_mean(self) -> float:
-        return self._frac(self.ratio_sum)
+        """Mean `r_t` of the tokens that carry gradient (1.0 when none does)."""
+        return self.ratio_sum / self.kept if self.kept else 1.0
 
     def as_dict(self) -> dict[str, float]:
         return {
             "tokens": self.tokens,
             "ratio_mask_frac": self.ratio_mask_frac,
             "icepop_mask_frac": self.icepop_mask_frac,
+            "ratio_only_frac": self._frac(self.ratio_only),
+            "icepop_only_frac": self._frac(self.icepop_only),
+            "both_masked_frac": self._frac(self.both_masked),
             "kept_frac": self.kept_frac,
             "mismatch_abs": self.mismatch_abs,
             "mismatch_kl": self.mismatch_kl,
@@ -163,11 +204,12 @@ def policy_loss(
     logp_train_old: torch.Tensor | None = None,
     normalizer: float | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
-    """The masked policy-gradient loss of one (micro-)batch and its stats.
+    """The policy-gradient loss of one (micro-)batch in `config.mode`, and its stats.
 
     Shapes: `logp`, `logp_infer`, `loss_mask`, `logp_train_old`: `[B, T]`; `advantages`: `[B]`
     (one per sequence, broadcast to its tokens) or `[B, T]` (per token, e.g. OPD).
-    `logp_train_old` is needed when IcePop is on. `normalizer`: see the module doc.
+    `logp_train_old` is needed in ppo mode (with one minibatch per step, `logp.detach()`).
+    `normalizer`: see the module doc.
     """
     shape = logp.shape
     mask = loss_mask.to(logp.dtype)
@@ -184,33 +226,71 @@ def policy_loss(
         adv = advantages
     adv = adv.detach().to(logp.dtype)
     logp_infer = logp_infer.detach().to(logp.dtype)
+    if config.mode == "ppo" and logp_train_old is None:
+        raise ValueError("logp_train_old is required in ppo mode")
+    old = logp_train_old.detach().to(logp.dtype) if logp_train_old is not None else None
 
     on = loss_mask.bool()
-    keep_ratio = ratio_keep_mask(logp, logp_infer, config.eps_low, config.eps_high)
-    keep = on & keep_ratio
     stats = LossStats(tokens=float(mask.sum()), sequences=float((mask.sum(dim=1) > 0).sum()))
-    stats.ratio_masked = float((on & ~keep_ratio).sum())
-    if logp_train_old is not None:
-        old = logp_train_old.detach().to(logp.dtype)
-        log_rho = old - logp_infer
-        stats.mismatch_abs_sum = float((log_rho.abs() * mask).sum())
-        stats.mismatch_kl_sum = float(((torch.expm1(log_rho) - log_rho) * mask).sum())
-    if config.icepop_beta is not None:
-        if logp_train_old is None:
-            raise ValueError("logp_train_old is required when icepop_beta is set")
-        keep_ice = icepop_keep_mask(logp_train_old.to(logp.dtype), logp_infer, config.icepop_beta)
-        stats.icepop_masked = float((on & ~keep_ice).sum())
-        keep = keep & keep_ice
+    if old is not None:
+        _mismatch(stats, old - logp_infer, on)
+    if config.mode == "masked":
+        per_token, ratio_drop, ice_drop, keep, ratio = _masked(logp, logp_infer, on, adv, config)
+    else:
+        per_token, ratio_drop, ice_drop, keep, ratio = _ppo(logp, old, logp_infer, on, adv, config)
+    stats.ratio_masked = float(ratio_drop.sum())
+    stats.icepop_masked = float(ice_drop.sum())
+    stats.ratio_only = float((ratio_drop & ~ice_drop).sum())
+    stats.icepop_only = float((ice_drop & ~ratio_drop).sum())
+    stats.both_masked = float((ratio_drop & ice_drop).sum())
     stats.kept = float(keep.sum())
-
-    # Select before exponentiating: a masked token may have a huge log-ratio, and exp(inf)
-    # times a zero gradient would turn into NaN in the backward pass.
-    log_ratio = torch.where(keep, logp - logp_infer, torch.zeros_like(logp))
-    ratio = torch.exp(log_ratio)
     stats.ratio_sum = float((ratio.detach() * keep).sum())
-    per_token = torch.where(keep, -adv * ratio, torch.zeros_like(logp))
     loss = _aggregate(per_token, mask, config.aggregation, normalizer)
     return loss, stats
+
+
+def _mismatch(stats: LossStats, log_rho: torch.Tensor, on: torch.Tensor) -> None:
+    """Train/inference mismatch of the trainable tokens: finite tokens, clamped log-ratios."""
+    ok = on & torch.isfinite(log_rho)
+    lr = torch.where(ok, log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), torch.zeros_like(log_rho))
+    stats.mismatch_abs_sum = float(lr.abs().sum())
+    stats.mismatch_kl_sum = float((torch.expm1(lr) - lr).sum())
+
+
+def _masked(logp, logp_infer, on, adv, config):
+    keep_ratio = ratio_keep_mask(logp, logp_infer, config.eps_low, config.eps_high)
+    keep = on & keep_ratio
+    # Select before exponentiating: a masked token may have a huge log-ratio, and exp(inf)
+    # times a zero gradient would turn into NaN in the backward pass.
+    ratio = torch.exp(torch.where(keep, logp - logp_infer, torch.zeros_like(logp)))
+    per_token = torch.where(keep, -adv * ratio, torch.zeros_like(logp))
+    return per_token, on & ~keep_ratio, torch.zeros_like(on), keep, ratio
+
+
+def _ppo(logp, old, logp_infer, on, adv, config):
+    zero = torch.zeros_like(logp)
+    if config.icepop_beta is not None:
+        keep_ice = icepop_keep_mask(old, logp_infer, config.icepop_beta)
+    else:
+        keep_ice = torch.ones_like(on)
+    live = on & keep_ice
+    ratio = torch.exp(torch.where(live, logp - old, zero))
+    rho = torch.exp(torch.where(live, old - logp_infer, zero)) if config.icepop_beta is not None \
+        else torch.ones_like(logp)
+    lo, hi = 1.0 - config.eps_low, 1.0 + config.eps_high
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv)
+    r = ratio.detach()
+    # Where the clip (or the dual clip) holds the surrogate constant, the token has no gradient.
+    clipped = ((adv > 0) & (r > hi)) | ((adv < 0) & (r < lo))
+    if config.dual_clip is not None:
+        # For A < 0 the term is max(min(r A, clip(r) A), c A): constant once c A wins.
+        floor = config.dual_clip * adv
+        clipped = clipped | ((adv < 0) & (torch.minimum(r * adv, r.clamp(lo, hi) * adv) < floor))
+        surrogate = torch.where(adv < 0, torch.maximum(surrogate, floor), surrogate)
+    per_token = torch.where(live, -surrogate * rho, zero)
+    ratio_drop = on & clipped
+    keep = live & ~clipped
+    return per_token, ratio_drop, on & ~keep_ice, keep, ratio
 
 
 def sft_loss(

@@ -37,6 +37,8 @@ TRACKED = {
     "train/loss": "loss", "train/grad_norm": "grad_norm", "train/lr": "lr",
     "train/reward": "reward_mean", "train/ratio_mask_frac": "ratio_mask_frac",
     "train/icepop_mask_frac": "icepop_mask_frac", "train/kept_frac": "kept_frac",
+    "train/ratio_only_frac": "ratio_only_frac", "train/icepop_only_frac": "icepop_only_frac",
+    "train/both_masked_frac": "both_masked_frac", "train/ratio_mean": "ratio_mean",
     "train/mismatch_abs": "mismatch_abs", "train/mismatch_kl": "mismatch_kl",
     "train/tokens_per_s": "tokens_per_s", "train/step_seconds": "step_time_s",
     "train/policy_version": "policy_version",
@@ -46,7 +48,7 @@ TRACKED = {
 def tracked_scalars(m: dict[str, float], *, rl: bool) -> dict[str, float]:
     """The step's metrics under their tracking tags; the off-policy ones (masks, mismatch,
     staleness) for RL steps only, where they mean something."""
-    off_policy = ("mask", "mismatch", "kept")
+    off_policy = ("mask", "mismatch", "kept", "only", "ratio_mean")
     out = {tag: m[key] for tag, key in TRACKED.items()
            if key in m and (rl or not any(w in key for w in off_policy))}
     counts = {int(k.removeprefix("staleness_")): v for k, v in m.items()

@@ -60,25 +60,122 @@ def test_icepop_bounds_are_inclusive(beta: float) -> None:
     assert keep.tolist() == [[True, True, False, False, True]]
 
 
-def test_policy_loss_by_hand_token_mean() -> None:
+def test_masked_mode_by_hand_token_mean() -> None:
     cfg = PolicyLossConfig(eps_low=0.2, eps_high=0.2, icepop_beta=2.0)
     # Four trainable tokens and one prompt token:
-    #  t0 ratio 1.1 kept; t1 ratio 1.5 masked by the ratio rule; t2 ratio 1.0 but rho = 3 so
-    #  IcePop masks it; t3 ratio 0.9 kept; t4 prompt (loss_mask 0).
+    #  t0 ratio 1.1 kept; t1 ratio 1.5 masked by the ratio rule; t2 ratio 1.0 and rho = 3, kept
+    #  (masked mode has no separate IcePop: its ratio is to pi_infer already); t3 ratio 0.9
+    #  kept; t4 prompt (loss_mask 0).
     logp_infer = _t([-1.0, -1.0, -1.0, -1.0, -1.0])
     logp = logp_infer + _t([math.log(1.1), math.log(1.5), 0.0, math.log(0.9), 0.0])
     old = logp_infer + _t([0.0, 0.0, math.log(3.0), 0.0, 0.0])
     mask = _t([1, 1, 1, 1, 0])
     adv = torch.tensor([2.0], dtype=F64)
     loss, stats = policy_loss(logp, logp_infer, mask, adv, cfg, logp_train_old=old)
-    # kept: t0 and t3. token_mean over the 4 trainable tokens.
-    expected = -(2.0 * 1.1 + 2.0 * 0.9) / 4
+    # kept: t0, t2 and t3. token_mean over the 4 trainable tokens.
+    expected = -(2.0 * 1.1 + 2.0 * 1.0 + 2.0 * 0.9) / 4
     assert loss.item() == pytest.approx(expected, rel=1e-12)
-    assert stats.tokens == 4 and stats.kept == 2
-    assert stats.ratio_mask_frac == pytest.approx(1 / 4)
-    assert stats.icepop_mask_frac == pytest.approx(1 / 4)
+    assert stats.tokens == 4 and stats.kept == 3
+    assert stats.ratio_mask_frac == pytest.approx(1 / 4) and stats.icepop_mask_frac == 0.0
+    assert stats.ratio_mean == pytest.approx((1.1 + 1.0 + 0.9) / 3)  # over kept tokens only
     assert stats.mismatch_abs == pytest.approx(math.log(3.0) / 4)
     assert stats.mismatch_kl == pytest.approx(((3.0 - 1) - math.log(3.0)) / 4)
+    # And the same gradient as with IcePop off: beta changes nothing in masked mode.
+    grads = []
+    for beta in (2.0, None):
+        x = logp.clone().requires_grad_(True)
+        policy_loss(x, logp_infer, mask, adv, cfg.model_copy(update={"icepop_beta": beta}),
+                    logp_train_old=old)[0].backward()
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_ppo_mode_by_hand_clip_and_icepop() -> None:
+    """ppo: ratio to pi_train_old under the clip, IcePop on pi_train_old / pi_infer as a mask
+    and a weight. By hand, with A = +2 and eps 0.2:
+      t0 r 1.1, rho 1   -> kept, gradient -A * r * rho = -2.2
+      t1 r 1.5, rho 1   -> clipped (A > 0, r > 1.2): no gradient, loss term -1.2 * A
+      t2 r 1.0, rho 3   -> IcePop drops it (beta 2)
+      t3 r 0.5, rho 1.5 -> kept (the clip binds only above for A > 0), weighed by 1.5
+      t4 r 1.0, rho 3   -> IcePop drops it too (the clip would have kept it)
+    """
+    cfg = PolicyLossConfig(mode="ppo", eps_low=0.2, eps_high=0.2, icepop_beta=2.0)
+    infer = _t([-1.0] * 5)
+    old = infer + _t([0.0, 0.0, math.log(3.0), math.log(1.5), math.log(3.0)])
+    logp = (old + _t([math.log(1.1), math.log(1.5), 0.0, math.log(0.5), 0.0])).requires_grad_(True)
+    mask = _t([1, 1, 1, 1, 1])
+    adv = torch.tensor([2.0], dtype=F64)
+    loss, stats = policy_loss(logp, infer, mask, adv, cfg, logp_train_old=old)
+    expected = -(2.0 * 1.1 * 1.0 + 1.2 * 2.0 * 1.0 + 0.5 * 2.0 * 1.5) / 5
+    assert loss.item() == pytest.approx(expected, rel=1e-12)
+    loss.backward()
+    assert logp.grad[0].tolist() == pytest.approx([-2.2 / 5, 0.0, 0.0, -0.5 * 2 * 1.5 / 5, 0.0])
+    assert (stats.kept, stats.ratio_masked, stats.icepop_masked) == (2, 1, 2)
+    assert (stats.ratio_only, stats.icepop_only, stats.both_masked) == (1, 2, 0)
+    assert stats.ratio_mean == pytest.approx((1.1 + 0.5) / 2)
+
+
+def test_ppo_dual_clip_bounds_negative_advantages() -> None:
+    infer = _t([-1.0, -1.0])
+    old = infer.clone()
+    logp = (old + _t([math.log(4.0), math.log(1.1)])).requires_grad_(True)
+    adv = torch.tensor([-1.0], dtype=F64)
+    mask = _t([1, 1])
+    plain = PolicyLossConfig(mode="ppo", icepop_beta=None)
+    dual = plain.model_copy(update={"dual_clip": 3.0})
+    # Without the dual clip, r = 4 with A < 0 has gradient -A * r = 4 (the clip binds below).
+    loss, _ = policy_loss(logp, infer, mask, adv, plain, logp_train_old=old)
+    loss.backward()
+    assert logp.grad[0].tolist() == pytest.approx([4.0 / 2, 1.1 / 2])
+    logp.grad = None
+    loss, stats = policy_loss(logp, infer, mask, adv, dual, logp_train_old=old)
+    loss.backward()
+    # max(min(rA, clip(r)A), 3A) = max(-4, -3) = -3: constant, no gradient; t1 unchanged.
+    assert loss.item() == pytest.approx(-(-3.0 + -1.1) / 2)
+    assert logp.grad[0].tolist() == pytest.approx([0.0, 1.1 / 2])
+    assert stats.ratio_masked == 1 and stats.kept == 1
+    with pytest.raises(ValueError, match="dual_clip"):
+        PolicyLossConfig(dual_clip=3.0)
+
+
+def test_icepop_changes_the_ppo_gradient_when_the_engine_drifts() -> None:
+    """The same batch, the inference engine's log-probs drifted on some tokens (a different
+    kernel, a stale weight): IcePop takes those tokens out and reweighs the rest, so the
+    gradient differs from IcePop off; with no drift the two agree."""
+    g = torch.Generator().manual_seed(3)
+    old = -torch.rand(4, 16, generator=g, dtype=F64) * 2
+    logp = old + torch.randn(4, 16, generator=g, dtype=F64) * 0.05
+    mask = torch.ones(4, 16, dtype=F64)
+    adv = torch.randn(4, generator=g, dtype=F64)
+    drift = torch.zeros(4, 16, dtype=F64)
+    drift[:, ::3] = 1.5  # rho = e^1.5 = 4.5 on every third token
+    grads = {}
+    for name, infer in (("same", old.clone()), ("drift", old - drift)):
+        for beta in (2.0, None):
+            x = logp.clone().requires_grad_(True)
+            cfg = PolicyLossConfig(mode="ppo", icepop_beta=beta)
+            policy_loss(x, infer, mask, adv, cfg, logp_train_old=old)[0].backward()
+            grads[name, beta] = x.grad
+    assert torch.allclose(grads["same", 2.0], grads["same", None])
+    assert not torch.allclose(grads["drift", 2.0], grads["drift", None])
+    assert torch.all(grads["drift", 2.0][:, ::3] == 0)
+
+
+def test_mismatch_metrics_stay_finite() -> None:
+    """A log-ratio of 100 (float32 expm1 overflows past ~88) and a -inf inference log-prob on a
+    prompt token: the KL estimate is finite and NaN-free; the loss too."""
+    logp = torch.tensor([[-1.0, -1.0, -1.0]], dtype=torch.float32, requires_grad=True)
+    infer = torch.tensor([[-101.0, float("-inf"), -1.0]], dtype=torch.float32)
+    mask = torch.tensor([[1.0, 0.0, 1.0]])
+    for mode in ("masked", "ppo"):
+        loss, stats = policy_loss(logp, infer, mask, torch.ones(1), PolicyLossConfig(mode=mode),
+                                  logp_train_old=logp.detach())
+        assert math.isfinite(stats.mismatch_kl) and math.isfinite(stats.mismatch_abs)
+        assert stats.mismatch_abs == pytest.approx(20.0 / 2)  # clamped at LOG_RATIO_CLAMP
+        assert torch.isfinite(loss)
+        loss.backward()
+        assert torch.isfinite(logp.grad).all()
+        logp.grad = None
 
 
 def test_policy_loss_seq_mean_by_hand() -> None:
@@ -120,10 +217,10 @@ def test_opd_advantage_is_per_token_and_stops_gradient() -> None:
     assert student.grad.tolist() == [[-0.25, 0.5]]
 
 
-def test_icepop_needs_train_old_logprobs() -> None:
+def test_ppo_needs_train_old_logprobs() -> None:
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="logp_train_old"):
-        policy_loss(x, x, x, torch.zeros(1), PolicyLossConfig(icepop_beta=2.0))
+        policy_loss(x, x, x, torch.zeros(1), PolicyLossConfig(mode="ppo"))
 
 
 def test_huge_log_ratio_on_masked_token_does_not_poison_gradient() -> None:
@@ -162,13 +259,27 @@ def test_masked_tokens_get_exactly_zero_gradient(seed, b, t, eps_low, eps_high, 
     mask = (torch.rand(b, t, generator=g) > 0.3).to(F64)
     adv = torch.randn((b, t) if per_token_adv else (b,), generator=g, dtype=F64)
     adv = adv.masked_fill(adv.abs() < 1e-3, 1.0)  # a zero advantage would hide a kept token
+    # masked mode: only the ratio to pi_infer decides.
     cfg = PolicyLossConfig(eps_low=eps_low, eps_high=eps_high, icepop_beta=beta, aggregation=aggregation)
     loss, stats = policy_loss(logp, logp_infer, mask, adv, cfg, logp_train_old=old)
     loss.backward()
     keep = mask.bool() & ratio_keep_mask(logp, logp_infer, eps_low, eps_high)
-    if beta is not None:
-        keep &= icepop_keep_mask(old, logp_infer, beta)
     grad = logp.grad
     assert torch.all(grad[~keep] == 0.0)
     assert torch.all(grad[keep] != 0.0)
+    assert stats.kept == float(keep.sum())
+    # ppo mode: IcePop and the clip (on the side the advantage pushes) decide.
+    logp.grad = None
+    ppo = cfg.model_copy(update={"mode": "ppo"})
+    loss, stats = policy_loss(logp, logp_infer, mask, adv, ppo, logp_train_old=old)
+    loss.backward()
+    a = adv if adv.dim() == 2 else adv[:, None].expand(b, t)
+    r = torch.exp(logp.detach() - old)
+    live = mask.bool()
+    if beta is not None:
+        live &= icepop_keep_mask(old, logp_infer, beta)
+    clipped = ((a > 0) & (r > 1 + eps_high)) | ((a < 0) & (r < 1 - eps_low))
+    keep = live & ~clipped
+    assert torch.all(logp.grad[~keep] == 0.0)
+    assert torch.all(logp.grad[keep] != 0.0)
     assert stats.kept == float(keep.sum())

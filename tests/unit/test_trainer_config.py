@@ -20,6 +20,7 @@ def _job(**trainer) -> RLJob:
                  "microBatchSize": 4},
                 {"name": "rl", "type": "rl", "tasks": ["c"], "learningRate": 5e-4, "batchSize": 8,
                  "microBatchSize": 2, "rl": {"epsLow": 0.1, "epsHigh": 0.3, "icepopBeta": 3.0,
+                                             "lossMode": "ppo", "minibatches": 2,
                                              "resetOptimizerOnSync": False,
                                              "lossAggregation": "sequence-mean"}},
             ],
@@ -33,6 +34,7 @@ def test_rl_stage_settings_reach_the_trainer(tmp_path: Path) -> None:
     cfg = config_from_job(_job(), run_dir=tmp_path, stage="rl")
     assert cfg.model_dir == Path("models/m") and cfg.params_dtype == "float32" and cfg.seed == 3
     assert (cfg.loss.eps_low, cfg.loss.eps_high, cfg.loss.icepop_beta, cfg.loss.aggregation) == (0.1, 0.3, 3.0, "seq_mean")
+    assert (cfg.loss.mode, cfg.loss.dual_clip, cfg.minibatches_per_step) == ("ppo", None, 2)
     assert cfg.optimizer.lr == 5e-4 and cfg.optimizer.grad_clip == 0.5
     assert cfg.optimizer.reset_moments_on_publish is False
     assert cfg.optimizer.betas == (0.9, 0.95)  # the spec's default

@@ -88,24 +88,29 @@ def test_rl_steps_follow_the_advantage(model_dir: Path) -> None:
     assert first["tokens"] == sum(sum(t.loss_mask) for t in batch)
 
 
-def test_off_policy_tokens_are_masked_and_reported(model_dir: Path) -> None:
-    engine = TrainerEngine(_config(model_dir))
+@pytest.mark.parametrize("mode", ["masked", "ppo"])
+def test_off_policy_tokens_are_masked_and_reported(model_dir: Path, mode: str) -> None:
+    engine = TrainerEngine(_config(model_dir, loss=PolicyLossConfig(mode=mode, icepop_beta=2.0)))
     engine.stage = "reasoning"
     batch = _trajectories(engine, n=2)
     # The inference engine claims much higher probabilities than the trainer computes: every
-    # ratio is ~e^-3, outside [0.8, 1.28], and rho is outside [1/2, 2].
+    # ratio to pi_infer is ~e^-3, outside [0.8, 1.28], and rho is outside [1/2, 2]. masked
+    # mode's ratio mask takes every token; ppo's ratio (to the trainer's own weights) is 1,
+    # and IcePop takes every token.
     for t in batch:
         t.logp_infer = [x + 3.0 if m else 0.0 for x, m in zip(t.logp_infer, t.loss_mask)]
     before = [p.detach().clone() for p in engine.model.parameters()]
     tokens_before = REGISTRY.get_sample_value("kiln_train_tokens_total") or 0.0
     m = engine.step(batch)
-    assert m["ratio_mask_frac"] == 1.0 and m["icepop_mask_frac"] == 1.0 and m["kept_frac"] == 0.0
+    ratio, ice = (1.0, 0.0) if mode == "masked" else (0.0, 1.0)
+    assert (m["ratio_mask_frac"], m["icepop_mask_frac"], m["kept_frac"]) == (ratio, ice, 0.0)
+    assert (m["ratio_only_frac"], m["icepop_only_frac"], m["both_masked_frac"]) == (ratio, ice, 0.0)
     assert m["grad_norm"] == 0.0
     assert m["mismatch_abs"] == pytest.approx(3.0, abs=1e-4)
     assert m["mismatch_kl"] == pytest.approx(torch.expm1(torch.tensor(-3.0)).item() + 3.0, abs=1e-3)
     assert all(torch.equal(a, b) for a, b in zip(before, engine.model.parameters()))
-    assert REGISTRY.get_sample_value("kiln_ratio_mask_fraction") == 1.0
-    assert REGISTRY.get_sample_value("kiln_icepop_mask_fraction") == 1.0
+    assert REGISTRY.get_sample_value("kiln_ratio_mask_fraction") == ratio
+    assert REGISTRY.get_sample_value("kiln_icepop_mask_fraction") == ice
     assert REGISTRY.get_sample_value("kiln_logprob_mismatch_abs_mean") == pytest.approx(3.0, abs=1e-4)
     assert REGISTRY.get_sample_value("kiln_logprob_mismatch_kl") == pytest.approx(m["mismatch_kl"])
     assert REGISTRY.get_sample_value("kiln_train_step", {"stage": "reasoning"}) == 1.0
@@ -158,7 +163,9 @@ def test_checkpoint_resume_gives_identical_next_step(model_dir: Path, tmp_path: 
 
 
 def test_two_updates_per_step_use_start_of_step_logprobs(model_dir: Path) -> None:
-    engine = TrainerEngine(_config(model_dir, minibatches_per_step=2, micro_batch_size=1))
+    # ppo mode: the ratio is to the weights at the start of the step.
+    engine = TrainerEngine(_config(model_dir, minibatches_per_step=2, micro_batch_size=1,
+                                   loss=PolicyLossConfig(mode="ppo", icepop_beta=2.0)))
     batch = _trajectories(engine, n=4)
     m = engine.step(batch)
     assert next(iter(engine.optimizer.state.values()))["step"].item() == 2

@@ -88,6 +88,8 @@ CASES = {
                    "spec.stages[0].rl.epsLow", "less than 1"),
     "icepop-beta": (GOOD.replace("groupSize: 8", "groupSize: 8\n        icepopBeta: 0.5"),
                     "spec.stages[0].rl.icepopBeta", "greater than 1"),
+    "dual-clip-in-masked-mode": (GOOD.replace("groupSize: 8", "groupSize: 8\n        dualClip: 3"),
+                                 "spec.stages[0].rl", "dualClip applies to lossMode ppo"),
     "tau-negative": (GOOD.replace("groupSize: 8", "groupSize: 8\n        tau: -1"),
                      "spec.stages[0].rl.tau", "greater than or equal to 0"),
     "micro-batch-divides": (GOOD.replace("microBatchSize: 8", "microBatchSize: 5"),
