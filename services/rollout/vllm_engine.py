@@ -10,15 +10,24 @@ Hence for every generated token: its recorded version is the version of the weig
 produced it, and its recorded log-prob is that version's log-prob of the token given the whole
 preceding sequence (not a mix of old cached keys and new weights).
 
-Not covered: multi-GPU tensor parallelism, LoRA, and atomicity of a failed reload (vLLM's
-in-place reload may have copied some tensors before failing; the version label then stays old,
-and the engine should be reloaded with a complete version before it is trusted again).
+A version is applied whole or not at all. vLLM reloads in place, so a reload that failed
+part-way would leave a mix no version names; every weight of a version is therefore checked
+first against the checkpoint the engine started from (the same names, the same shapes,
+floating point), and a version that does not match is refused before anything is touched: the
+old one is served on. A reload that still fails after that check (an internal error, memory)
+leaves the engine refusing to generate (`EngineBroken`); the rollout service exits and is
+restarted on the latest version. Keeping a second copy of the weights to swap back was tried and
+does not work here: vLLM's layer-wise reload keeps per-layer loading state that a failed
+reload leaves behind, and a second reload trips over it.
+
+Not covered: multi-GPU tensor parallelism, LoRA.
 """
 from __future__ import annotations
 
 import asyncio
 import os
 import uuid
+from pathlib import Path
 from typing import Any, Sequence
 
 from kiln.services.rollout.engine import (
@@ -51,6 +60,44 @@ def _refresh_cpu_embedding_gemm(model: Any) -> None:
     for module in model.modules():
         if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
+
+def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in a Hugging Face checkpoint's safetensors files, read from
+    their headers (no tensor is loaded)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def check_version(version: int, named_tensors: NamedTensors,
+                  shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, Any]]:
+    """The tensors of `version`, if they are a whole version of the checkpoint `shapes`
+    describes; ValueError naming what does not match otherwise (nothing applied yet). A tied
+    LM head may be left out or put in: the checkpoint format allows it either way. With no
+    shapes (a checkpoint not in safetensors) nothing can be checked."""
+    tensors = list(named_tensors)
+    if not shapes:
+        return tensors
+    names = {n for n, _ in tensors}
+    unknown = sorted(names - set(shapes) - {"lm_head.weight"})
+    if unknown:
+        raise ValueError(f"version {version}: weights {unknown[:5]} are not in the served model; "
+                         "old weights kept")
+    missing = sorted(set(shapes) - names - {"lm_head.weight"})
+    if missing:
+        raise ValueError(f"version {version} lacks {missing[:5]} ({len(missing)} of "
+                         f"{len(shapes)}); a part of a version is never applied; old weights kept")
+    for name, t in tensors:
+        if name in shapes and tuple(t.shape) != shapes[name]:
+            raise ValueError(f"version {version}: weight {name} has shape {tuple(t.shape)}, "
+                             f"the served model's is {shapes[name]}; old weights kept")
+    return tensors
 
 
 def _write_weights(named_tensors: NamedTensors) -> str:
@@ -86,6 +133,7 @@ class VllmEngine(EngineBase):
         self._llm = llm
         self._update_lock = asyncio.Lock()
         self._broken = ""  # why the engine must not generate again (see EngineBroken)
+        self._shapes = checkpoint_shapes(settings.model)
 
     @classmethod
     async def start(cls, settings: EngineSettings) -> "VllmEngine":
@@ -149,7 +197,8 @@ class VllmEngine(EngineBase):
     async def apply_weights(self, version: int, named_tensors: NamedTensors) -> None:
         async with self._update_lock:
             self.check_new_version(version)
-            path = await asyncio.to_thread(_write_weights, named_tensors)
+            tensors = check_version(version, named_tensors, self._shapes)
+            path = await asyncio.to_thread(_write_weights, tensors)
             llm = self._llm
             await llm.pause_generation(mode="keep", clear_cache=False)
             broken = False
