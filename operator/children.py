@@ -161,7 +161,7 @@ def service(job: JobRef, component: str, image: str, openai_port: int | None = N
 # "operator" is the Kiln operator's pod, in whatever namespace the chart put it.
 GRPC_CLIENTS: dict[str, tuple[str, ...]] = {
     "trainer": ("operator",),
-    "rollout": ("operator",),
+    "rollout": ("operator", "rollout"),  # rollout: a teacher's Score
     "sandbox": ("rollout",),
     "weight-sync": ("trainer", "rollout", "operator"),
     "buffer": ("trainer", "rollout", "operator"),

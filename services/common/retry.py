@@ -6,7 +6,10 @@ from typing import Any, Callable
 
 import grpc
 
-TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# ABORTED: a conflict with a concurrent change (weights swapped while scoring); the same call
+# succeeds once it is over.
+TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                       grpc.StatusCode.ABORTED})
 
 
 def call_with_retry(method: Callable[..., Any], request: Any, *, timeout: float,

@@ -1,6 +1,7 @@
 """The rollout service's client: set the mode, run evaluations, read the status (the stage
-driver's side). Blocking calls; SetMode and GetStatus are idempotent and retried on transient
-errors, an evaluation is not (it is long, and its result is recorded by the caller)."""
+driver's side), score token sequences (a teacher's or a reward model's side). Blocking calls;
+SetMode, GetStatus and Score are idempotent and retried on transient errors, an evaluation is
+not (it is long, and its result is recorded by the caller)."""
 from __future__ import annotations
 
 from kiln import tls
@@ -27,6 +28,11 @@ class RolloutClient:
         req = rollout_pb2.EvaluateRequest(task_set=task_set, samples=samples, greedy=greedy,
                                           max_tasks=max_tasks)
         return wire.evaluation_from_proto(self._stub.Evaluate(req, timeout=3600))
+
+    def score(self, sequences: list[list[int]], *, timeout: float = 300.0) -> tuple[list[list[float]], int]:
+        """(per-token log-probs of each sequence, the policy version that scored them)."""
+        resp = call_with_retry(self._stub.Score, wire.score_request(sequences), timeout=timeout)
+        return [list(r.logprobs) for r in resp.sequences], resp.policy_version
 
     def status(self) -> RolloutStatus:
         return wire.status_from_proto(call_with_retry(

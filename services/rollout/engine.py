@@ -88,6 +88,11 @@ class Engine(Protocol):
     async def generate(self, prompt_token_ids: Sequence[int], sampling: SamplingOptions) -> Generation:
         ...
 
+    async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Per-token log-probs of each sequence under the weights served: entry t is
+        log p(token t | tokens < t) of the raw distribution, entry 0 is 0.0."""
+        ...
+
     async def apply_weights(self, version: int, named_tensors: NamedTensors) -> None:
         """Switch to policy `version` (Hugging Face tensor names), which must be newer."""
 
@@ -116,6 +121,15 @@ class EngineSettings(BaseModel):
         return cls(model=model_dir or spec.model.path, dtype=spec.model.dtype,
                    kv_cache_bytes=spec.rollout.kv_cache_bytes,
                    enforce_eager=spec.rollout.enforce_eager, seed=spec.seed, **overrides)
+
+
+def check_sequence(seq: Sequence[int], vocab_size: int) -> None:
+    """ValueError unless `seq` is a non-empty sequence of token ids below `vocab_size`."""
+    if not seq:
+        raise ValueError("sequences: an empty sequence has nothing to score")
+    bad = [t for t in seq if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"sequences: token ids {bad[:5]} are outside [0, {vocab_size})")
 
 
 class EngineBroken(RuntimeError):

@@ -34,9 +34,10 @@ import torch
 from kiln.models import dsa, parallel
 from kiln.models.hf_io import (
     hf_to_megatron_shard, iter_hf_tensors, load_hf_checkpoint, load_state_into)
-from kiln.models.megatron_model import DSABackend, forward_logits, next_token_logprob
+from kiln.models.megatron_model import (DSABackend, forward_logits, next_token_logprob,
+                                        token_logprobs)
 from kiln.services.rollout.engine import (
-    EngineBase, EngineSettings, Generation, NamedTensors, SamplingOptions)
+    EngineBase, EngineSettings, Generation, NamedTensors, SamplingOptions, check_sequence)
 from kiln.services.rollout.sampling import sample_token
 
 ENGINE_NAME = "megatron"
@@ -111,6 +112,22 @@ class MegatronEngine(EngineBase):
         # The last step covered prompt + out[:-1], i.e. every row that predicted a token.
         hashes = dsa.sequence_hashes(indices, 0, len(tokens)) if indices else []
         return Generation(out, logps, versions, finish, index_hashes=hashes)
+
+    async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        out = []
+        for seq in sequences:
+            check_sequence(seq, self.spec.vocab_size)
+            if len(seq) > self.max_len:
+                raise ValueError(f"sequences: {len(seq)} tokens exceed max_model_len={self.max_len}")
+            async with self._lock:
+                out.append(await asyncio.to_thread(self._score_one, list(seq)))
+        return out
+
+    @torch.no_grad()
+    def _score_one(self, seq: list[int]) -> list[float]:
+        # The trainer's own function: a teacher scored here gives the trainer's numbers.
+        ids = torch.tensor([seq], dtype=torch.long, device=next(self.model.parameters()).device)
+        return token_logprobs(self.model, ids)[0].tolist()
 
     async def apply_weights(self, version: int, named_tensors: NamedTensors) -> None:
         """Load a complete set of HF-named weights as `version` (all or nothing)."""

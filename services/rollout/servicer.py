@@ -39,6 +39,19 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     async def GetStatus(self, request, context):
         return wire.status_to_proto(self.status())
 
+    async def Score(self, request, context):
+        engine = self.producer.engine
+        try:
+            sequences = wire.sequences_from_proto(request)
+            version = engine.policy_version
+            logprobs = await engine.score(sequences)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if engine.policy_version != version:
+            # Weights changed while scoring: some rows may be the new version's.
+            await context.abort(grpc.StatusCode.ABORTED, "the weights changed while scoring; retry")
+        return wire.score_response(logprobs, version)
+
     async def Evaluate(self, request, context):
         if request.task_set not in self.task_sets:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,

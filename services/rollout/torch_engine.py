@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import torch
 
 from kiln.services.rollout.engine import (
-    EngineBase, EngineSettings, Generation, NamedTensors, SamplingOptions)
+    EngineBase, EngineSettings, Generation, NamedTensors, SamplingOptions, check_sequence)
 from kiln.services.rollout.sampling import sample_token
 
 
@@ -78,6 +78,21 @@ class TorchEngine(EngineBase):
                 finish = "stop"
                 break
         return Generation(out, logps, versions, finish)
+
+    async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        vocab = self.model.config.vocab_size
+        out = []
+        for seq in sequences:
+            check_sequence(seq, vocab)
+            async with self._lock:  # not while weights change
+                out.append(await asyncio.to_thread(self._score_one, list(seq)))
+        return out
+
+    @torch.no_grad()
+    def _score_one(self, seq: list[int]) -> list[float]:
+        logits = self.model(input_ids=torch.tensor([seq], dtype=torch.long)).logits[0].float()
+        logp = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(seq[1:])[:, None])
+        return [0.0, *logp[:, 0].tolist()]
 
     async def apply_weights(self, version: int, named_tensors: NamedTensors) -> None:
         async with self._lock:

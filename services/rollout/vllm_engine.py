@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from kiln.services.rollout.engine import (
-    EngineBase, EngineBroken, EngineSettings, Generation, NamedTensors, SamplingOptions)
+    EngineBase, EngineBroken, EngineSettings, Generation, NamedTensors, SamplingOptions,
+    check_sequence)
 
 
 def _reload_in_worker(worker: Any, path: str) -> None:
@@ -134,6 +135,7 @@ class VllmEngine(EngineBase):
         self._update_lock = asyncio.Lock()
         self._broken = ""  # why the engine must not generate again (see EngineBroken)
         self._shapes = checkpoint_shapes(settings.model)
+        self._vocab: int | None = None
 
     @classmethod
     async def start(cls, settings: EngineSettings) -> "VllmEngine":
@@ -193,6 +195,40 @@ class VllmEngine(EngineBase):
             raise RuntimeError(f"vLLM output lacks logprobs or weight versions for request "
                                f"{final.request_id}; this is a bug, not retryable")
         return Generation(token_ids, logprobs, versions, c.finish_reason or "abort")
+
+    async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        if self._broken:
+            raise EngineBroken(self._broken)
+        vocab = self._vocab_size()
+        for seq in sequences:
+            check_sequence(seq, vocab)
+        # Concurrent requests: vLLM batches their prefills.
+        return list(await asyncio.gather(*(self._score_one(list(s)) for s in sequences)))
+
+    def _vocab_size(self) -> int:
+        if self._vocab is None:
+            import json
+            config = json.loads((Path(self.settings.model) / "config.json").read_text())
+            self._vocab = int(config.get("vocab_size") or config["text_config"]["vocab_size"])
+        return self._vocab
+
+    async def _score_one(self, seq: list[int]) -> list[float]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        # One token generated (vLLM generates at least one), the prompt's own log-probs kept:
+        # prompt_logprobs=0 returns the log-prob of each prompt token actually there.
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        final = None
+        async for out in self._llm.generate(TokensPrompt(prompt_token_ids=seq), params,
+                                            request_id=uuid.uuid4().hex):
+            final = out
+        if final is None or final.prompt_logprobs is None:
+            raise RuntimeError("vLLM returned no prompt log-probs (engine stopped?); retry may help")
+        rows = final.prompt_logprobs
+        return [0.0, *(row[tok].logprob for row, tok in zip(rows[1:], seq[1:]))]
 
     async def apply_weights(self, version: int, named_tensors: NamedTensors) -> None:
         async with self._update_lock:

@@ -4,12 +4,40 @@ and evaluation results it reads (`kiln.control`), and their protobuf converters
 and by the client alike."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kiln.control import Evaluation, ModeRequest, RolloutMode, RolloutStatus
+from kiln.protos.kiln.v1 import rollout_pb2
 from kiln.protos.control import (evaluation_from_proto, evaluation_to_proto, mode_from_proto,
                                  mode_to_proto)
 from kiln.protos.control import rollout_status_from_proto as status_from_proto
 from kiln.protos.control import rollout_status_to_proto as status_to_proto
 
-__all__ = ["Evaluation", "ModeRequest", "RolloutMode", "RolloutStatus", "evaluation_from_proto",
-           "evaluation_to_proto", "mode_from_proto", "mode_to_proto", "status_from_proto",
+__all__ = ["Evaluation", "MAX_SCORE_TOKENS", "ModeRequest", "RolloutMode", "RolloutStatus",
+           "evaluation_from_proto", "evaluation_to_proto", "mode_from_proto", "mode_to_proto",
+           "score_request", "score_response", "sequences_from_proto", "status_from_proto",
            "status_to_proto"]
+
+#: Tokens one Score call may carry in all: about 4 MiB of ids, and a bound on the work one
+#: caller can ask for at once.
+MAX_SCORE_TOKENS = 1 << 20
+
+
+def score_request(sequences: Sequence[Sequence[int]]) -> rollout_pb2.ScoreRequest:
+    return rollout_pb2.ScoreRequest(
+        sequences=[rollout_pb2.TokenSequence(token_ids=list(s)) for s in sequences])
+
+
+def sequences_from_proto(msg: rollout_pb2.ScoreRequest) -> list[list[int]]:
+    """The request's sequences; ValueError past MAX_SCORE_TOKENS."""
+    total = sum(len(s.token_ids) for s in msg.sequences)
+    if total > MAX_SCORE_TOKENS:
+        raise ValueError(f"sequences: {total} tokens in one Score call, at most "
+                         f"{MAX_SCORE_TOKENS}; split it")
+    return [list(s.token_ids) for s in msg.sequences]
+
+
+def score_response(logprobs: list[list[float]], version: int) -> rollout_pb2.ScoreResponse:
+    return rollout_pb2.ScoreResponse(
+        sequences=[rollout_pb2.TokenLogprobs(logprobs=row) for row in logprobs],
+        policy_version=version)

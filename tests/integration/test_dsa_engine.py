@@ -57,6 +57,8 @@ async def test_generations_match_the_trainer_bit_for_bit(dsa_dir: Path, tmp_path
     for p, g, lp in zip(PROMPTS, gens, trainer.logprobs(seqs)):
         assert g.logprobs == lp[len(p):]  # exact float equality, token by token
         assert g.versions == [0] * len(g.token_ids)
+    # Scoring (a teacher's job) is the trainer's own computation: the same bits.
+    assert await engine.score(seqs) == trainer.logprobs(seqs)
     hashes = [g.index_hashes for g in gens]
     assert all(len(h) == 2 for h in hashes)
     assert dsa.count_mismatches(hashes, trainer.index_hashes(seqs)) == 0

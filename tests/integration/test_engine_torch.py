@@ -97,3 +97,54 @@ def test_greedy_is_deterministic_and_stops(models) -> None:
     assert a == b and a.finish_reason in ("length", "stop")
     assert c.finish_reason == "stop" and c.token_ids[-1] == stop
     assert c.token_ids == a.token_ids[:a.token_ids.index(stop) + 1]
+
+
+def test_score_gives_each_tokens_logprob_over_grpc(models) -> None:
+    """Score: entry t is log p(token t | tokens < t) under the served weights (the reference
+    model's, exactly), through the Rollout service's Score RPC and its client; malformed or
+    oversized requests are INVALID_ARGUMENT."""
+    import grpc
+
+    from kiln.protos.kiln.v1 import rollout_pb2, rollout_pb2_grpc
+    from kiln.services.common.server import CHANNEL_OPTIONS, Registration, create_server
+    from kiln.services.rollout import wire
+    from kiln.services.rollout.agent import Limits
+    from kiln.services.rollout.producer import Producer
+    from kiln.services.rollout.servicer import RolloutServicer
+
+    v0, _ = models
+    seqs = [[1, 5, 9, 12, 40, 41], [3, 7], [11]]
+
+    async def main():
+        engine = await TorchEngine.start(EngineSettings(model=str(v0), dtype="float32", seed=0))
+        direct = await engine.score(seqs)
+        # Only the engine of the producer is used by Score.
+        producer = Producer(engine, None, None, None, sampling=SamplingOptions(),
+                            limits=Limits(1, 1, 16), max_concurrent=1)
+        server, port = await create_server("127.0.0.1:0", [Registration(
+            rollout_pb2_grpc.add_RolloutServicer_to_server, RolloutServicer(producer, {}),
+            "kiln.v1.Rollout")])
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as ch:
+            stub = rollout_pb2_grpc.RolloutStub(ch)
+            resp = await stub.Score(wire.score_request(seqs))
+            errors = []
+            for bad in ([[1, 99999]], [[]], [[1] * (wire.MAX_SCORE_TOKENS + 1)]):
+                try:
+                    await stub.Score(wire.score_request(bad))
+                except grpc.aio.AioRpcError as exc:
+                    errors.append((exc.code(), exc.details()))
+        await server.stop(0)
+        return direct, resp, errors
+
+    direct, resp, errors = asyncio.run(main())
+    assert resp.policy_version == 0
+    got = [list(r.logprobs) for r in resp.sequences]
+    for seq, row, d in zip(seqs, got, direct):
+        assert len(row) == len(seq) and row[0] == 0.0
+        assert row == pytest.approx(d, abs=1e-6)  # float32 on the wire
+        if len(seq) > 1:
+            ref = reference_logprobs(v0, seq[:1], seq[1:])
+            assert torch.allclose(torch.tensor(row[1:]), ref, atol=1e-5)
+    assert [c for c, _ in errors] == [grpc.StatusCode.INVALID_ARGUMENT] * 3
+    assert "[99999] are outside [0, " in errors[0][1] and "empty" in errors[1][1]
+    assert "at most 1048576" in errors[2][1]

@@ -147,6 +147,23 @@ def test_published_version_reaches_engine_and_changes_logprobs(env: Env) -> None
     assert (old_under_new - torch.tensor(before.logprobs)).abs().max() > 1e-2
 
 
+def test_score_matches_the_reference_model(env: Env) -> None:
+    """vLLM's Score (prompt log-probs): entry t is log p(token t | tokens < t) of the served
+    version, as transformers computes it; entry 0 is 0."""
+    eng = env.engine
+    seqs = [[1, 9, 10, 11, 12, 30, 31], [4, 5], [7]]
+    rows = env.run(eng.score(seqs))
+    mdir = env.dirs[eng.policy_version] if eng.policy_version < len(env.dirs) else None
+    assert mdir is not None
+    for seq, row in zip(seqs, rows):
+        assert len(row) == len(seq) and row[0] == 0.0
+        if len(seq) > 1:
+            ref = reference_logprobs(mdir, seq[:1], seq[1:])
+            assert (torch.tensor(row[1:]) - ref).abs().max().item() < ATOL
+    with pytest.raises(ValueError, match="outside"):
+        env.run(eng.score([[1, 10**6]]))
+
+
 def test_a_version_that_does_not_fit_is_refused_whole_and_the_old_one_served(env: Env) -> None:
     """A version with one weight of the wrong shape, or one weight missing, or an unknown one:
     refused before anything is reloaded; the engine serves the old version on, exactly."""

@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -61,6 +61,32 @@ class RolloutStatus(_message.Message):
     engine_fingerprint: str
     shipped: int
     def __init__(self, mode: _Optional[_Union[RolloutMode, str]] = ..., stage: _Optional[str] = ..., policy_version: _Optional[int] = ..., episodes: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., mean_reward: _Optional[float] = ..., in_flight: _Optional[int] = ..., engine_fingerprint: _Optional[str] = ..., shipped: _Optional[int] = ...) -> None: ...
+
+class TokenSequence(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("sequences",)
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[TokenSequence]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ...) -> None: ...
+
+class TokenLogprobs(_message.Message):
+    __slots__ = ("logprobs",)
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("sequences", "policy_version")
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    policy_version: int
+    def __init__(self, sequences: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class EvaluateRequest(_message.Message):
     __slots__ = ("task_set", "max_tasks", "samples", "greedy")

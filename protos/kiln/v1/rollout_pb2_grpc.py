@@ -49,6 +49,11 @@ class RolloutStub:
                 request_serializer=kiln_dot_v1_dot_rollout__pb2.RolloutStatusRequest.SerializeToString,
                 response_deserializer=kiln_dot_v1_dot_rollout__pb2.RolloutStatus.FromString,
                 _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/kiln.v1.Rollout/Score',
+                request_serializer=kiln_dot_v1_dot_rollout__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=kiln_dot_v1_dot_rollout__pb2.ScoreResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServicer:
@@ -74,6 +79,14 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Score(self, request, context):
+        """Log-probs of given token sequences under the weights this engine serves: a teacher's for
+        on-policy distillation, a reward model's score. Nothing is generated or stored.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +104,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=kiln_dot_v1_dot_rollout__pb2.RolloutStatusRequest.FromString,
                     response_serializer=kiln_dot_v1_dot_rollout__pb2.RolloutStatus.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=kiln_dot_v1_dot_rollout__pb2.ScoreRequest.FromString,
+                    response_serializer=kiln_dot_v1_dot_rollout__pb2.ScoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -174,6 +192,33 @@ class Rollout:
             '/kiln.v1.Rollout/GetStatus',
             kiln_dot_v1_dot_rollout__pb2.RolloutStatusRequest.SerializeToString,
             kiln_dot_v1_dot_rollout__pb2.RolloutStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kiln.v1.Rollout/Score',
+            kiln_dot_v1_dot_rollout__pb2.ScoreRequest.SerializeToString,
+            kiln_dot_v1_dot_rollout__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,
