@@ -52,6 +52,13 @@ class OperatorConfig(BaseModel):
 
     def refusals(self, spec) -> list[str]:
         """What this operator will not run of an accepted spec (kiln.api.spec.RLJobSpec)."""
+        out = [f"spec.stages[{i}].rl.advantage: opd needs its teacher served by a rollout "
+               "deployment of its own, which the operator does not make yet; `kiln run` does"
+               for i, s in enumerate(spec.stages)
+               if getattr(s, "rl", None) is not None and s.rl.advantage == "opd"]
+        return out + self._sandbox_refusals(spec)
+
+    def _sandbox_refusals(self, spec) -> list[str]:
         if spec.sandbox.replicas == 0 or self.allow_privileged_sandboxes or self.sandbox_runtime_class:
             return []
         need = ("a privileged Docker-in-pod sidecar" if spec.sandbox.backend == "docker"

@@ -38,7 +38,26 @@ def _resolve(job: RLJob, job_file: Path) -> RLJob:
     model = spec.model.model_copy(update={"path": str(model_path)})
     tasks = [t.model_copy(update={"path": str((base / t.path).resolve())})
              if t.path and not Path(t.path).is_absolute() else t for t in spec.tasks]
-    return job.model_copy(update={"spec": spec.model_copy(update={"model": model, "tasks": tasks})})
+    stages = []
+    for st in spec.stages:
+        rl = getattr(st, "rl", None)
+        if rl is not None and rl.teacher and not Path(rl.teacher).is_absolute():
+            # A teacher checkpoint, like the model, lives under the working directory.
+            st = st.model_copy(update={"rl": rl.model_copy(
+                update={"teacher": str((Path.cwd() / rl.teacher).resolve())})})
+        stages.append(st)
+    return job.model_copy(update={"spec": spec.model_copy(
+        update={"model": model, "tasks": tasks, "stages": stages})})
+
+
+def teacher_of(job: RLJob) -> str | None:
+    """The checkpoint the job's on-policy distillation stages learn from (one per job here)."""
+    teachers = {s.rl.teacher for s in job.spec.stages
+                if getattr(s, "rl", None) is not None and s.rl.advantage == "opd"}
+    if len(teachers) > 1:
+        raise ValueError(f"spec.stages: kiln run serves one teacher per job; these stages name "
+                         f"{sorted(teachers)}")
+    return next(iter(teachers), None)
 
 
 def _dump(job: RLJob) -> str:
@@ -89,6 +108,15 @@ def main(args: argparse.Namespace) -> int:
     from kiln.cli.local.model import prepare_model
 
     prepare_model(job, out)
+    try:
+        teacher = teacher_of(job)
+    except ValueError as exc:
+        print(f"kiln run: {exc}", file=sys.stderr)
+        return 2
+    if teacher is not None and not (Path(teacher) / "config.json").exists():
+        print(f"kiln run: rl.teacher: {teacher} holds no config.json (a Hugging Face checkpoint "
+              "directory, e.g. an earlier run's `kiln export`)", file=sys.stderr)
+        return 2
     # The model capabilities once more: spec.model.init may just have made the checkpoint.
     try:
         problems = [r.message for r in job_model_refusals(job.spec)]
@@ -112,14 +140,18 @@ def main(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        out.write(f"run directory: {run_dir}\nstarting services: {', '.join(processes.ORDER)}\n")
+        order = list(processes.ORDER)
+        if teacher is not None:
+            order.insert(order.index("rollout"), processes.TEACHER)
+        out.write(f"run directory: {run_dir}\nstarting services: {', '.join(order)}\n")
         processes.issue_certificates(run_dir, job.metadata.name)
         group = processes.trainer_group(job.spec.trainer.data_parallel)
-        for name in processes.ORDER:
+        for name in order:
             addrs = {n: s.address for n, s in services.items()}
+            args = ("--teacher", teacher) if name == processes.TEACHER else ()
             for member, env in (group.items() if name == "trainer" else [(name, {})]):
-                services[member] = processes.start(member, job_file, run_dir, addrs, env)
-            if name in ("buffer", "sandbox", "weight_sync"):
+                services[member] = processes.start(member, job_file, run_dir, addrs, env, args=args)
+            if name in ("buffer", "sandbox", "weight_sync", processes.TEACHER):
                 processes.wait_ready(services[name])
         for name in (*group, "rollout"):
             processes.wait_ready(services[name])
@@ -206,7 +238,8 @@ def _stop_all(services) -> None:
 
     # The trainer's replicas after replica 0, which releases them after its final checkpoint.
     replicas = sorted(n for n in services if n.startswith(processes.REPLICA_PREFIX))
-    order = [n for n in ("rollout", "trainer", *replicas, "weight_sync", "sandbox", "buffer") if n in services]
+    order = [n for n in ("rollout", processes.TEACHER, "trainer", *replicas, "weight_sync", "sandbox",
+                         "buffer") if n in services]
     try:
         for name in order:
             processes.stop(services[name])

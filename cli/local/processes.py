@@ -26,9 +26,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kiln import tls
 from kiln.tls import TLS_DIR_ENV
 
-# Start order: a service is started after the ones it talks to.
+# Start order: a service is started after the ones it talks to. A job with on-policy
+# distillation also runs a `teacher` (the rollout service serving a fixed checkpoint's scores,
+# `--teacher DIR`), started before rollout.
 ORDER = ("buffer", "sandbox", "weight_sync", "trainer", "rollout")
 REPLICA_PREFIX = "trainer-replica-"
+TEACHER = "teacher"
 
 
 class ServiceFailed(RuntimeError):
@@ -43,6 +46,8 @@ class ServiceProcess:
     log_path: Path
     port: int = 0
     metrics_port: int = 0
+    args: tuple[str, ...] = ()
+    """Arguments after the common ones (a teacher's `--teacher DIR`); a restart passes them."""
 
     @property
     def address(self) -> str:
@@ -60,7 +65,8 @@ def env_var(name: str) -> str:
 
 
 def start(name: str, job_file: Path, run_dir: Path, addresses: dict[str, str],
-          extra_env: dict[str, str] | None = None, port: int = 0) -> ServiceProcess:
+          extra_env: dict[str, str] | None = None, port: int = 0,
+          args: tuple[str, ...] = ()) -> ServiceProcess:
     """Start service `name` (`trainer-replica-N`: data-parallel replica N of the trainer);
     `port` 0 picks a free one (a restart passes the old one, so the other services' channels
     reconnect to the same address)."""
@@ -74,21 +80,25 @@ def start(name: str, job_file: Path, run_dir: Path, addresses: dict[str, str],
     # Each service's own certificate (`issue_certificates`); the launcher's is the operator's.
     env[TLS_DIR_ENV] = str(run_dir / "tls" / component_of(name))
     env.setdefault("KILN_LOG_FORMAT", "json")
-    module = "trainer" if name.startswith(REPLICA_PREFIX) else name
+    module = ("trainer" if name.startswith(REPLICA_PREFIX) else "rollout" if name == TEACHER
+              else name)
     cmd = [sys.executable, "-m", f"kiln.services.{module}.main", "--job", str(job_file),
            "--address", f"127.0.0.1:{port}", "--metrics-port", "0", "--run-dir", str(state),
-           "--port-file", str(port_file)]
+           "--port-file", str(port_file), *args]
     with open(log_path, "ab") as log:
         # A new session: Ctrl-C in the terminal reaches the launcher only, which then stops
         # each service in order (the trainer must checkpoint before the others go).
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 cwd=run_dir, start_new_session=True)
-    return ServiceProcess(name, proc, state, log_path, port=port)
+    return ServiceProcess(name, proc, state, log_path, port=port, args=tuple(args))
 
 
 def component_of(name: str) -> str:
-    """The component (certificate identity) a local service process runs as."""
-    return "trainer" if name.startswith(REPLICA_PREFIX) else name.replace("_", "-")
+    """The component (certificate identity) a local service process runs as: a teacher is a
+    rollout deployment, as on a cluster."""
+    if name.startswith(REPLICA_PREFIX):
+        return "trainer"
+    return "rollout" if name == TEACHER else name.replace("_", "-")
 
 
 def issue_certificates(run_dir: Path, job_name: str) -> None:
@@ -136,7 +146,7 @@ def restart(svc: ServiceProcess, job_file: Path, run_dir: Path, addresses: dict[
             extra_env: dict[str, str] | None = None) -> ServiceProcess:
     """Start a dead service again on its old port and wait until it is healthy."""
     new = start(svc.name, job_file, run_dir, {k: v for k, v in addresses.items() if k != svc.name},
-                extra_env, port=svc.port)
+                extra_env, port=svc.port, args=svc.args)
     wait_ready(new)
     return new
 

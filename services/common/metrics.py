@@ -59,6 +59,11 @@ SYNC_FAILURES = Counter(
 
 # --- buffer ------------------------------------------------------------------------------------
 BUFFER_DEPTH = Gauge("kiln_buffer_depth", "Trajectories waiting to be trained on")
+TEACHER_SCORE_SECONDS = Histogram(
+    "kiln_teacher_score_seconds", "Time to have a group of trajectories scored by the teacher "
+    "(on-policy distillation)", buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30))
+TEACHER_SCORED_TOKENS = Counter("kiln_teacher_scored_tokens_total",
+                                "Tokens scored by the teacher (on-policy distillation)")
 BUFFER_WRITE_ERRORS = Counter("kiln_buffer_write_errors_total",
                               "Writes of the buffer's log that failed (the call was refused, "
                               "nothing stored)", ["errno"])

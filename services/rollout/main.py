@@ -10,6 +10,13 @@ operator sets them in the pod. With `spec.rollout.openaiPort` set it also serves
 chat-completions API there (`openai_server.py`), whose rewarded episodes go to the buffer.
 Every tenth finished trajectory is also kept in `<run-dir>/trajectories.jsonl` for
 `kiln trajectories`.
+
+    kiln-rollout --job job.yaml --teacher DIR ...
+
+serves a teacher instead: the checkpoint in DIR, never updated, answering `Score` only. A job
+with on-policy distillation stages (`rl.advantage: opd`) has its rollout send each group of
+trajectories of those stages to the teacher at `KILN_TEACHER_ADDR` and ship them with the
+teacher's per-token log-probs.
 """
 from __future__ import annotations
 
@@ -40,6 +47,59 @@ def _addr(name: str) -> str:
     return value
 
 
+def opd_stages(job: RLJob) -> frozenset[str]:
+    """Names of the job's on-policy distillation stages."""
+    return frozenset(s.name for s in job.spec.stages
+                     if getattr(s, "rl", None) is not None and s.rl.advantage == "opd")
+
+
+async def build_teacher(job: RLJob, args: argparse.Namespace):
+    """A teacher: the checkpoint in `--teacher`, scoring only (no producer, no weight sync)."""
+    from kiln.protos.kiln.v1 import rollout_pb2_grpc
+    from kiln.services.rollout.engine import EngineSettings, engine_kind, start_engine
+    from kiln.services.rollout.servicer import TeacherServicer
+
+    model_dir = str(args.teacher)
+    if not (Path(model_dir) / "config.json").exists():
+        raise ValueError(f"--teacher {model_dir}: no config.json there (a Hugging Face checkpoint "
+                         "directory is expected)")
+    engine = await start_engine(engine_kind(job.spec.rollout.engine, model_dir),
+                                EngineSettings.from_job(job, model_dir=model_dir))
+    log.info("teacher %s serving scores", model_dir)
+
+    async def on_stop() -> None:
+        await engine.close()
+
+    return [Registration(rollout_pb2_grpc.add_RolloutServicer_to_server, TeacherServicer(engine),
+                         "kiln.v1.Rollout")], on_stop
+
+
+def teacher_client(address: str):
+    """The Scorer of `Producer`: the teacher's Score over mutual TLS (its certificate is a
+    rollout's), retried while the teacher restarts; and the channel, to close."""
+    import grpc
+
+    from kiln.protos.kiln.v1 import rollout_pb2_grpc
+    from kiln.services.rollout import wire
+
+    channel = tls.aio_channel(address, "rollout", CHANNEL_OPTIONS)
+    stub = rollout_pb2_grpc.RolloutStub(channel)
+    retry = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+    async def score(sequences: list[list[int]]) -> list[list[float]]:
+        for attempt in range(60):
+            try:
+                resp = await stub.Score(wire.score_request(sequences), timeout=300)
+                return [list(r.logprobs) for r in resp.sequences]
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in retry or attempt == 59:
+                    raise
+                await asyncio.sleep(min(0.5 * (attempt + 1), 5.0))
+        raise AssertionError("unreachable")
+
+    return score, channel
+
+
 async def build(job: RLJob | None, args: argparse.Namespace):
     from transformers import AutoTokenizer
 
@@ -56,6 +116,8 @@ async def build(job: RLJob | None, args: argparse.Namespace):
 
     if job is None:
         raise ValueError("--job is required")
+    if args.teacher is not None:
+        return await build_teacher(job, args)
     spec = job.spec
     refused = job_model_refusals(spec, "rollout")
     if refused:
@@ -74,6 +136,8 @@ async def build(job: RLJob | None, args: argparse.Namespace):
     task_sets = await env.task_sets()
     s = spec.rollout.sampling
     buffer = GrpcBufferClient(buffer_addr)
+    distilled = opd_stages(job)
+    teacher, teacher_channel = (teacher_client(_addr("TEACHER")) if distilled else (None, None))
     producer = Producer(
         engine, env, fmt, buffer,
         sampling=SamplingOptions(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens_per_turn,
@@ -81,7 +145,8 @@ async def build(job: RLJob | None, args: argparse.Namespace):
         limits=Limits(spec.rollout.max_turns, s.max_tokens_per_turn, s.max_total_tokens,
                       thinking=spec.rollout.thinking),
         max_concurrent=spec.rollout.max_concurrent_episodes,
-        samples_path=args.run_dir / "trajectories.jsonl", sample_every=spec.rollout.sample_every)
+        samples_path=args.run_dir / "trajectories.jsonl", sample_every=spec.rollout.sample_every,
+        teacher=teacher, opd_stages=distilled)
     producer.start()
     sync_channel = tls.aio_channel(sync_addr, "weight-sync", CHANNEL_OPTIONS)
 
@@ -122,14 +187,23 @@ async def build(job: RLJob | None, args: argparse.Namespace):
         await engine.close()
         await env_channel.close()
         await sync_channel.close()
+        if teacher_channel is not None:
+            await teacher_channel.close()
         await buffer.aclose()
 
     return [Registration(rollout_pb2_grpc.add_RolloutServicer_to_server, servicer, "kiln.v1.Rollout")], on_stop
 
 
+def _parser() -> argparse.ArgumentParser:
+    p = service_argparser("rollout")
+    p.add_argument("--teacher", type=Path, default=None,
+                   help="serve this checkpoint as a teacher (Score only, never updated)")
+    return p
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        return run_service("rollout", build, argv, parser=service_argparser("rollout"))
+        return run_service("rollout", build, argv, parser=_parser())
     except ValueError as exc:
         print(f"kiln-rollout: {exc}", file=sys.stderr)
         return 2

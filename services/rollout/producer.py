@@ -25,6 +25,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Awaitable, Callable
 
 from kiln.episode import Demonstration
 from kiln.services.buffer.client import BufferClient
@@ -35,6 +36,9 @@ from kiln.services.rollout.formats import Format
 from kiln.services.rollout.wire import ModeRequest, RolloutMode
 from kiln.services.sandbox.client import EnvClient
 from kiln.trajectory import Trajectory
+
+#: Per-token log-probs of token sequences (a teacher's Score, `main.py` builds it).
+Scorer = Callable[[list[list[int]]], Awaitable[list[list[float]]]]
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +68,13 @@ class Mode:
 class Producer:
     def __init__(self, engine: Engine, env: EnvClient, fmt: Format, buffer: BufferClient,
                  *, sampling: SamplingOptions, limits: Limits, max_concurrent: int,
-                 samples_path: Path | None = None, sample_every: int = 10) -> None:
+                 samples_path: Path | None = None, sample_every: int = 10,
+                 teacher: Scorer | None = None, opd_stages: frozenset[str] = frozenset()) -> None:
         self.engine, self.env, self.fmt, self.buffer = engine, env, fmt, buffer
+        self.teacher = teacher
+        """Scores trajectories of the `opd_stages` (on-policy distillation): the teacher's
+        per-token log-probs go on each trajectory, for the trainer's advantage."""
+        self.opd_stages = opd_stages
         self.sampling, self.limits = sampling, limits
         self.max_concurrent = max_concurrent
         self.mode = Mode()
@@ -182,6 +191,8 @@ class Producer:
                     log.warning("episode of %s[%d] failed: %r", task_set, index, err)
                 if errors:
                     return  # a partial group would bias the group-relative baseline
+                if mode.stage in self.opd_stages:
+                    await self._add_teacher_logprobs(trajs)
             for t in trajs:
                 n = sum(t.loss_mask)
                 self.tokens += n
@@ -204,6 +215,18 @@ class Producer:
             self.in_flight -= group
             for _ in range(group):
                 self._slots.release()
+
+    async def _add_teacher_logprobs(self, trajs: list[Trajectory]) -> None:
+        """Each trajectory's tokens scored by the teacher; kept on the trained tokens only."""
+        if self.teacher is None:
+            raise RuntimeError("an on-policy distillation stage needs a teacher, and this "
+                               "rollout was started without one")
+        t0 = time.perf_counter()
+        rows = await self.teacher([t.tokens for t in trajs])
+        for t, row in zip(trajs, rows):
+            t.teacher_logp = [lp if m else 0.0 for lp, m in zip(row, t.loss_mask)]
+        metrics.TEACHER_SCORE_SECONDS.observe(time.perf_counter() - t0)
+        metrics.TEACHER_SCORED_TOKENS.inc(sum(len(t.tokens) for t in trajs))
 
     async def _demonstration(self, task_set: str, index: int) -> Demonstration:
         """The task's fixed demonstration, asked of the environment (which runs its tool calls

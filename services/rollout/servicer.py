@@ -1,4 +1,6 @@
-"""gRPC servicer for `kiln.v1.Rollout`: translates protobuf <-> `Producer` calls."""
+"""gRPC servicers of `kiln.v1.Rollout`: `RolloutServicer` translates protobuf <-> `Producer`
+calls; `TeacherServicer` is a teacher's (a rollout pinned to a checkpoint that only scores:
+Score and GetStatus, everything else UNIMPLEMENTED)."""
 from __future__ import annotations
 
 import time
@@ -7,6 +9,7 @@ import grpc
 
 from kiln.protos.kiln.v1 import rollout_pb2_grpc
 from kiln.services.rollout import wire
+from kiln.services.rollout.engine import Engine
 from kiln.services.rollout.producer import Mode, Producer
 
 
@@ -40,17 +43,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return wire.status_to_proto(self.status())
 
     async def Score(self, request, context):
-        engine = self.producer.engine
-        try:
-            sequences = wire.sequences_from_proto(request)
-            version = engine.policy_version
-            logprobs = await engine.score(sequences)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if engine.policy_version != version:
-            # Weights changed while scoring: some rows may be the new version's.
-            await context.abort(grpc.StatusCode.ABORTED, "the weights changed while scoring; retry")
-        return wire.score_response(logprobs, version)
+        return await _score(self.producer.engine, request, context)
 
     async def Evaluate(self, request, context):
         if request.task_set not in self.task_sets:
@@ -63,3 +56,30 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             samples=request.samples, greedy=request.greedy)
         return wire.evaluation_to_proto(wire.Evaluation(version, n, greedy, sampled,
                                                         time.monotonic() - start))
+
+
+class TeacherServicer(rollout_pb2_grpc.RolloutServicer):
+    """A teacher: its engine's weights never change (no weight-sync subscription)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def Score(self, request, context):
+        return await _score(self.engine, request, context)
+
+    async def GetStatus(self, request, context):
+        return wire.status_to_proto(wire.RolloutStatus(
+            policy_version=self.engine.policy_version, engine_fingerprint=self.engine.fingerprint))
+
+
+async def _score(engine: Engine, request, context):
+    try:
+        sequences = wire.sequences_from_proto(request)
+        version = engine.policy_version
+        logprobs = await engine.score(sequences)
+    except ValueError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if engine.policy_version != version:
+        # Weights changed while scoring: some rows may be the new version's.
+        await context.abort(grpc.StatusCode.ABORTED, "the weights changed while scoring; retry")
+    return wire.score_response(logprobs, version)

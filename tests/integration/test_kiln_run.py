@@ -164,3 +164,35 @@ def test_kiln_run_end_to_end_with_a_buffer_kill(tmp_path):
     assert {p.name for p in (run / "trainer" / "stages").iterdir()} == {"sft", "rl"}
     final = AutoModelForCausalLM.from_pretrained(str(run / "final-hf"))
     assert final.config.vocab_size == len(tok)
+
+
+def test_kiln_run_distils_from_a_served_teacher(tmp_path):
+    """An RL stage with `advantage: opd`: kiln run starts a teacher (the rollout service on a
+    fixed checkpoint, Score only), rollout ships every trajectory of that stage with the
+    teacher's per-token log-probs on its trained tokens, and the trainer trains on them."""
+    job = _job(tmp_path)
+    doc = yaml.safe_load(job.read_text())
+    spec = doc["spec"]
+    spec["trainer"]["dataParallel"] = 1
+    sft, rl = spec["stages"]
+    sft["maxSteps"] = 4
+    rl.update(maxSteps=3, name="distil")
+    rl["rl"].update(advantage="opd", teacher=spec["model"]["path"])  # the checkpoint before SFT
+    rl.pop("eval", None)
+    job.write_text(yaml.safe_dump(doc, sort_keys=False))
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "kiln.cli.main", "run", str(job), "--run-dir", str(run)],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "starting services: buffer, sandbox, weight_sync, trainer, teacher, rollout" in proc.stdout
+    samples = [json.loads(line) for line in (run / "rollout" / "trajectories.jsonl").read_text().splitlines()]
+    distilled = [t for t in samples if t["stage"] == "distil"]
+    assert distilled, "no trajectory of the distillation stage was kept"
+    for t in distilled:
+        lp, mask = t["teacher_logp"], t["loss_mask"]
+        assert len(lp) == len(t["tokens"])
+        assert all(v == 0.0 for v, m in zip(lp, mask) if not m)
+        assert all(v < 0.0 for v, m in zip(lp, mask) if m)  # a log-prob of a real model
+    assert all(not t["teacher_logp"] for t in samples if t["stage"] != "distil")
+    steps = [r for r in _records(run) if r.get("stage") == "distil"]
+    assert steps and max(r.get("step", 0) for r in steps) >= 3

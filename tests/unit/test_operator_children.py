@@ -391,6 +391,10 @@ def test_operator_admits_sandboxes_only_where_the_admin_allows() -> None:
                         {"KILN_OPERATOR_SANDBOX_RUNTIME_CLASS": "kata"}):
             assert OperatorConfig.from_env(setting).refusals(job) == []
     assert OperatorConfig().refusals(spec({**SMALL, "sandbox": {"replicas": 0}})) == []
+    opd = spec({**SMALL, "sandbox": {"replicas": 0}, "stages": [{**SMALL["stages"][0], "rl": {
+        "groupSize": 8, "advantage": "opd", "teacher": "/models/teacher"}}]})
+    (why,) = OperatorConfig().refusals(opd)
+    assert why.startswith("spec.stages[0].rl.advantage: opd") and "kiln run" in why
 
 
 def test_sandbox_pod_privileges_and_runtime_class() -> None:
