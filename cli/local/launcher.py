@@ -41,7 +41,8 @@ def _resolve(job: RLJob, job_file: Path) -> RLJob:
     stages = []
     for st in spec.stages:
         rl = getattr(st, "rl", None)
-        if rl is not None and rl.teacher and not Path(rl.teacher).is_absolute():
+        if rl is not None and rl.teacher and not Path(rl.teacher).is_absolute() \
+                and spec.teacher_stage(st) is None:
             # A teacher checkpoint, like the model, lives under the working directory.
             st = st.model_copy(update={"rl": rl.model_copy(
                 update={"teacher": str((Path.cwd() / rl.teacher).resolve())})})
@@ -50,13 +51,21 @@ def _resolve(job: RLJob, job_file: Path) -> RLJob:
         update={"model": model, "tasks": tasks, "stages": stages})})
 
 
-def teacher_of(job: RLJob) -> str | None:
-    """The checkpoint the job's on-policy distillation stages learn from (one per job here)."""
-    teachers = {s.rl.teacher for s in job.spec.stages
-                if getattr(s, "rl", None) is not None and s.rl.advantage == "opd"}
+def teacher_of(job: RLJob, run_dir: Path) -> tuple[str, str | None] | None:
+    """(checkpoint directory, stage that makes it or None) of the teacher the job's on-policy
+    distillation stages learn from (one per job here). A stage's final weights are where the
+    trainer exports them (`trainer/stages/<name>`), there once that stage is done."""
+    from kiln.services.trainer.stages import stage_export_dir
+
+    teachers = set()
+    for s in job.spec.stages:
+        if getattr(s, "rl", None) is not None and s.rl.advantage == "opd":
+            stage = job.spec.teacher_stage(s)
+            path = stage_export_dir(run_dir / "trainer", stage) if stage else Path(s.rl.teacher)
+            teachers.add((str(path), stage))
     if len(teachers) > 1:
         raise ValueError(f"spec.stages: kiln run serves one teacher per job; these stages name "
-                         f"{sorted(teachers)}")
+                         f"{sorted(t for t, _ in teachers)}")
     return next(iter(teachers), None)
 
 
@@ -109,11 +118,12 @@ def main(args: argparse.Namespace) -> int:
 
     prepare_model(job, out)
     try:
-        teacher = teacher_of(job)
+        taught = teacher_of(job, run_dir)
     except ValueError as exc:
         print(f"kiln run: {exc}", file=sys.stderr)
         return 2
-    if teacher is not None and not (Path(teacher) / "config.json").exists():
+    teacher, teacher_stage = taught if taught else (None, None)
+    if teacher is not None and teacher_stage is None and not (Path(teacher) / "config.json").exists():
         print(f"kiln run: rl.teacher: {teacher} holds no config.json (a Hugging Face checkpoint "
               "directory, e.g. an earlier run's `kiln export`)", file=sys.stderr)
         return 2
@@ -148,11 +158,18 @@ def main(args: argparse.Namespace) -> int:
         group = processes.trainer_group(job.spec.trainer.data_parallel)
         for name in order:
             addrs = {n: s.address for n, s in services.items()}
-            args = ("--teacher", teacher) if name == processes.TEACHER else ()
+            args = ((("--teacher", teacher) + (("--teacher-wait",) if teacher_stage else ()))
+                    if name == processes.TEACHER else ())
             for member, env in (group.items() if name == "trainer" else [(name, {})]):
                 services[member] = processes.start(member, job_file, run_dir, addrs, env, args=args)
-            if name in ("buffer", "sandbox", "weight_sync", processes.TEACHER):
+            # A teacher made by an earlier stage only loads once that stage is done: rollout
+            # waits for it when it first needs a score.
+            ready_now = ("buffer", "sandbox", "weight_sync",
+                         *((processes.TEACHER,) if teacher_stage is None else ()))
+            if name in ready_now:
                 processes.wait_ready(services[name])
+            elif name == processes.TEACHER:
+                processes.wait_port(services[name])  # rollout needs its address
         for name in (*group, "rollout"):
             processes.wait_ready(services[name])
         out.write(f"all services healthy after {time.time() - started:.1f} s\n")

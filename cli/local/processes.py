@@ -110,8 +110,9 @@ def issue_certificates(run_dir: Path, job_name: str) -> None:
     os.environ[TLS_DIR_ENV] = str(folders["operator"])
 
 
-def wait_ready(svc: ServiceProcess, timeout: float = 180.0) -> None:
-    """Wait for the port file, then for the health service to say SERVING."""
+def wait_port(svc: ServiceProcess, timeout: float = 180.0) -> float:
+    """Wait for the port file (the service is listening, not necessarily serving yet); returns
+    the deadline's remainder as a monotonic time."""
     port_file = svc.state_dir / "ports.json"
     deadline = time.monotonic() + timeout
     while not port_file.exists():
@@ -121,6 +122,12 @@ def wait_ready(svc: ServiceProcess, timeout: float = 180.0) -> None:
         time.sleep(0.05)
     info = json.loads(port_file.read_text())
     svc.port, svc.metrics_port = info["port"], info["metrics_port"]
+    return deadline
+
+
+def wait_ready(svc: ServiceProcess, timeout: float = 180.0) -> None:
+    """Wait for the port file, then for the health service to say SERVING."""
+    deadline = wait_port(svc, timeout)
     with tls.channel(svc.address, component_of(svc.name)) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:

@@ -252,7 +252,8 @@ class RLSettings(_Model):
     advantage: Literal["group", "opd"] = "group"
     """`group`: reward minus group mean; `opd`: per-token teacher minus student log-prob."""
     teacher: str | None = None
-    """Checkpoint directory of the teacher (required when advantage is opd)."""
+    """The teacher (required when advantage is opd): the name of an earlier stage, whose final
+    weights it is, or a Hugging Face checkpoint directory."""
     asynchronous: bool = Field(True, alias="async")
     """Rollout keeps generating while the trainer steps; false pauses rollout during training."""
 
@@ -333,7 +334,16 @@ class RLJobSpec(_Model):
                     f"stages[{i}] ({stage.name}): batchSize ({stage.batch_size}) must be a "
                     f"multiple of rl.groupSize ({stage.rl.group_size})"
                 )
+            teacher = stage.rl.teacher if isinstance(stage, RLStage) else None
+            if teacher in stage_names and stage_names.index(teacher) >= i:
+                raise ValueError(f"stages[{i}] ({stage.name}): rl.teacher {teacher!r} names a "
+                                 "stage that does not come before this one")
         return self
+
+    def teacher_stage(self, stage: "RLStage") -> str | None:
+        """The earlier stage whose final weights teach `stage`, when its teacher names one."""
+        teacher = stage.rl.teacher
+        return teacher if teacher in {s.name for s in self.stages} else None
 
 
 class ObjectMeta(BaseModel):

@@ -60,6 +60,12 @@ async def build_teacher(job: RLJob, args: argparse.Namespace):
     from kiln.services.rollout.servicer import TeacherServicer
 
     model_dir = str(args.teacher)
+    if args.teacher_wait:
+        # An earlier stage of the job makes this checkpoint: wait for it (health says
+        # NOT_SERVING meanwhile).
+        log.info("teacher: waiting for %s", model_dir)
+        while not (Path(model_dir) / "config.json").exists():
+            await asyncio.sleep(1.0)
     if not (Path(model_dir) / "config.json").exists():
         raise ValueError(f"--teacher {model_dir}: no config.json there (a Hugging Face checkpoint "
                          "directory is expected)")
@@ -198,6 +204,8 @@ def _parser() -> argparse.ArgumentParser:
     p = service_argparser("rollout")
     p.add_argument("--teacher", type=Path, default=None,
                    help="serve this checkpoint as a teacher (Score only, never updated)")
+    p.add_argument("--teacher-wait", action="store_true",
+                   help="wait for the teacher's checkpoint to appear (an earlier stage makes it)")
     return p
 
 

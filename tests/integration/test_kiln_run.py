@@ -167,9 +167,10 @@ def test_kiln_run_end_to_end_with_a_buffer_kill(tmp_path):
 
 
 def test_kiln_run_distils_from_a_served_teacher(tmp_path):
-    """An RL stage with `advantage: opd`: kiln run starts a teacher (the rollout service on a
-    fixed checkpoint, Score only), rollout ships every trajectory of that stage with the
-    teacher's per-token log-probs on its trained tokens, and the trainer trains on them."""
+    """An RL stage with `advantage: opd` taught by the SFT stage before it: kiln run starts a
+    teacher (the rollout service, Score only) that loads the SFT stage's final weights once they
+    exist; rollout ships every trajectory of the distillation stage with the teacher's
+    per-token log-probs on its trained tokens, and the trainer trains on them."""
     job = _job(tmp_path)
     doc = yaml.safe_load(job.read_text())
     spec = doc["spec"]
@@ -177,7 +178,7 @@ def test_kiln_run_distils_from_a_served_teacher(tmp_path):
     sft, rl = spec["stages"]
     sft["maxSteps"] = 4
     rl.update(maxSteps=3, name="distil")
-    rl["rl"].update(advantage="opd", teacher=spec["model"]["path"])  # the checkpoint before SFT
+    rl["rl"].update(advantage="opd", teacher=sft["name"])
     rl.pop("eval", None)
     job.write_text(yaml.safe_dump(doc, sort_keys=False))
     run = tmp_path / "run"
@@ -194,5 +195,6 @@ def test_kiln_run_distils_from_a_served_teacher(tmp_path):
         assert all(v == 0.0 for v, m in zip(lp, mask) if not m)
         assert all(v < 0.0 for v, m in zip(lp, mask) if m)  # a log-prob of a real model
     assert all(not t["teacher_logp"] for t in samples if t["stage"] != "distil")
+    assert "waiting for" in (run / "logs" / "teacher.log").read_text()
     steps = [r for r in _records(run) if r.get("stage") == "distil"]
     assert steps and max(r.get("step", 0) for r in steps) >= 3
