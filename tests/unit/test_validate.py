@@ -88,6 +88,9 @@ CASES = {
                    "spec.stages[0].rl.epsLow", "less than 1"),
     "icepop-beta": (GOOD.replace("groupSize: 8", "groupSize: 8\n        icepopBeta: 0.5"),
                     "spec.stages[0].rl.icepopBeta", "greater than 1"),
+    "teacher-not-earlier": (_mutate(lambda d: d["spec"]["stages"][0]["rl"].update(
+        advantage="opd", teacher=d["spec"]["stages"][0]["name"])),
+                            "spec", "does not come before this one"),
     "dual-clip-in-masked-mode": (GOOD.replace("groupSize: 8", "groupSize: 8\n        dualClip: 3"),
                                  "spec.stages[0].rl", "dualClip applies to lossMode ppo"),
     "tau-negative": (GOOD.replace("groupSize: 8", "groupSize: 8\n        tau: -1"),
