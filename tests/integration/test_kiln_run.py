@@ -182,10 +182,17 @@ def test_kiln_run_distils_from_a_served_teacher(tmp_path):
     rl.pop("eval", None)
     job.write_text(yaml.safe_dump(doc, sort_keys=False))
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "kiln.cli.main", "run", str(job), "--run-dir", str(run)],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "starting services: buffer, sandbox, weight_sync, trainer, teacher, rollout" in proc.stdout
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.cli.main", "run", str(job), "--run-dir", str(run)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    try:
+        out = proc.communicate(timeout=900)[0]
+    finally:
+        if proc.poll() is None:
+            # Ctrl-C: the launcher stops every service it started before it exits.
+            proc.send_signal(signal.SIGINT)
+            proc.wait(120)
+    assert proc.returncode == 0, out[-4000:]
+    assert "starting services: buffer, sandbox, weight_sync, trainer, teacher, rollout" in out
     samples = [json.loads(line) for line in (run / "rollout" / "trajectories.jsonl").read_text().splitlines()]
     distilled = [t for t in samples if t["stage"] == "distil"]
     assert distilled, "no trajectory of the distillation stage was kept"
