@@ -55,7 +55,9 @@ KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    # GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS; its string lacks the "recv" (a
+    # misspelt key is ignored silently, and the server then sends GOAWAY "too_many_pings").
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
 ]
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
