@@ -16,10 +16,16 @@ own model code, `kiln.services.rollout.megatron_engine`) for DeepSeek-sparse-att
 check. For a DSA model in float32 the two must agree bit for bit (default threshold 0), and the
 per-layer hashes of the selected top-k indices must match too.
 
+For a mixture-of-experts checkpoint (Qwen2-MoE) the rollout engine is `megatron` too (vLLM's CPU
+build cannot return the experts it routes to): it records the experts it chose for every token,
+and the trainer scores the tokens twice, replaying that routing (`--routing-replay on`, the
+default: the verdict rows) and with its own top-k; the routing-flip rate is the share of
+(token, layer) pairs where the trainer's own top-k differs from the rollout's.
+
 It prints, per version, the max and mean |log-prob difference| over the sampled tokens and OK or
 MISMATCH against `--threshold` (default 1e-4 in float32, 3e-2 in bfloat16, 0 for a DSA model
-in float32), then for DSA models the index-hash matches, and exits 1 on any
-MISMATCH. Not covered: tensor parallelism (the trainer runs TP=1 here) and sequences longer than
+in float32), then for DSA models the index-hash matches, for MoE models the mismatch without
+replay and the routing-flip rate, and exits 1 on any MISMATCH. Not covered: tensor parallelism (the trainer runs TP=1 here) and sequences longer than
 `--max-tokens` plus the prompt.
 """
 from __future__ import annotations
@@ -29,6 +35,7 @@ import asyncio
 import statistics
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_THRESHOLDS = {"float32": 1e-4, "bfloat16": 3e-2}
@@ -54,8 +61,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src.add_argument("--model", type=Path, help="Hugging Face checkpoint directory")
     src.add_argument("--dsa", action="store_true",
                      help="check a tiny random DeepSeek-sparse-attention model made on the spot")
-    p.add_argument("--engine", choices=("auto", "vllm", "megatron"), default="auto",
-                   help="rollout engine (auto: megatron for DSA checkpoints, else vllm)")
+    p.add_argument("--engine", choices=("auto", "vllm", "megatron", "torch"), default="auto",
+                   help="rollout engine (auto: megatron for DSA and MoE checkpoints, else vllm; torch: "
+                        "transformers with a KV cache, an independent implementation)")
     p.add_argument("--dtype", choices=sorted(DEFAULT_THRESHOLDS), default="float32",
                    help="dtype both engines run in (default float32)")
     p.add_argument("--dsa-backend", choices=("auto", "torch", "triton"), default="auto",
@@ -63,6 +71,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threshold", type=float, default=None,
                    help="max |log-prob diff| allowed (default: 1e-4 float32, 3e-2 bfloat16; "
                         "0 for a DSA model in float32)")
+    p.add_argument("--routing-replay", choices=("on", "off"), default="on",
+                   help="MoE models: score with the rollout's routing replayed (on, default) or the "
+                        "trainer's own (off); both are measured, this picks the verdict rows")
     p.add_argument("--samples", type=int, default=4, help="sequences sampled per version")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens sampled per sequence")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate of the training step")
@@ -88,9 +99,11 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from kiln.services.rollout.engine import engine_kind, is_dsa_checkpoint
 
-    from kiln.api.capabilities import model_problems
+    from kiln.api.capabilities import is_moe_config, model_problems
+    from kiln.models.tiny import read_config
 
     is_dsa = is_dsa_checkpoint(args.model)
+    is_moe = is_moe_config(read_config(args.model))
     problems = model_problems(args.model, engine=engine_kind(args.engine, args.model), dtype=args.dtype)
     if problems:
         print(f"kiln consistency: --model {args.model}: {problems[0]}", file=sys.stderr)
@@ -104,25 +117,53 @@ def _run(args: argparse.Namespace) -> int:
     threshold = args.threshold if args.threshold is not None else defaults[args.dtype]
     rows, moved = asyncio.run(_compare(args, engine))
     ok = True
-    print(f"engine {engine}, model {'DSA' if is_dsa else 'dense'}, dtype {args.dtype}")
+    replay = is_moe and args.routing_replay == "on"
+    kind = "DSA" if is_dsa else "MoE" if is_moe else "dense"
+    print(f"engine {engine}, model {kind}, dtype {args.dtype}"
+          + (f", routing replay {args.routing_replay}" if is_moe else ""))
     print(f"{'version':>7}  {'tokens':>6}  {'max|diff|':>10}  {'mean|diff|':>10}  result "
           f"(threshold {threshold:g})")
-    for version, n, mx, mean, _ in rows:
+    for row in rows:
+        mx, mean = (row.max, row.mean) if replay or not is_moe else (row.own_max, row.own_mean)
         verdict = "OK" if mx <= threshold else "MISMATCH"
         ok &= verdict == "OK"
-        print(f"{version:>7}  {n:>6}  {mx:>10.3e}  {mean:>10.3e}  {verdict}")
+        print(f"{row.version:>7}  {row.tokens:>6}  {mx:>10.3e}  {mean:>10.3e}  {verdict}")
     if is_dsa:
-        for version, _, _, _, (matched, total) in rows:
+        for row in rows:
+            matched, total = row.hashes
             verdict = "OK" if matched == total and total > 0 else "MISMATCH"
             ok &= verdict == "OK"
-            print(f"version {version}: index hashes {matched}/{total} (sequence, layer) pairs match  {verdict}")
+            print(f"version {row.version}: index hashes {matched}/{total} (sequence, layer) pairs match  {verdict}")
+    if is_moe:
+        other = "without" if replay else "with"
+        for row in rows:
+            mx, mean = (row.own_max, row.own_mean) if replay else (row.max, row.mean)
+            print(f"version {row.version} {other} replay: max|diff| {mx:.3e}, mean|diff| {mean:.3e}")
+        flips, compared = sum(r.flips for r in rows), sum(r.compared for r in rows)
+        rate = flips / compared if compared else 0.0
+        print(f"routing-flip rate {rate:.3%}: {flips} of {compared} (token, layer) pairs the trainer "
+              f"routes differently from rollout without replay")
     print(f"the training step moved the trainer's log-probs of the version-0 tokens by "
           f"{moved:.3e} on average")
     return 0 if ok else 1
 
 
-Row = tuple[int, int, float, float, tuple[int, int]]
-"""version, tokens compared, max |diff|, mean |diff|, (index hashes matched, compared)."""
+@dataclass
+class Row:
+    version: int
+    tokens: int
+    """Sampled tokens compared."""
+    max: float
+    """max |log-prob diff| (MoE: with the rollout's routing replayed)."""
+    mean: float
+    hashes: tuple[int, int] = (0, 0)
+    """DSA: (index hashes matched, compared)."""
+    own_max: float = 0.0
+    """MoE: max |diff| with the trainer's own routing."""
+    own_mean: float = 0.0
+    flips: int = 0
+    """MoE: (token, layer) pairs whose trainer routing differs from rollout's."""
+    compared: int = 0
 
 
 async def _compare(args: argparse.Namespace, engine_name: str) -> tuple[list[Row], float]:
@@ -148,7 +189,7 @@ async def _compare(args: argparse.Namespace, engine_name: str) -> tuple[list[Row
             seed=args.seed), resume=False)
     set_backend(trainer.model, args.dsa_backend)
     settings = EngineSettings(model=str(args.model), dtype=args.dtype, kv_cache_bytes=args.kv_cache_bytes,
-                              seed=args.seed)
+                              seed=args.seed, record_routing=True)
     options = {"dsa_backend": args.dsa_backend} if engine_name == "megatron" else {}
     engine = await start_engine(engine_name, settings, **options)
     servicer = WeightSyncServicer()
@@ -166,17 +207,26 @@ async def _compare(args: argparse.Namespace, engine_name: str) -> tuple[list[Row
                     engine.generate(p, SamplingOptions(**{**sampling.__dict__, "seed": args.seed + i}))
                     for i, p in enumerate(prompts)])
                 seqs = [p + g.token_ids for p, g in zip(prompts, gens)]
-                train_lp = trainer.logprobs(seqs)
-                diffs = []
-                for p, g, lp in zip(prompts, gens, train_lp):
+                routed = [g.routed_experts for g in gens]
+                own_lp = trainer.logprobs(seqs)
+                train_lp, flips = (trainer.logprobs_routed(seqs, routed, replay=True)
+                                   if any(routed) else (own_lp, None))
+
+                def diffs_of(lps):
+                    return [abs(a - b) for p, g, lp in zip(prompts, gens, lps)
+                            for a, b in zip(g.logprobs, lp[len(p):])]
+
+                for g in gens:
                     if set(g.versions) != {trainer.policy_version}:
                         raise RuntimeError(f"rollout tokens carry versions {set(g.versions)}, trainer "
                                            f"is at {trainer.policy_version}; the sync did not take effect")
-                    diffs += [abs(a - b) for a, b in zip(g.logprobs, lp[len(p):])]
+                diffs, own = diffs_of(train_lp), diffs_of(own_lp)
                 hashes = [g.index_hashes for g in gens]
                 total = sum(len(h) for h in hashes)
                 matched = total - count_mismatches(hashes, trainer.index_hashes(seqs)) if total else 0
-                rows.append((trainer.policy_version, len(diffs), max(diffs), statistics.fmean(diffs), (matched, total)))
+                rows.append(Row(trainer.policy_version, len(diffs), max(diffs), statistics.fmean(diffs),
+                                (matched, total), max(own), statistics.fmean(own),
+                                flips.flips if flips else 0, flips.compared if flips else 0))
                 if round_ == 1:
                     break
                 trajs = [Trajectory(
@@ -188,7 +238,7 @@ async def _compare(args: argparse.Namespace, engine_name: str) -> tuple[list[Row
                 trainer.sft_step(trajs)
                 version = trainer.new_version()
                 moved = statistics.fmean(
-                    abs(a - b) for before, after, p in zip(train_lp, trainer.logprobs(seqs), prompts)
+                    abs(a - b) for before, after, p in zip(own_lp, trainer.logprobs(seqs), prompts)
                     for a, b in zip(before[len(p):], after[len(p):]))
                 await ws.publish(ch, version, trainer.named_hf_tensors())
                 await asyncio.wait_for(receiver.wait_applied(version), 120)

@@ -15,6 +15,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from kiln.routing import RoutedExperts
+
 
 @dataclass(frozen=True)
 class VersionSpan:
@@ -48,8 +50,9 @@ class Trajectory:
     engine_fingerprint: str = ""
     index_hashes: list[int] = field(default_factory=list)
     """Optional per-layer hash of DSA-selected indices, to detect rollout/training mismatch."""
-    routed_experts: list[int] = field(default_factory=list)
-    """Optional flattened MoE routing decisions for routing replay."""
+    routed_experts: RoutedExperts | None = None
+    """MoE models: the experts the inference engine routed each token to, for routing replay
+    in the trainer (see `kiln.routing`)."""
     teacher_logp: list[float] = field(default_factory=list)
     """Optional per-token teacher log-probs (on-policy distillation)."""
     advantage: float = 0.0
@@ -66,13 +69,17 @@ class Trajectory:
 
     def to_dict(self) -> dict:
         """A JSON-ready dict (the JSONL form `kiln trajectories` and `kiln serve` write)."""
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out["routed_experts"] = self.routed_experts.to_dict() if self.routed_experts else None
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "Trajectory":
         fields = {f.name for f in dataclasses.fields(cls)}
         kept = {k: v for k, v in data.items() if k in fields}
         kept["version_spans"] = [VersionSpan(**s) for s in kept.get("version_spans", [])]
+        routed = kept.get("routed_experts")
+        kept["routed_experts"] = RoutedExperts.from_dict(routed) if isinstance(routed, dict) else None
         return cls(**kept)
 
     def versions_per_token(self) -> list[int]:
@@ -100,6 +107,12 @@ class Trajectory:
         if self.teacher_logp and len(self.teacher_logp) != n:
             raise ValueError(f"trajectory {self.id}: teacher_logp has {len(self.teacher_logp)} "
                              f"entries, tokens {n}")
+        if self.routed_experts is not None:
+            r = self.routed_experts
+            if r.start < 0 or r.end > n:
+                raise ValueError(f"trajectory {self.id}: routed experts cover positions [{r.start}, {r.end}), "
+                                 f"the trajectory has {n} tokens")
+            r.check_size()
         if self.loss_mask[0]:
             raise ValueError(f"trajectory {self.id}: loss_mask[0] is 1, but the first token has "
                              "no context to be predicted from")

@@ -17,7 +17,11 @@ Megatron-core ships no converter, so the layout rules live here:
 `(hf_name, tensor)` for the full (unsharded) model on every TP rank (it gathers shards, so all
 ranks must call it together); `save_hf_checkpoint` writes config.json + model.safetensors.
 
-Not covered: MoE experts, MLA, quantised checkpoints, sharded safetensors writing.
+- MoE models (Qwen2-MoE): the router, each expert and the shared expert map as `moe.py` says,
+  one expert at a time under the hub's per-expert names (`mlp.experts.J.gate_proj.weight`...),
+  which are also the names vLLM loads; TP=1 only.
+
+Not covered: expert parallelism, MLA, quantised checkpoints, sharded safetensors writing.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ import torch
 
 from kiln.models import parallel
 from kiln.models.dsa import HF_INDEXER_WEIGHTS
+from kiln.models.moe import hf_moe_to_megatron, iter_hf_moe
 from kiln.models.megatron_model import ArchSpec, AttentionBackend, DSABackend, build_gpt_model
 
 # Megatron name (per layer, after "decoder.layers.{i}.") -> HF name (after "model.layers.{i}.")
@@ -101,6 +106,9 @@ def hf_to_megatron_shard(hf: dict[str, torch.Tensor], spec: ArchSpec, rank: int,
         if spec.dsa is not None:
             for name in HF_INDEXER_WEIGHTS:
                 out[m + f"self_attention.indexer.{name}.weight"] = hf[a + f"indexer.{name}.weight"]
+        if spec.moe is not None:
+            out.update(hf_moe_to_megatron(hf, spec.moe, h + "mlp.", m + "mlp."))
+            continue
         gate = _shard(hf[h + "mlp.gate_proj.weight"], 0, rank, tp)
         up = _shard(hf[h + "mlp.up_proj.weight"], 0, rank, tp)
         out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
@@ -182,6 +190,9 @@ def iter_hf_tensors(model: torch.nn.Module, spec: ArchSpec) -> Iterator[tuple[st
         if spec.dsa is not None:
             for name in HF_INDEXER_WEIGHTS:
                 yield a + f"indexer.{name}.weight", p[m + f"self_attention.indexer.{name}.weight"].detach()
+        if spec.moe is not None:
+            yield from iter_hf_moe(p, spec.moe, h + "mlp.", m + "mlp.")
+            continue
         gate, up = _gather_fc1(p[m + "mlp.linear_fc1.weight"])
         yield h + "mlp.gate_proj.weight", gate
         yield h + "mlp.up_proj.weight", up

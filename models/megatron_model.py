@@ -9,8 +9,11 @@ per-token log-probs of the given sequences, with the vocabulary split across ten
 ranks; `next_token_logprob` computes one such log-prob from a single logits row with the same
 arithmetic, for an inference engine that must reproduce the trainer's numbers bit for bit.
 
-Weights are not loaded here (see `hf_io.py`). Not covered: MoE, MLA, sliding-window attention,
-RoPE scaling, pipeline parallelism.
+A Qwen2-MoE config (`Qwen2MoeForCausalLM`) gets Megatron's MoE layers in every layer (see
+`moe.py`, which also holds routing record and replay).
+
+Weights are not loaded here (see `hf_io.py`). Not covered: MLA, sliding-window attention,
+RoPE scaling, pipeline parallelism, tensor parallelism of MoE models.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 
 from kiln.models import cpu_shims
 from kiln.models.dsa import DSAConfig, apply_dsa_spec, is_dsa_model, padded_length
+from kiln.models.moe import MoESpec, install_taps
 from kiln.api.capabilities import SUPPORTED_ARCHS
 
 
@@ -46,6 +50,8 @@ class ArchSpec:
     tie_word_embeddings: bool
     dsa: DSAConfig | None = None
     """DeepSeek sparse attention settings (config.json `kiln_dsa`); None for dense attention."""
+    moe: MoESpec | None = None
+    """Mixture-of-experts settings (Qwen2-MoE); None for a dense MLP."""
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "ArchSpec":
@@ -68,6 +74,8 @@ class ArchSpec:
         heads = config["num_attention_heads"]
         if arch == "qwen2":
             qkv_bias = True
+        elif arch == "qwen2_moe":
+            qkv_bias = bool(config.get("qkv_bias", True))
         else:
             qkv_bias = bool(config.get("attention_bias", False))
             if config.get("mlp_bias"):
@@ -87,6 +95,7 @@ class ArchSpec:
             qkv_bias=qkv_bias,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             dsa=DSAConfig.from_hf(config["kiln_dsa"]) if config.get("kiln_dsa") is not None else None,
+            moe=MoESpec.from_hf(config) if arch == "qwen2_moe" else None,
         )
 
     @classmethod
@@ -95,6 +104,9 @@ class ArchSpec:
 
     def check_tp(self, tp: int) -> None:
         """Raise ValueError if this model cannot be split over `tp` ranks."""
+        if self.moe is not None and tp > 1:
+            raise ValueError(f"tensor_parallel={tp}: MoE models train with tensor_parallel 1 only "
+                             "(their expert weights are not sharded)")
         for field, value in (
             ("num_key_value_heads", self.num_kv_heads),
             ("vocab_size", self.vocab_size),
@@ -184,8 +196,10 @@ def build_gpt_model(
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
+        **(spec.moe.transformer_config() if spec.moe is not None else {}),
     )
-    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer_spec = get_gpt_layer_local_spec(
+        num_experts=spec.moe.num_experts if spec.moe is not None else None, normalization="RMSNorm")
     if attention not in ("sdpa", "megatron"):
         raise ValueError(f"attention={attention!r} is not 'sdpa' or 'megatron'")
     if spec.dsa is not None:
@@ -207,6 +221,8 @@ def build_gpt_model(
         rotary_base=spec.rope_theta,
     )
     _mark_tensor_parallel_weights(model)
+    if spec.moe is not None:
+        install_taps(model)
     model.kiln_attention = attention
     return model.to(cpu_shims.compute_device())
 

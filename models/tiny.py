@@ -95,7 +95,7 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
 )
 
-ARCHS = ("qwen2", "llama")
+ARCHS = ("qwen2", "llama", "qwen2_moe")
 VOCAB_MULTIPLE = 64
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -204,9 +204,16 @@ def make_tiny_model(
     dtype: str = "float32",
     tie_word_embeddings: bool = False,
     perturb_norms: bool = True,
+    num_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 64,
+    shared_expert_intermediate_size: int = 128,
 ) -> Path:
-    """Write a randomly initialised `arch` checkpoint (Qwen2 or Llama) to `out_dir`, with the
-    tokenizer from `tokenizer_dir` copied in. Returns `out_dir`.
+    """Write a randomly initialised `arch` checkpoint (Qwen2, Llama or Qwen2-MoE) to `out_dir`,
+    with the tokenizer from `tokenizer_dir` copied in. Returns `out_dir`.
+
+    `qwen2_moe` uses the `num_experts*`, `moe_intermediate_size` and
+    `shared_expert_intermediate_size` arguments (0: no shared expert); every layer is sparse.
 
     The vocabulary is exactly the tokenizer's, so every id the model can sample decodes.
     The same arguments give bit-identical weights. `perturb_norms` (for tests) draws norm
@@ -214,7 +221,7 @@ def make_tiny_model(
     be trained should pass False.
     """
     import torch
-    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, Qwen2Config
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, Qwen2Config, Qwen2MoeConfig
     from transformers import AutoModelForCausalLM
 
     if arch not in ARCHS:
@@ -248,6 +255,13 @@ def make_tiny_model(
     )
     if arch == "qwen2":
         config = Qwen2Config(use_sliding_window=False, **common)
+    elif arch == "qwen2_moe":
+        config = Qwen2MoeConfig(
+            use_sliding_window=False, num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=moe_intermediate_size,
+            shared_expert_intermediate_size=shared_expert_intermediate_size,
+            decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False,
+            output_router_logits=False, router_aux_loss_coef=0.0, **common)
     else:
         config = LlamaConfig(attention_bias=False, mlp_bias=False, **common)
 

@@ -123,5 +123,8 @@ def prepare_model(job: RLJob, out=sys.stdout) -> None:
                     num_kv_heads=init.num_kv_heads, intermediate_size=init.intermediate_size,
                     max_position_embeddings=init.max_position_embeddings, seed=init.seed,
                     tie_word_embeddings=init.tie_word_embeddings,
-                    dtype=job.spec.model.dtype, perturb_norms=False)
+                    dtype=job.spec.model.dtype, perturb_norms=False,
+                    num_experts=init.num_experts, num_experts_per_tok=init.num_experts_per_tok,
+                    moe_intermediate_size=init.moe_intermediate_size,
+                    shared_expert_intermediate_size=init.shared_expert_intermediate_size)
     out.write(f"created model {path} ({time.monotonic() - t0:.1f} s)\n")

@@ -36,6 +36,13 @@ def write_summary(job: RLJob, run_dir: Path, state, *, wall_seconds: float) -> d
         "dropped_stale": max((r["buffer"].get("dropped_stale", 0) for r in recs), default=0),
         "evaluations": state.evaluations,
     }
+    flips = [r["trainer"]["routing_flips"] for _, r in steps_seen(recs)
+             if r["trainer"].get("routing_flips") is not None]
+    if flips:
+        # MoE with routing recorded: the share of (token, layer) pairs the trainer would have
+        # routed differently from rollout, over the RL steps seen.
+        summary["routing_flip_frac_mean"] = sum(flips) / len(flips)
+        summary["routing_flip_frac_max"] = max(flips)
     for stage in job.spec.stages:
         if not isinstance(stage, RLStage) or not stage.eval:
             continue
@@ -110,7 +117,9 @@ def write_report(run_dir: Path, rl_stages: set[str] | None = None) -> list[Path]
             ("IcePop (all)", lambda r: r["trainer"].get("icepop_mask"))]),
         "mismatch.png": ("Train/inference log-prob mismatch", [
             ("mean |diff|", lambda r: r["trainer"].get("mismatch_abs")),
-            ("KL estimate", lambda r: r["trainer"].get("mismatch_kl"))]),
+            ("KL estimate", lambda r: r["trainer"].get("mismatch_kl")),
+            ("MoE routing flips (fraction of token-layer pairs)",
+             lambda r: r["trainer"].get("routing_flips"))]),
     }
     for name, (title, lines) in plots.items():
         fig, ax = plt.subplots(figsize=(7, 3.5))

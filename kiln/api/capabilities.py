@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 #: Hugging Face architectures the Megatron model code builds (`megatron_model.ArchSpec`).
-SUPPORTED_ARCHS = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+SUPPORTED_ARCHS = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2_moe"}
 #: Head sizes vLLM 0.32's CPU attention backend has kernels for (its
 #: `CPUAttentionBackend.get_supported_head_sizes()`; a test keeps the two equal).
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -129,7 +129,7 @@ def _arch(m: ModelFacts, t: Target) -> str | None:
     if any(a in SUPPORTED_ARCHS for a in archs):
         return None
     return (f"architecture {', '.join(archs) or '(none)'} is not supported; the trainer builds "
-            f"{' and '.join(sorted(SUPPORTED_ARCHS))}")
+            f"{', '.join(sorted(SUPPORTED_ARCHS))}")
 
 
 def _head_size(m: ModelFacts, t: Target) -> str | None:
@@ -159,6 +159,16 @@ def _tp_split(m: ModelFacts, t: Target) -> str | None:
     return None
 
 
+def is_moe_config(config: dict[str, Any]) -> bool:
+    return "Qwen2MoeForCausalLM" in (config.get("architectures") or [])
+
+
+def _moe_tp(m: ModelFacts, t: Target) -> str | None:
+    if not is_moe_config(m.config) or t.tensor_parallel == 1:
+        return None
+    return f"tensorParallel {t.tensor_parallel}: MoE models train with tensorParallel 1 only"
+
+
 MODEL_CAPABILITIES: tuple[Capability, ...] = (
     Capability("architecture", ("spec", "model", "path"), ", ".join(sorted(SUPPORTED_ARCHS)),
                ("trainer", "rollout"), _arch, needs_model=True),
@@ -171,6 +181,8 @@ MODEL_CAPABILITIES: tuple[Capability, ...] = (
     Capability("tensor-parallel-split", ("spec", "trainer", "tensorParallel"),
                "heads, KV heads, vocabulary and MLP width divisible by tensorParallel",
                ("trainer",), _tp_split, needs_model=True),
+    Capability("moe-tensor-parallel", ("spec", "trainer", "tensorParallel"),
+               "tensorParallel 1 for MoE models", ("trainer",), _moe_tp, needs_model=True),
 )
 
 CAPABILITIES = SPEC_CAPABILITIES + MODEL_CAPABILITIES
@@ -227,9 +239,13 @@ def model_refusals(model_dir: str | Path, target: Target) -> list[Refusal]:
 
 def rollout_engine(requested: str, config: dict[str, Any]) -> str:
     """The engine that serves a model: `requested`, with "auto" meaning vllm, and "auto" or
-    "vllm" meaning megatron for a DSA checkpoint, which vLLM has no CPU path for."""
+    "vllm" meaning megatron for a DSA checkpoint, which vLLM has no CPU path for, and for an
+    MoE checkpoint. vLLM 0.32's CPU build serves Qwen2-MoE, but returns routed experts only
+    from its V2 model runner, which needs Triton on a GPU (so routing replay would have
+    nothing to replay), and its `reload_weights` leaves the expert weights in checkpoint
+    layout instead of the CPU kernel's packed one (wrong outputs after a weight sync)."""
     if requested in ("auto", "vllm"):
-        return "megatron" if "kiln_dsa" in config else "vllm"
+        return "megatron" if "kiln_dsa" in config or is_moe_config(config) else "vllm"
     return requested
 
 

@@ -58,8 +58,9 @@ class RolloutSpec(Model):
     replicas: int = Field(1, ge=0)
     """Rollout pods (on a cluster); each runs one engine."""
     engine: Literal["vllm", "megatron"] = "vllm"
-    """`vllm` (production; DSA checkpoints fall back to megatron, which vLLM cannot run on a
-    CPU) or `megatron` (the trainer's own model code: bit-exact with training, slow)."""
+    """`vllm` (production; DSA and MoE checkpoints fall back to megatron: vLLM cannot run DSA
+    on a CPU, nor record MoE routing for replay) or `megatron` (the trainer's own model code:
+    bit-exact with training, slow)."""
     max_turns: int = Field(8, ge=1)
     """Actions per episode; an episode without an answer by then gets reward 0."""
     episode_timeout_seconds: float = Field(300, gt=0)

@@ -42,8 +42,8 @@ _Model = Model
 class ModelInit(_Model):
     """Create a small random-initialised model locally (tests, quickstart). Nothing is downloaded."""
 
-    arch: Literal["qwen2", "llama"] = "qwen2"
-    """Architecture of the checkpoint written (Hugging Face Qwen2 or Llama)."""
+    arch: Literal["qwen2", "llama", "qwen2_moe"] = "qwen2"
+    """Architecture of the checkpoint written (Hugging Face Qwen2, Llama or Qwen2-MoE)."""
     hidden_size: int = Field(128, ge=8)
     """Width of the residual stream."""
     num_layers: int = Field(2, ge=1)
@@ -64,9 +64,20 @@ class ModelInit(_Model):
     """Share the input embedding and the output projection."""
     seed: int = 0
     """Seed of the random initialisation (the same seed gives the same weights)."""
+    num_experts: int = Field(8, ge=1, le=4096)
+    """qwen2_moe: routed experts per layer."""
+    num_experts_per_tok: int = Field(2, ge=1)
+    """qwen2_moe: experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = Field(64, ge=8)
+    """qwen2_moe: width of each expert's hidden layer."""
+    shared_expert_intermediate_size: int = Field(128, ge=8)
+    """qwen2_moe: width of the shared expert's hidden layer."""
 
     @model_validator(mode="after")
     def _heads(self) -> ModelInit:
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"numExpertsPerTok ({self.num_experts_per_tok}) must not exceed "
+                             f"numExperts ({self.num_experts})")
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hiddenSize ({self.hidden_size}) must be divisible by numHeads ({self.num_heads})"
@@ -92,6 +103,11 @@ class ModelSpec(_Model):
     """Precision of the weights in the trainer and the rollout engines."""
     init: ModelInit | None = None
     """If set and `path` holds no checkpoint yet, Kiln creates this model there first."""
+    routing_replay: Literal["off", "record", "replay"] = "replay"
+    """Mixture-of-experts models: `record` has rollout record the experts it chose for every
+    token and the trainer count the tokens whose own routing differs (metric
+    routing_flip_frac); `replay` also makes the trainer's forward use the recorded experts
+    (the router's gate is still trained); `off` records nothing. Ignored for dense models."""
 
 
 # ----------------------------------------------------------------------------------------- tasks

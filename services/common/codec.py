@@ -17,6 +17,7 @@ from __future__ import annotations
 from google.protobuf import message
 
 from kiln.protos.kiln.v1 import trajectory_pb2
+from kiln.routing import RoutedExperts
 from kiln.trajectory import Trajectory, VersionSpan
 
 
@@ -54,7 +55,11 @@ def to_proto(traj: Trajectory) -> trajectory_pb2.Trajectory:
     msg.reward_parts.update(traj.reward_parts)
     msg.flags.extend(traj.flags)
     msg.index_hashes.extend(traj.index_hashes)
-    msg.routed_experts.extend(traj.routed_experts)
+    if traj.routed_experts is not None:
+        r = traj.routed_experts
+        msg.routed_experts.CopyFrom(trajectory_pb2.RoutedExperts(
+            layers=r.layers, topk=r.topk, num_experts=r.num_experts, start=r.start, rows=r.rows,
+            packed=r.packed))
     return msg
 
 
@@ -78,11 +83,19 @@ def from_proto(msg: trajectory_pb2.Trajectory) -> Trajectory:
         sandbox_image_digest=msg.sandbox_image_digest,
         engine_fingerprint=msg.engine_fingerprint,
         index_hashes=msg.index_hashes[:],
-        routed_experts=msg.routed_experts[:],
+        routed_experts=_routed_from_proto(msg),
         teacher_logp=msg.teacher_logp[:],
         advantage=msg.advantage,
         created_at=msg.created_at,
     )
+
+
+def _routed_from_proto(msg: trajectory_pb2.Trajectory) -> RoutedExperts | None:
+    if not msg.HasField("routed_experts"):
+        return None
+    r = msg.routed_experts
+    return RoutedExperts(layers=r.layers, topk=r.topk, num_experts=r.num_experts, start=r.start,
+                         rows=r.rows, packed=r.packed)
 
 
 def to_bytes(traj: Trajectory) -> bytes:

@@ -31,6 +31,10 @@ MISMATCH_ABS = Gauge(
     "Mean |train log-prob - inference log-prob| of the same policy version")
 MISMATCH_KL = Gauge(
     "kiln_logprob_mismatch_kl", "KL(inference || train) estimate over trained tokens")
+ROUTING_FLIP_FRACTION = Gauge(
+    "kiln_moe_routing_flip_fraction",
+    "MoE: fraction of (token, layer) pairs of the last step whose trainer top-k differs from "
+    "the experts rollout recorded (replayed or not)")
 
 # --- trainer ----------------------------------------------------------------------------------
 TRAIN_STEP = Gauge("kiln_train_step", "Optimizer steps taken in the current stage", ["stage"])

@@ -31,6 +31,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from kiln.episode import Demonstration, StepResult
+from kiln.routing import RoutedExperts, merge_routing
 from kiln.services.rollout.engine import Engine, SamplingOptions
 from kiln.services.rollout.formats import THINKING_MODES, Format, demonstration_tokens
 from kiln.services.sandbox.client import EnvClient
@@ -61,6 +62,8 @@ class _Segment:
     logp: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     prompt_len: int = 0
+    routed: RoutedExperts | None = None
+    """MoE: the experts chosen for this segment's positions, merged over its generations."""
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.tokens)
@@ -104,6 +107,7 @@ async def run_episode(engine: Engine, env: EnvClient, fmt: Format, *, task_set: 
             seg.versions += gen.versions
             # Each generation's hashes cover the whole sequence so far; the last one's win.
             index_hashes = list(gen.index_hashes) or index_hashes
+            seg.routed = merge_routing(seg.routed, gen.routed_experts)
             result = await env.step(ep.episode_id, conv.read_reply(gen.token_ids))
             if result.done:
                 break
@@ -130,7 +134,7 @@ async def run_episode(engine: Engine, env: EnvClient, fmt: Format, *, task_set: 
             flags=flags + list(result.flags) + ([f"segment:{i}"] if many else []),
             sandbox_image_digest=result.sandbox_image_digest,
             engine_fingerprint=engine.fingerprint, index_hashes=index_hashes if s is seg else [],
-            created_at=time.time()) for i, s in enumerate(segments) if any(s.mask) or not many]
+            routed_experts=s.routed, created_at=time.time()) for i, s in enumerate(segments) if any(s.mask) or not many]
     finally:
         await env.close(ep.episode_id)
 

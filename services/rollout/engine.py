@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Literal, Protocol, Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from kiln.api.capabilities import rollout_engine
+from kiln.routing import RoutedExperts
 
 if TYPE_CHECKING:
     import torch
@@ -74,6 +75,10 @@ class Generation:
     """DSA models only (engine `megatron`): one `kiln.kernels.dsa.index_hash` per attention layer
     of the top-k indices selected for prompt + token_ids[:-1] under the last token's version,
     which the trainer recomputes to detect a different selection. Empty for other engines."""
+    routed_experts: "RoutedExperts | None" = None
+    """MoE models, when the engine records routing: the experts chosen for token positions
+    `[start, len(prompt) + len(token_ids) - 1)` of prompt + token_ids (every position that
+    predicted a sampled token; position 0 is the prompt's first). None otherwise."""
 
 
 class Engine(Protocol):
@@ -114,13 +119,17 @@ class EngineSettings(BaseModel):
     """Defaults to the model's max_position_embeddings."""
     initial_version: int = Field(0, ge=0)
     """Policy version of the checkpoint in `model`."""
+    record_routing: bool = False
+    """MoE models: return the experts chosen per token (`Generation.routed_experts`), for
+    routing replay in the trainer. Ignored for dense models."""
 
     @classmethod
     def from_job(cls, job: "RLJob", model_dir: str | None = None, **overrides: Any) -> "EngineSettings":
         spec = job.spec
         return cls(model=model_dir or spec.model.path, dtype=spec.model.dtype,
                    kv_cache_bytes=spec.rollout.kv_cache_bytes,
-                   enforce_eager=spec.rollout.enforce_eager, seed=spec.seed, **overrides)
+                   enforce_eager=spec.rollout.enforce_eager, seed=spec.seed,
+                   record_routing=spec.model.routing_replay != "off", **overrides)
 
 
 def check_sequence(seq: Sequence[int], vocab_size: int) -> None:

@@ -16,7 +16,9 @@ the trainer's vocab-parallel cross entropy (`next_token_logprob`), and the versi
 weights that produced it. Weights change only between decoding steps (a lock serialises steps
 and updates), and since nothing is cached, a step after an update sees only the new weights.
 For DSA models each generation also carries per-layer hashes of the top-k indices of its last
-step (`Generation.index_hashes`), which `TrainerEngine.index_hashes` recomputes.
+step (`Generation.index_hashes`), which `TrainerEngine.index_hashes` recomputes; for MoE models
+with `record_routing`, the experts of its last step (`Generation.routed_experts`, every
+position from the prompt's first), which the trainer replays.
 
 Sampling (temperature, top-p, seeds, stop tokens) follows `torch_engine`. Not covered: tensor
 parallelism, batching across requests, long sequences (no cache), and vLLM's random streams.
@@ -31,11 +33,12 @@ from typing import Any, Sequence
 
 import torch
 
-from kiln.models import dsa, parallel
+from kiln.models import dsa, moe, parallel
 from kiln.models.hf_io import (
     hf_to_megatron_shard, iter_hf_tensors, load_hf_checkpoint, load_state_into)
 from kiln.models.megatron_model import (DSABackend, forward_logits, next_token_logprob,
                                         token_logprobs)
+from kiln.routing import RoutedExperts
 from kiln.services.rollout.engine import (
     EngineBase, EngineSettings, Generation, NamedTensors, SamplingOptions, check_sequence)
 from kiln.services.rollout.sampling import sample_token
@@ -73,12 +76,15 @@ class MegatronEngine(EngineBase):
         return cls(model, spec, settings, _eos_token_ids(Path(settings.model)), dsa_backend)
 
     @torch.no_grad()
-    def _step(self, tokens: list[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Last-row logits of a full forward pass over `tokens`, and each DSA layer's indices."""
+    def _step(self, tokens: list[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor], torch.Tensor | None]:
+        """Last-row logits of a full forward pass over `tokens`, each DSA layer's indices, and
+        (MoE, when recording) the experts chosen for every position."""
         ids = torch.tensor([tokens], dtype=torch.long, device=next(self.model.parameters()).device)
-        with dsa.record_indices(self.model) as indices:
+        record = self.settings.record_routing and self.spec.moe is not None
+        with dsa.record_indices(self.model) as indices, moe.record_routing(self.model) as routing:
             logits = forward_logits(self.model, ids)
-        return logits[0, -1], dict(indices)
+        routed = moe.recorded_to_BSLK(routing, 1, len(tokens))[0] if record and routing else None
+        return logits[0, -1], dict(indices), routed
 
     async def generate(self, prompt_token_ids: Sequence[int], sampling: SamplingOptions) -> Generation:
         if not prompt_token_ids:
@@ -95,11 +101,12 @@ class MegatronEngine(EngineBase):
         tokens = list(prompt_token_ids)
         out, logps, versions = [], [], []
         indices: dict[int, torch.Tensor] = {}
+        routed = None
         finish = "length"
         for _ in range(min(sampling.max_tokens, self.max_len - len(tokens))):
             async with self._lock:
                 version = self.policy_version
-                logits, indices = await asyncio.to_thread(self._step, tokens)
+                logits, indices, routed = await asyncio.to_thread(self._step, tokens)
             logits = logits.float()
             token, _ = sample_token(logits, sampling, gen)
             logps.append(next_token_logprob(logits, token))
@@ -111,7 +118,9 @@ class MegatronEngine(EngineBase):
                 break
         # The last step covered prompt + out[:-1], i.e. every row that predicted a token.
         hashes = dsa.sequence_hashes(indices, 0, len(tokens)) if indices else []
-        return Generation(out, logps, versions, finish, index_hashes=hashes)
+        experts = (RoutedExperts.pack(routed.cpu().numpy(), self.spec.moe.num_experts)
+                   if routed is not None else None)
+        return Generation(out, logps, versions, finish, index_hashes=hashes, routed_experts=experts)
 
     async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         out = []

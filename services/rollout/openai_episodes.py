@@ -32,6 +32,7 @@ from typing import Any, Awaitable, Callable
 
 from kiln.env import ToolSpec
 from kiln.episode import EpisodeInfo
+from kiln.routing import RoutedExperts, merge_routing
 from kiln.services.rollout.engine import Engine, SamplingOptions
 from kiln.services.rollout.formats.chat import ChatConversation, ChatFormat
 from kiln.trajectory import Trajectory, spans_from_versions
@@ -147,6 +148,8 @@ class _Segment:
     logp: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     prompt_len: int = 0
+    routed: RoutedExperts | None = None
+    """MoE: the experts chosen for this segment's positions, merged over its generations."""
 
     def context(self, ids: list[int]) -> None:
         self.tokens += ids
@@ -208,6 +211,7 @@ class ExternalEpisodes:
             seg.mask += [1] * len(gen.token_ids)
             seg.logp += gen.logprobs
             seg.versions += gen.versions
+            seg.routed = merge_routing(seg.routed, gen.routed_experts)
             action = seg.conv.read_reply(gen.token_ids)
             ep.calls += 1
             calls = [{"id": f"call_{ep.calls}_{i}", "type": "function",
@@ -260,7 +264,7 @@ class ExternalEpisodes:
             version_spans=spans_from_versions(s.versions), prompt_len=s.prompt_len,
             reward=float(reward), reward_parts=dict(reward_parts or {}),
             flags=["external"] + ([f"segment:{i}"] if len(ep.segments) > 1 else []),
-            engine_fingerprint=self.engine.fingerprint, created_at=time.time())
+            engine_fingerprint=self.engine.fingerprint, routed_experts=s.routed, created_at=time.time())
             for i, s in enumerate(ep.segments) if any(s.mask)]
         if trajs:
             await self.sink(trajs, size)

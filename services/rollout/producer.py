@@ -244,7 +244,7 @@ class Producer:
         with open(self.samples_path, "a") as f:
             for i, t in enumerate(trajs):
                 if (self.episodes + i) % self.sample_every == 0:
-                    f.write(json.dumps({"stage": mode.stage, **dataclasses.asdict(t)}) + "\n")
+                    f.write(json.dumps({"stage": mode.stage, **t.to_dict()}) + "\n")
 
     # ---------------------------------------------------------------- evaluation
     async def evaluate(self, task_set: str, size: int, *, max_tasks: int, samples: int,

@@ -9,8 +9,17 @@ tagged version's log-prob of the token given the whole preceding sequence.
 
 Sampling follows vLLM's semantics: log-probs are those of the raw model distribution (before
 temperature and top-p); temperature 0 is greedy; generation stops at `stop_token_ids` or the
-model's end-of-sequence token(s), which are kept in the output. Not covered: batching across
-requests (throughput), and token-for-token equality with vLLM's random streams.
+model's end-of-sequence token(s), which are kept in the output.
+
+Mixture-of-experts models (Qwen2-MoE): with `record_routing`, each generation carries the
+experts transformers routed every position to (the top-k of its router's softmax, from
+`output_router_logits`), an implementation independent of the trainer's Megatron MoE layers,
+which is what `kiln consistency --engine torch` uses to measure routing flips. transformers
+keeps each layer's experts fused (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj`
+[E, H, I]); weights arriving under the checkpoint's per-expert names are fused on apply.
+
+Not covered: batching across requests (throughput), and token-for-token equality with vLLM's
+random streams.
 """
 from __future__ import annotations
 
@@ -20,6 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
+from kiln.routing import RoutedExperts
 from kiln.services.rollout.engine import (
     EngineBase, EngineSettings, Generation, NamedTensors, SamplingOptions, check_sequence)
 from kiln.services.rollout.sampling import sample_token
@@ -34,6 +44,9 @@ class TorchEngine(EngineBase):
         self._lock = asyncio.Lock()  # one decoding step or one weight update at a time
         self._seeds = random.Random(settings.seed)
         self._params = dict(model.named_parameters())
+        cfg = model.config
+        self._moe = getattr(cfg, "num_experts", None) and getattr(cfg, "num_experts_per_tok", None)
+        self._record = bool(self._moe) and settings.record_routing
 
     @classmethod
     async def start(cls, settings: EngineSettings) -> "TorchEngine":
@@ -47,10 +60,19 @@ class TorchEngine(EngineBase):
         return cls(model, settings, eos_ids)
 
     @torch.no_grad()
-    def _forward(self, tokens: list[int], new: int, past: Any) -> tuple[torch.Tensor, Any]:
+    def _forward(self, tokens: list[int], new: int, past: Any) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
+        """Last-row logits, the cache, and (MoE, recording) the experts of the `new`
+        positions: [new, layers, topk]."""
         ids = torch.tensor([tokens[-new:]], dtype=torch.long)
-        out = self.model(input_ids=ids, past_key_values=past, use_cache=True)
-        return out.logits[0, -1].float(), out.past_key_values
+        out = self.model(input_ids=ids, past_key_values=past, use_cache=True,
+                         **({"output_router_logits": True} if self._record else {}))
+        routed = None
+        if self._record:
+            k = self.model.config.num_experts_per_tok
+            # transformers' own rule: top-k of the float32 softmax over all experts.
+            routed = torch.stack([torch.topk(torch.softmax(r.float(), dim=-1), k, dim=-1).indices
+                                  for r in out.router_logits], dim=1)
+        return out.logits[0, -1].float(), out.past_key_values, routed
 
     async def generate(self, prompt_token_ids: Sequence[int], sampling: SamplingOptions) -> Generation:
         if not prompt_token_ids:
@@ -61,14 +83,18 @@ class TorchEngine(EngineBase):
         tokens = list(prompt_token_ids)
         out, logps, versions = [], [], []
         past, past_version, cached = None, None, 0
+        rows: list[torch.Tensor] = []  # MoE: experts per computed position, in order
         finish = "length"
         for _ in range(sampling.max_tokens):
             async with self._lock:
                 version = self.policy_version
                 if past is None or past_version != version:
                     past, cached = None, 0  # recompute the whole context under these weights
-                logits, past = await asyncio.to_thread(self._forward, tokens, len(tokens) - cached, past)
+                    rows = []
+                logits, past, routed = await asyncio.to_thread(self._forward, tokens, len(tokens) - cached, past)
                 cached, past_version = len(tokens), version
+                if routed is not None:
+                    rows.append(routed)
             token, logp = sample_token(logits, sampling, gen)
             tokens.append(token)
             out.append(token)
@@ -77,7 +103,9 @@ class TorchEngine(EngineBase):
             if token in stops:
                 finish = "stop"
                 break
-        return Generation(out, logps, versions, finish)
+        experts = (RoutedExperts.pack(torch.cat(rows).numpy(), self.model.config.num_experts)
+                   if rows else None)
+        return Generation(out, logps, versions, finish, routed_experts=experts)
 
     async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         vocab = self.model.config.vocab_size
@@ -97,7 +125,7 @@ class TorchEngine(EngineBase):
     async def apply_weights(self, version: int, named_tensors: NamedTensors) -> None:
         async with self._lock:
             self.check_new_version(version)
-            tensors = list(named_tensors)
+            tensors = _fuse_experts(list(named_tensors)) if self._moe else list(named_tensors)
             unknown = [n for n, _ in tensors if n not in self._params]
             if unknown:
                 raise ValueError(f"weights {unknown[:5]} are not parameters of the model; "
@@ -118,3 +146,27 @@ class TorchEngine(EngineBase):
 
     async def close(self) -> None:
         self.model = None
+
+
+def _fuse_experts(tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Checkpoint names `...mlp.experts.J.{gate,up,down}_proj.weight` -> transformers' fused
+    `...mlp.experts.gate_up_proj` [E, 2I, H] and `...mlp.experts.down_proj` [E, H, I]."""
+    import re
+
+    pattern = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+    out, parts = [], {}
+    for name, t in tensors:
+        m = pattern.match(name)
+        if m is None:
+            out.append((name, t))
+        else:
+            parts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = t
+    for prefix, p in parts.items():
+        n = 1 + max(j for j, _ in p)
+        try:
+            out.append((prefix + ".gate_up_proj",
+                        torch.stack([torch.cat([p[(j, "gate")], p[(j, "up")]]) for j in range(n)])))
+            out.append((prefix + ".down_proj", torch.stack([p[(j, "down")] for j in range(n)])))
+        except KeyError as e:
+            raise ValueError(f"weights of {prefix} lack expert {e.args[0]}; old weights kept") from None
+    return out

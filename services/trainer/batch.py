@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.routing import RoutedExperts
 from kiln.trajectory import Trajectory
 
 PAD_ID = 0
@@ -31,16 +32,35 @@ class TensorBatch:
     has_teacher: torch.Tensor
     """[B] bool: the sequence carries teacher log-probs (on-policy distillation)."""
     lengths: list[int]
+    routing: torch.Tensor | None = None
+    """MoE: [B, S, layers, topk] int64 expert ids the rollout chose; None when no sequence
+    carries routing."""
+    routing_valid: torch.Tensor | None = None
+    """[B, S] bool: the positions `routing` covers."""
 
     @property
     def num_tokens(self) -> int:
         return sum(self.lengths)
+
+    def select(self, idx: torch.Tensor) -> "TensorBatch":
+        """Rows `idx`, trimmed to their longest sequence."""
+        lengths = [self.lengths[i] for i in idx.tolist()]
+        n = max(lengths)
+        return TensorBatch(
+            tokens=self.tokens[idx, :n], loss_mask=self.loss_mask[idx, :n], logp_infer=self.logp_infer[idx, :n],
+            advantages=self.advantages[idx], teacher_logp=self.teacher_logp[idx, :n],
+            has_teacher=self.has_teacher[idx], lengths=lengths,
+            routing=self.routing[idx, :n] if self.routing is not None else None,
+            routing_valid=self.routing_valid[idx, :n] if self.routing_valid is not None else None,
+        )
 
     def to(self, device: torch.device) -> "TensorBatch":
         return TensorBatch(
             self.tokens.to(device), self.loss_mask.to(device), self.logp_infer.to(device),
             self.advantages.to(device), self.teacher_logp.to(device), self.has_teacher.to(device),
             self.lengths,
+            self.routing.to(device) if self.routing is not None else None,
+            self.routing_valid.to(device) if self.routing_valid is not None else None,
         )
 
 
@@ -61,7 +81,10 @@ def collate(trajs: list[Trajectory]) -> TensorBatch:
         infer[i, :n] = torch.tensor(t.logp_infer, dtype=torch.float32)
         if t.teacher_logp:
             teacher[i, :n] = torch.tensor(t.teacher_logp, dtype=torch.float32)
+    routing, valid = collate_routing([t.routed_experts for t in trajs], s)
     return TensorBatch(
+        routing=routing,
+        routing_valid=valid,
         tokens=tokens,
         loss_mask=mask,
         logp_infer=infer,
@@ -70,6 +93,28 @@ def collate(trajs: list[Trajectory]) -> TensorBatch:
         has_teacher=torch.tensor([bool(t.teacher_logp) for t in trajs]),
         lengths=[len(t.tokens) for t in trajs],
     )
+
+
+def collate_routing(routed: list[RoutedExperts | None], s: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Per-sequence routed experts as ([B, S, layers, topk] ids, [B, S] covered), or
+    (None, None) when none carries any. ValueError when they disagree on the shape."""
+    carried = [r for r in routed if r is not None]
+    if not carried:
+        return None, None
+    shape = {(r.layers, r.topk, r.num_experts) for r in carried}
+    if len(shape) > 1:
+        raise ValueError(f"trajectories carry routed experts of different shapes {sorted(shape)} "
+                         "(layers, topk, experts); they come from different models")
+    layers, topk, _ = shape.pop()
+    # Uncovered positions keep the trainer's own routing (see moe.RouterTap); the ids there
+    # are placeholders, distinct per row as a top-k must be.
+    routing = torch.arange(topk).expand(len(routed), s, layers, topk).clone()
+    valid = torch.zeros(len(routed), s, dtype=torch.bool)
+    for i, r in enumerate(routed):
+        if r is not None and r.rows:
+            routing[i, r.start : r.end] = torch.from_numpy(r.unpack())
+            valid[i, r.start : r.end] = True
+    return routing, valid
 
 
 def collate_tokens(sequences: list[list[int]]) -> tuple[torch.Tensor, list[int]]:

@@ -51,6 +51,9 @@ class TrainerConfig(BaseModel):
     """Checkpoint every this many steps; 0 = only on request."""
     keep_checkpoints: int = Field(2, ge=1)
     seed: int = 0
+    routing_replay: Literal["off", "record", "replay"] = "replay"
+    """MoE models: replay the rollout's routing, only count flips, or ignore it (RLJob
+    spec.model.routingReplay)."""
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
@@ -111,5 +114,6 @@ def config_from_job(job: RLJob, *, run_dir: Path, stage: str | None = None, mode
         checkpoint_dir=Path(run_dir) / "checkpoints",
         checkpoint_interval=t.checkpoint_interval,
         keep_checkpoints=t.keep_checkpoints,
+        routing_replay=job.spec.model.routing_replay,
         seed=job.spec.seed,
     )

@@ -3,7 +3,8 @@
 `TrainerEngine` holds the model (loaded from a Hugging Face checkpoint, tensor-parallel over the
 current process group), AdamW, the step and policy-version counters, and the Prometheus metrics.
 It knows nothing of gRPC, buffers or weight transport:
-- `logprobs(sequences)`: per-token log-probs under the current weights;
+- `logprobs(sequences)`: per-token log-probs under the current weights (`logprobs_routed`
+  with an MoE model's recorded routing replayed: `replay.py`, which every forward here uses);
 - `step(trajectories, staleness)`: one RL step (the policy loss in the stage's mode, masked or
   ppo with IcePop, see `loss.py`);
 - `sft_step(trajectories)`: one supervised step (cross-entropy on loss-masked tokens);
@@ -34,14 +35,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kiln.models import cpu_shims, dsa, parallel
+from kiln.models import cpu_shims, dsa, moe, parallel
 from kiln.models.hf_io import iter_hf_tensors, load_hf_checkpoint, save_hf_checkpoint
-from kiln.models.megatron_model import forward_logits, token_logprobs
+from kiln.models.megatron_model import forward_logits
+from kiln.routing import RoutedExperts
 from kiln.services.trainer import checkpoint as ckpt
 from kiln.services.trainer import metrics
 from kiln.services.trainer.batch import TensorBatch, collate, collate_tokens
 from kiln.services.trainer.config import TrainerConfig
 from kiln.services.trainer.loss import LossStats, policy_loss, sft_loss
+from kiln.services.trainer.replay import routed_logprobs, score as score_routed
 from kiln.trajectory import Trajectory
 
 LossFn = Callable[[torch.Tensor, TensorBatch, torch.Tensor, float], tuple[torch.Tensor, LossStats]]
@@ -91,19 +94,19 @@ class TrainerEngine:
                 f"token ids must be in [0, {self.spec.vocab_size}); got {int(tokens.min())}..{int(tokens.max())}"
             )
 
-    @torch.no_grad()
     def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """Per-token log-probs of each sequence under the current weights (entry 0 is 0.0)."""
+        return self.logprobs_routed(sequences, [None] * len(sequences), replay=False)[0]
+
+    @torch.no_grad()
+    def logprobs_routed(self, sequences: list[list[int]], routed: list[RoutedExperts | None], *,
+                        replay: bool) -> tuple[list[list[float]], moe.RoutingFlips]:
+        """`logprobs` with each sequence's MoE routing (or None) replayed or only compared, and the flips."""
         tokens, lengths = collate_tokens(sequences)
         self._check_vocab(tokens)
         self.model.eval()
-        out: list[list[float]] = []
-        mbs = self.config.micro_batch_size
-        for i in range(0, len(sequences), mbs):
-            n = max(lengths[i : i + mbs])
-            logp = token_logprobs(self.model, tokens[i : i + mbs, :n].to(self.device)).cpu()
-            out.extend(row[:length].tolist() for row, length in zip(logp, lengths[i : i + mbs]))
-        return out
+        return score_routed(self.model, tokens.to(self.device), lengths, routed,
+                            self.config.micro_batch_size, "replay" if replay else "record")
 
     @torch.no_grad()
     def index_hashes(self, sequences: list[list[int]]) -> list[list[int]]:
@@ -183,10 +186,11 @@ class TrainerEngine:
             # minibatch's, so the replicas' summed gradients are the one-replica gradient.
             rows = part[dp_rank::dp]
             for idx in torch.split(rows, self.config.micro_batch_size) if len(rows) else ():
-                mb = _select(tb, idx)
-                logp = token_logprobs(self.model, mb.tokens)
+                mb = tb.select(idx)
+                logp, flips = routed_logprobs(self.model, mb, self.config.routing_replay)
                 train_old = old[idx][:, : logp.shape[1]] if old is not None else logp.detach()
                 loss, st = loss_fn(logp, mb, train_old, normalizer)
+                st.routing_flips, st.routing_compared = flips.flips, flips.compared
                 loss.backward()
                 part_loss += loss.item()
                 part_stats = part_stats.merge(st)
@@ -232,8 +236,8 @@ class TrainerEngine:
         self.model.eval()
         out = torch.zeros_like(tb.logp_infer)
         for idx in torch.split(torch.arange(tb.tokens.shape[0]), self.config.micro_batch_size):
-            mb = _select(tb, idx)
-            out[idx, : mb.tokens.shape[1]] = token_logprobs(self.model, mb.tokens)
+            mb = tb.select(idx)
+            out[idx, : mb.tokens.shape[1]] = routed_logprobs(self.model, mb, self.config.routing_replay)[0]
         return out
 
     def _reduce_replicas(self, loss: float, stats: LossStats) -> tuple[float, LossStats]:
@@ -379,18 +383,3 @@ class TrainerEngine:
         self.stage = meta.get("stage")
         self.stage_steps = dict(meta.get("stage_steps") or {})
         self.resumed_from = self.last_checkpoint = Path(path)
-
-
-def _select(tb: TensorBatch, idx: torch.Tensor) -> TensorBatch:
-    """Rows `idx` of a batch, trimmed to their longest sequence."""
-    lengths = [tb.lengths[i] for i in idx.tolist()]
-    n = max(lengths)
-    return TensorBatch(
-        tokens=tb.tokens[idx, :n],
-        loss_mask=tb.loss_mask[idx, :n],
-        logp_infer=tb.logp_infer[idx, :n],
-        advantages=tb.advantages[idx],
-        teacher_logp=tb.teacher_logp[idx, :n],
-        has_teacher=tb.has_teacher[idx],
-        lengths=lengths,
-    )

@@ -102,6 +102,11 @@ class LossStats:
     ratio_sum: float = 0.0
     """Sum of `r_t` over the kept tokens."""
     sequences: float = 0.0
+    routing_flips: float = 0.0
+    """MoE with routing recorded: token-layer pairs where the trainer's own top-k differed from
+    the rollout's (counted whether or not the rollout's was replayed)."""
+    routing_compared: float = 0.0
+    """Token-layer pairs compared for routing_flips."""
 
     def merge(self, other: "LossStats") -> "LossStats":
         return LossStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
@@ -146,6 +151,8 @@ class LossStats:
             "mismatch_abs": self.mismatch_abs,
             "mismatch_kl": self.mismatch_kl,
             "ratio_mean": self.ratio_mean,
+            **({"routing_flip_frac": self.routing_flips / self.routing_compared}
+               if self.routing_compared else {}),
         }
 
 

@@ -30,6 +30,8 @@ def observe_step(m: dict[str, float], stage: str, *, rl: bool) -> None:
         common.ICEPOP_MASK_FRACTION.set(m["icepop_mask_frac"])
         common.MISMATCH_ABS.set(m["mismatch_abs"])
         common.MISMATCH_KL.set(m["mismatch_kl"])
+        if "routing_flip_frac" in m:
+            common.ROUTING_FLIP_FRACTION.set(m["routing_flip_frac"])
 
 
 #: Tracked per step (TensorBoard / W&B tag -> key of the step's metrics).
@@ -41,14 +43,14 @@ TRACKED = {
     "train/both_masked_frac": "both_masked_frac", "train/ratio_mean": "ratio_mean",
     "train/mismatch_abs": "mismatch_abs", "train/mismatch_kl": "mismatch_kl",
     "train/tokens_per_s": "tokens_per_s", "train/step_seconds": "step_time_s",
-    "train/policy_version": "policy_version",
+    "train/policy_version": "policy_version", "train/routing_flip_frac": "routing_flip_frac",
 }
 
 
 def tracked_scalars(m: dict[str, float], *, rl: bool) -> dict[str, float]:
     """The step's metrics under their tracking tags; the off-policy ones (masks, mismatch,
     staleness) for RL steps only, where they mean something."""
-    off_policy = ("mask", "mismatch", "kept", "only", "ratio_mean")
+    off_policy = ("mask", "mismatch", "kept", "only", "ratio_mean", "routing")
     out = {tag: m[key] for tag, key in TRACKED.items()
            if key in m and (rl or not any(w in key for w in off_policy))}
     counts = {int(k.removeprefix("staleness_")): v for k, v in m.items()

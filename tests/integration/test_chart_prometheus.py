@@ -186,7 +186,8 @@ def test_dashboard_covers_the_drift_metrics() -> None:
     for metric in (metrics.POLICY_VERSION, metrics.STALENESS, metrics.RATIO_MASK_FRACTION,
                    metrics.ICEPOP_MASK_FRACTION, metrics.MISMATCH_ABS, metrics.MISMATCH_KL,
                    metrics.SYNC_SECONDS, metrics.BUFFER_DEPTH, metrics.ROLLOUT_TOKENS,
-                   metrics.SANDBOX_START_SECONDS, metrics.SANDBOX_FAILURES, metrics.REWARD_MEAN):
+                   metrics.SANDBOX_START_SECONDS, metrics.SANDBOX_FAILURES, metrics.REWARD_MEAN,
+                   metrics.ROUTING_FLIP_FRACTION):
         assert metric._name in exprs, metric._name
     known = {m._name for m in vars(metrics).values() if hasattr(m, "_name")}
     used = set(re.findall(r"\bkiln_[a-z_]+", exprs))

@@ -89,9 +89,12 @@ def test_kiln_run_refuses_an_unsupported_model_before_starting_anything(tmp_path
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == (f"kiln run: invalid job:\n{job}:1: spec.model.path: {d}: architecture "
                                    "MistralForCausalLM is not supported; the trainer builds "
-                                   "LlamaForCausalLM and Qwen2ForCausalLM")
+                                   "LlamaForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM")
     assert not (tmp_path / "run" / "logs").exists()  # no service was started
 
+
+MOE = {"architectures": ["Qwen2MoeForCausalLM"], "num_experts": 8, "num_experts_per_tok": 2,
+       "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64}
 
 # One job per capability that the runtime refuses: (spec changes, model config changes).
 VIOLATIONS: dict[str, tuple[dict, dict]] = {
@@ -104,6 +107,7 @@ VIOLATIONS: dict[str, tuple[dict, dict]] = {
     "tokenizer-vocab": ({}, {"vocab_size": 4}),
     "tensor-parallel-split": ({"trainer": {"tensorParallel": 2}},
                               {"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 192}),
+    "moe-tensor-parallel": ({"trainer": {"tensorParallel": 2}}, MOE),
 }
 
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kiln.protos.kiln.v1 import trajectory_pb2
 from kiln.services.common import codec
+from kiln.routing import RoutedExperts
 from kiln.trajectory import Trajectory, VersionSpan
 
 
@@ -37,7 +38,7 @@ def _full() -> Trajectory:
         sandbox_image_digest="sha256:abc",
         engine_fingerprint="vllm-0.32;seed=1",
         index_hashes=[2**63 + 5, 1],
-        routed_experts=[3, 1, 4],
+        routed_experts=RoutedExperts.pack([[[3, 1]], [[4, 0]], [[7, 2]]], num_experts=8, start=1),
         teacher_logp=[0.0, 0.0, -0.75, _f32(-0.1), 0.0, -2.0],
         advantage=-0.125,
         created_at=1764400000.5,
@@ -114,11 +115,22 @@ def _trajectories(draw: st.DrawFn) -> Trajectory:
         sandbox_image_digest=draw(st.text()),
         engine_fingerprint=draw(st.text()),
         index_hashes=draw(st.lists(st.integers(0, 2**64 - 1), max_size=4)),
-        routed_experts=draw(st.lists(_u32, max_size=6)),
+        routed_experts=draw(st.none() | _routed()),
         teacher_logp=draw(st.lists(_f32s, max_size=n)),
         advantage=draw(st.floats(allow_nan=False)),
         created_at=draw(st.floats(allow_nan=False)),
     )
+
+
+@st.composite
+def _routed(draw) -> RoutedExperts:
+    experts = draw(st.integers(1, 300))
+    rows, layers, topk = draw(st.integers(0, 5)), draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    ids = draw(st.lists(st.integers(0, experts - 1), min_size=rows * layers * topk,
+                        max_size=rows * layers * topk))
+    import numpy as np
+    return RoutedExperts.pack(np.array(ids, dtype=np.int64).reshape(rows, layers, topk), experts,
+                              start=draw(st.integers(0, 9)))
 
 
 @settings(max_examples=60, deadline=None)

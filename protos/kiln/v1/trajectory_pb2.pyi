@@ -6,6 +6,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RoutedExperts(_message.Message):
+    __slots__ = ("layers", "topk", "num_experts", "start", "rows", "packed")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
+    layers: int
+    topk: int
+    num_experts: int
+    start: int
+    rows: int
+    packed: bytes
+    def __init__(self, layers: _Optional[int] = ..., topk: _Optional[int] = ..., num_experts: _Optional[int] = ..., start: _Optional[int] = ..., rows: _Optional[int] = ..., packed: _Optional[bytes] = ...) -> None: ...
+
 class VersionSpan(_message.Message):
     __slots__ = ("start", "end", "policy_version")
     START_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +79,6 @@ class Trajectory(_message.Message):
     sandbox_image_digest: str
     engine_fingerprint: str
     index_hashes: _containers.RepeatedScalarFieldContainer[int]
-    routed_experts: _containers.RepeatedScalarFieldContainer[int]
+    routed_experts: RoutedExperts
     created_at: float
-    def __init__(self, id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., env: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logp_infer: _Optional[_Iterable[float]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., prompt_len: _Optional[int] = ..., teacher_logp: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., reward_parts: _Optional[_Mapping[str, float]] = ..., verifier_output: _Optional[str] = ..., flags: _Optional[_Iterable[str]] = ..., advantage: _Optional[float] = ..., sandbox_image_digest: _Optional[str] = ..., engine_fingerprint: _Optional[str] = ..., index_hashes: _Optional[_Iterable[int]] = ..., routed_experts: _Optional[_Iterable[int]] = ..., created_at: _Optional[float] = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., env: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logp_infer: _Optional[_Iterable[float]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., prompt_len: _Optional[int] = ..., teacher_logp: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., reward_parts: _Optional[_Mapping[str, float]] = ..., verifier_output: _Optional[str] = ..., flags: _Optional[_Iterable[str]] = ..., advantage: _Optional[float] = ..., sandbox_image_digest: _Optional[str] = ..., engine_fingerprint: _Optional[str] = ..., index_hashes: _Optional[_Iterable[int]] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ..., created_at: _Optional[float] = ...) -> None: ...

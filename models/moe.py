@@ -1,0 +1,270 @@
+"""Mixture-of-experts layers (Qwen2-MoE) in the Megatron model, and routing record/replay.
+
+An MoE model chooses, per token and layer, `topk` of `num_experts` expert MLPs. The choice is a
+top-k over router scores, so a difference in the last bit between the inference engine and the
+trainer can flip it; the two sides then compute different functions and the off-policy ratio
+measures that, not staleness. Routing replay removes it: the rollout records the experts it chose
+(`kiln.routing.RoutedExperts` on the trajectory) and the trainer's forward uses them instead of
+its own top-k. The router's gate still runs and is trained: the replayed experts' weights are
+gathered from the trainer's own softmax over all experts (Megatron's `get_replay_topk` does
+the same), so the gradient reaches the gate through them.
+
+Layout (Qwen2-MoE, `Qwen2MoeForCausalLM`; see `hf_io.py` for the weight names):
+- router: `mlp.gate.weight` [E, H] -> Megatron `mlp.router.weight`; softmax over all experts,
+  then top-k (`norm_topk_prob` renormalises the k weights, which is the softmax over the top-k
+  logits: Megatron's default order);
+- experts: per expert a gated MLP of `moe_intermediate_size` -> `mlp.experts.local_experts.j`;
+- shared expert: a gated MLP of `shared_expert_intermediate_size` scaled by
+  `sigmoid(shared_expert_gate(x))` -> `mlp.shared_experts` with `gate_weight`.
+
+`RouterTap` replaces each router's `router_replay` hook (Megatron calls it for the top-k) and
+serves the three modes per model rather than through Megatron's process-global list of
+instances, so that a trainer and an inference engine built in one process do not share state.
+Token order inside a router is Megatron's `[S, B]` flattened: index `s * B + b`.
+
+Not covered: expert parallelism and tensor parallelism of MoE layers (refused at load), dense
+layers interleaved with sparse ones (`decoder_sparse_step` > 1, `mlp_only_layers`), auxiliary
+load-balancing losses (off: RL fine-tuning keeps the routing the model has).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+MOE_ARCHS = ("qwen2_moe",)
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The MoE part of a Hugging Face config."""
+
+    num_experts: int
+    topk: int
+    ffn_hidden_size: int
+    shared_ffn_hidden_size: int
+    """0 when the model has no shared expert."""
+    norm_topk_prob: bool
+
+    @classmethod
+    def from_hf(cls, config: dict) -> "MoESpec":
+        if config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
+            raise ValueError(
+                f"config.json decoder_sparse_step={config.get('decoder_sparse_step')} "
+                f"mlp_only_layers={config.get('mlp_only_layers')}: only models whose every layer is "
+                "sparse (decoder_sparse_step 1, no mlp_only_layers) are supported")
+        num, k = config["num_experts"], config["num_experts_per_tok"]
+        if not 1 <= k <= num:
+            raise ValueError(f"config.json num_experts_per_tok={k} must be in [1, num_experts={num}]")
+        return cls(
+            num_experts=num, topk=k, ffn_hidden_size=config["moe_intermediate_size"],
+            shared_ffn_hidden_size=config.get("shared_expert_intermediate_size") or 0,
+            norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        )
+
+    def transformer_config(self) -> dict:
+        """TransformerConfig keyword arguments for these MoE layers."""
+        return dict(
+            num_moe_experts=self.num_experts,
+            moe_router_topk=self.topk,
+            moe_ffn_hidden_size=self.ffn_hidden_size,
+            moe_shared_expert_intermediate_size=self.shared_ffn_hidden_size or None,
+            moe_shared_expert_gate=bool(self.shared_ffn_hidden_size),
+            # Qwen2-MoE: softmax over all experts, then top-k, unnormalised; with norm_topk_prob
+            # the k weights sum to 1, which is Megatron's top-k-then-softmax.
+            moe_router_pre_softmax=not self.norm_topk_prob,
+            moe_router_score_function="softmax",
+            # No router dtype: as in HF, the gate's matmul runs in the model's dtype (Megatron's
+            # fp32 router path needs transformer-engine); both take the softmax in float32.
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="allgather",
+            moe_grouped_gemm=False,
+            moe_permute_fusion=False,
+            moe_router_fusion=False,
+            # Makes the router keep a replay hook, which RouterTap then replaces.
+            moe_enable_routing_replay=True,
+        )
+
+
+class RouterTap:
+    """One router's top-k hook: compute (default), record, or replay with a flip count.
+
+    Megatron's router calls `get_replay_topk(scores, topk, num_groups, group_topk,
+    default_compute_topk)` when its `router_replay` is set; this object is set there. In replay
+    mode, rows where `valid` is False (positions the rollout did not record) keep the router's
+    own choice, and with `apply` False the router's own choice is kept everywhere and only the
+    flips are counted (routingReplay `record`).
+    """
+
+    def __init__(self) -> None:
+        self.mode: str | None = None
+        self.recorded: torch.Tensor | None = None
+        self.target: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None
+        self.apply = True
+        self.flips = 0
+        self.compared = 0
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        if self.mode == "record":
+            probs, idx = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+            self.recorded = idx.detach()
+            return probs, idx
+        if self.mode == "replay":
+            target = self.target.to(scores.device)
+            if target.shape != (scores.shape[0], topk):
+                raise ValueError(f"replayed routing has shape {tuple(target.shape)}, the router "
+                                 f"expects {(scores.shape[0], topk)} (tokens, topk)")
+            valid = self.valid.to(scores.device)
+            own_probs, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+            with torch.no_grad():
+                differs = (own.sort(dim=1).values != target.sort(dim=1).values).any(dim=1) & valid
+                self.compared += int(valid.sum())
+                self.flips += int(differs.sum())
+            if not self.apply:
+                return own_probs, own
+            chosen = torch.where(valid[:, None], target, own)
+            # The replayed experts' weights come from this router's own scores (softmax over all
+            # experts, or the logits when the top-k are renormalised), so the gate is trained.
+            return scores.gather(1, chosen), chosen
+        return default_compute_topk(scores, topk, num_groups, group_topk)
+
+
+def install_taps(model) -> list[RouterTap]:
+    """Give every router of `model` its own RouterTap (in layer order) and detach them from
+    Megatron's process-global replay list. Called once, when the model is built."""
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    # Megatron-core 0.16.1 names `te_general_gemm` in the router's matmul without defining it
+    # when transformer-engine is absent; None selects its plain torch.mm path.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    taps = []
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+            old = module.router_replay
+            if old is not None and old in RouterReplay.global_router_replay_instances:
+                RouterReplay.global_router_replay_instances.remove(old)
+            module.router_replay = RouterTap()
+            taps.append(module.router_replay)
+    model.kiln_router_taps = taps
+    return taps
+
+
+def router_taps(model) -> list[RouterTap]:
+    """The model's taps in layer order; empty for a dense model."""
+    return getattr(model, "kiln_router_taps", [])
+
+
+def is_moe_model(model) -> bool:
+    return bool(router_taps(model))
+
+
+@dataclass
+class RoutingFlips:
+    """Token-layer pairs whose trainer top-k differed from the replayed one, of those compared."""
+
+    flips: int = 0
+    compared: int = 0
+    per_layer: list[int] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        return self.flips / self.compared if self.compared else 0.0
+
+
+@contextlib.contextmanager
+def record_routing(model) -> Iterator[list[torch.Tensor]]:
+    """Within the block, forwards record each layer's chosen experts; on exit the yielded list
+    holds one `[S * B, topk]` tensor per layer (the last forward's; router token order)."""
+    taps = router_taps(model)
+    out: list[torch.Tensor] = []
+    for t in taps:
+        t.mode, t.recorded = "record", None
+    try:
+        yield out
+    finally:
+        for t in taps:
+            if t.recorded is not None:
+                out.append(t.recorded)
+            t.mode, t.recorded = None, None
+
+
+@contextlib.contextmanager
+def replay_routing(model, routing_BSLK: torch.Tensor, valid_BS: torch.Tensor | None = None, *,
+                   apply: bool = True) -> Iterator[RoutingFlips]:
+    """Within the block, one forward of a `[B, S]` batch uses `routing_BSLK` ([B, S, layers,
+    topk] expert ids) instead of the routers' own top-k at the `valid_BS` positions (all when
+    None); `apply=False` only compares. The yielded RoutingFlips is filled on exit with the
+    valid token-layer pairs where the router's own top-k differs from the given one."""
+    taps = router_taps(model)
+    b, s, layers, k = routing_BSLK.shape
+    if layers != len(taps):
+        raise ValueError(f"routing covers {layers} layers, the model has {len(taps)} MoE layers")
+    # [B, S, L, K] -> per layer [S * B, K], Megatron's token order.
+    per_layer = routing_BSLK.permute(2, 1, 0, 3).reshape(layers, s * b, k).long()
+    if valid_BS is None:
+        valid_BS = torch.ones(b, s, dtype=torch.bool)
+    valid = valid_BS.t().reshape(-1).bool()
+    for t, target in zip(taps, per_layer):
+        t.mode, t.target, t.valid, t.apply, t.flips, t.compared = "replay", target, valid, apply, 0, 0
+    stats = RoutingFlips()
+    try:
+        yield stats
+    finally:
+        for t in taps:
+            stats.flips += t.flips
+            stats.compared += t.compared
+            stats.per_layer.append(t.flips)
+            t.mode, t.target, t.valid = None, None, None
+
+
+def recorded_to_BSLK(recorded: list[torch.Tensor], b: int, s: int) -> torch.Tensor:
+    """Recorded per-layer `[S * B, K]` ids -> `[B, S, layers, K]`."""
+    stacked = torch.stack([r.reshape(s, b, -1) for r in recorded])  # [L, S, B, K]
+    return stacked.permute(2, 1, 0, 3).contiguous()
+
+
+def hf_moe_to_megatron(hf: dict[str, torch.Tensor], spec: MoESpec, hf_prefix: str, m_prefix: str
+                       ) -> dict[str, torch.Tensor]:
+    """One layer's MoE weights (HF names under `hf_prefix` = "model.layers.N.mlp.") as
+    Megatron's (under `m_prefix` = "decoder.layers.N.mlp."), TP=1."""
+    out = {m_prefix + "router.weight": hf[hf_prefix + "gate.weight"]}
+    for j in range(spec.num_experts):
+        e = f"{hf_prefix}experts.{j}."
+        me = f"{m_prefix}experts.local_experts.{j}."
+        out[me + "linear_fc1.weight"] = torch.cat([hf[e + "gate_proj.weight"], hf[e + "up_proj.weight"]])
+        out[me + "linear_fc2.weight"] = hf[e + "down_proj.weight"]
+    if spec.shared_ffn_hidden_size:
+        s = hf_prefix + "shared_expert."
+        out[m_prefix + "shared_experts.linear_fc1.weight"] = torch.cat(
+            [hf[s + "gate_proj.weight"], hf[s + "up_proj.weight"]])
+        out[m_prefix + "shared_experts.linear_fc2.weight"] = hf[s + "down_proj.weight"]
+        out[m_prefix + "shared_experts.gate_weight"] = hf[hf_prefix + "shared_expert_gate.weight"]
+    return out
+
+
+def iter_hf_moe(params: dict[str, torch.Tensor], spec: MoESpec, hf_prefix: str, m_prefix: str
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Inverse of `hf_moe_to_megatron`: `(hf_name, tensor)` of one layer, TP=1."""
+    yield hf_prefix + "gate.weight", params[m_prefix + "router.weight"].detach()
+    for j in range(spec.num_experts):
+        e = f"{hf_prefix}experts.{j}."
+        me = f"{m_prefix}experts.local_experts.{j}."
+        gate, up = torch.chunk(params[me + "linear_fc1.weight"].detach(), 2, dim=0)
+        yield e + "gate_proj.weight", gate
+        yield e + "up_proj.weight", up
+        yield e + "down_proj.weight", params[me + "linear_fc2.weight"].detach()
+    if spec.shared_ffn_hidden_size:
+        s = hf_prefix + "shared_expert."
+        gate, up = torch.chunk(params[m_prefix + "shared_experts.linear_fc1.weight"].detach(), 2, dim=0)
+        yield s + "gate_proj.weight", gate
+        yield s + "up_proj.weight", up
+        yield s + "down_proj.weight", params[m_prefix + "shared_experts.linear_fc2.weight"].detach()
+        yield hf_prefix + "shared_expert_gate.weight", params[m_prefix + "shared_experts.gate_weight"].detach()
