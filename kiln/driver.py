@@ -203,6 +203,13 @@ class Driver:
             seed=self.job.spec.seed)
 
     def _run_stage(self, stage: SFTStage | RLStage) -> None:
+        # A resumed rollout starts from the job's initial weights and the resumed trainer
+        # republishes its own at start-up: episodes (and the evaluation) must wait for them, or
+        # they are sampled from a model the chain has long left (version 0, within tau of the
+        # trainer's after one stage).
+        version = self._call(self.trainer.status).policy_version
+        self._wait(lambda: self.rollout.status().policy_version >= version,
+                   f"rollout did not receive the trainer's policy version {version} before stage {stage.name}")
         self._evaluate(stage, "before")
         self.say(f"stage {stage.name} ({stage.type}): {stage.max_steps} steps")
         mode = self._mode(stage)

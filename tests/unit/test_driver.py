@@ -58,12 +58,17 @@ class FakeTrainer:
 
 
 class FakeRollout:
-    def __init__(self, trainer: FakeTrainer) -> None:
+    def __init__(self, trainer: FakeTrainer, behind: int = 0) -> None:
         self.trainer, self.mode, self.modes, self.evaluations = trainer, ModeRequest(), [], []
+        self.behind = behind
+        """Status polls during which the engine still serves version 0 (a resumed rollout
+        before the trainer's weights arrive)."""
+        self.versions_at_orders: list[int] = []
 
     def set_mode(self, mode: ModeRequest) -> RolloutStatus:
         self.mode = mode
         self.modes.append((mode.mode, mode.stage))
+        self.versions_at_orders.append(self.status().policy_version)
         return self.status()
 
     def evaluate(self, task_set: str, *, samples: int, greedy: bool) -> Evaluation:
@@ -71,6 +76,9 @@ class FakeRollout:
         return Evaluation(self.trainer.version, 4, 0.5 + 0.1 * len(self.evaluations), 0.5, 0.1)
 
     def status(self) -> RolloutStatus:
+        if self.behind:
+            self.behind -= 1
+            return RolloutStatus(self.mode.mode, self.mode.stage, policy_version=0)
         return RolloutStatus(self.mode.mode, self.mode.stage, policy_version=self.trainer.version)
 
 
@@ -103,6 +111,16 @@ def test_stages_run_in_order_with_evaluations_kept(tmp_path: Path) -> None:
     again = FakeRollout(trainer)
     _driver(tmp_path, FakeTrainer(), again).run()
     assert again.modes == [] and again.evaluations == []
+
+
+def test_a_resumed_rollout_gets_the_trainers_weights_before_any_episode(tmp_path: Path) -> None:
+    trainer = FakeTrainer()
+    trainer.version = 5  # resumed from a checkpoint; the rollout engine restarted at version 0
+    rollout = FakeRollout(trainer, behind=3)
+    _driver(tmp_path, trainer, rollout).run()
+    # No order to produce (and no evaluation) went to a rollout still serving version 0.
+    assert rollout.versions_at_orders and 0 not in rollout.versions_at_orders
+    assert rollout.behind == 0
 
 
 def test_orders_are_repeated_to_a_restarted_trainer_and_rollout(tmp_path: Path) -> None:
