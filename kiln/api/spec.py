@@ -270,6 +270,9 @@ class RLSettings(_Model):
     teacher: str | None = None
     """The teacher (required when advantage is opd): the name of an earlier stage, whose final
     weights it is, or a Hugging Face checkpoint directory."""
+    task_reward_weight: float = Field(0.0, ge=0.0)
+    """opd: weight of the group-relative task advantage added to every token's distillation
+    advantage (teacher minus student log-prob); 0 distils only."""
     asynchronous: bool = Field(True, alias="async")
     """Rollout keeps generating while the trainer steps; false pauses rollout during training."""
 
@@ -277,6 +280,8 @@ class RLSettings(_Model):
     def _opd(self) -> RLSettings:
         if self.advantage == "opd" and not self.teacher:
             raise ValueError("teacher must be set when advantage is 'opd'")
+        if self.task_reward_weight and self.advantage != "opd":
+            raise ValueError("taskRewardWeight applies to advantage 'opd' only")
         if self.dual_clip is not None and self.loss_mode != "ppo":
             raise ValueError("dualClip applies to lossMode ppo only")
         return self

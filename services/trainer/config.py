@@ -96,6 +96,7 @@ def config_from_job(job: RLJob, *, run_dir: Path, stage: str | None = None, mode
             dual_clip=rl.dual_clip,
             icepop_beta=rl.icepop_beta,
             aggregation="token_mean" if rl.loss_aggregation == "token-mean" else "seq_mean",
+            task_reward_weight=rl.task_reward_weight,
         )
         reset = rl.reset_optimizer_on_sync
         minibatches = rl.minibatches

@@ -43,7 +43,7 @@ from kiln.services.trainer import checkpoint as ckpt
 from kiln.services.trainer import metrics
 from kiln.services.trainer.batch import TensorBatch, collate, collate_tokens
 from kiln.services.trainer.config import TrainerConfig
-from kiln.services.trainer.loss import LossStats, policy_loss, sft_loss
+from kiln.services.trainer.loss import LossStats, policy_loss, sft_loss, token_advantages
 from kiln.services.trainer.replay import routed_logprobs, score as score_routed
 from kiln.trajectory import Trajectory
 
@@ -135,8 +135,7 @@ class TrainerEngine:
 
         def loss_fn(logp, mb, train_old, normalizer):
             # On-policy distillation: per-token advantage from the teacher, else the sequence's.
-            opd = mb.teacher_logp - logp.detach()
-            adv = torch.where(mb.has_teacher[:, None], opd, mb.advantages[:, None].expand_as(logp))
+            adv = token_advantages(mb.advantages, logp, mb.teacher_logp, mb.has_teacher, cfg.task_reward_weight)
             return policy_loss(
                 logp, mb.logp_infer, mb.loss_mask, adv, cfg, logp_train_old=train_old, normalizer=normalizer
             )

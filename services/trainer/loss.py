@@ -67,6 +67,9 @@ class PolicyLossConfig(BaseModel):
     """ppo: keep a token only if `pi_train_old / pi_infer` is in `[1/beta, beta]`, weighted by
     that ratio; None disables. masked mode has no separate IcePop and ignores it."""
     aggregation: Aggregation = "token_mean"
+    task_reward_weight: float = Field(0.0, ge=0.0)
+    """On-policy distillation: weight of the sequence's task advantage added to each token's
+    teacher advantage."""
 
     @model_validator(mode="after")
     def _dual_clip_is_ppo(self) -> "PolicyLossConfig":
@@ -179,6 +182,16 @@ def icepop_keep_mask(logp_train_old: torch.Tensor, logp_infer: torch.Tensor, bet
 def opd_advantages(logp_teacher: torch.Tensor, logp_student: torch.Tensor) -> torch.Tensor:
     """Per-token advantage of on-policy distillation: `stopgrad(logp_teacher - logp_student)`."""
     return (logp_teacher - logp_student).detach()
+
+
+def token_advantages(seq_adv_B: torch.Tensor, logp_BS: torch.Tensor, teacher_BS: torch.Tensor,
+                     has_teacher_B: torch.Tensor, task_reward_weight: float = 0.0) -> torch.Tensor:
+    """[B, S] advantages: a sequence with teacher log-probs gets the distillation advantage of
+    each token plus `task_reward_weight` times its group-relative task advantage; any other
+    sequence its task advantage on every token."""
+    seq = seq_adv_B[:, None].expand_as(logp_BS)
+    opd = opd_advantages(teacher_BS, logp_BS) + task_reward_weight * seq
+    return torch.where(has_teacher_B[:, None], opd, seq)
 
 
 def _check_shapes(name_to_tensor: dict[str, torch.Tensor], shape: torch.Size) -> None:

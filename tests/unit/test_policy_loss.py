@@ -13,6 +13,7 @@ from kiln.services.trainer.loss import (
     PolicyLossConfig,
     icepop_keep_mask,
     opd_advantages,
+    token_advantages,
     policy_loss,
     ratio_keep_mask,
     sft_loss,
@@ -215,6 +216,26 @@ def test_opd_advantage_is_per_token_and_stops_gradient() -> None:
     loss.backward()
     # ratio == 1, so d/dlogp (-A * r) = -A.
     assert student.grad.tolist() == [[-0.25, 0.5]]
+
+
+def test_task_reward_mixes_into_distillation_advantages_only_where_a_teacher_scored() -> None:
+    student = torch.tensor([[-1.0, -2.0], [-1.0, -2.0]], dtype=F64)
+    teacher = torch.tensor([[-0.5, -3.0], [0.0, 0.0]], dtype=F64)
+    seq_adv = torch.tensor([0.4, -0.6], dtype=F64)
+    has_teacher = torch.tensor([True, False])
+    # Distillation only: the teacher's sequence gets teacher - student, the other its task advantage.
+    assert token_advantages(seq_adv, student, teacher, has_teacher).tolist() == [[0.5, -1.0], [-0.6, -0.6]]
+    # With weight 0.5: + 0.5 * 0.4 on each token of the distilled sequence.
+    mixed = token_advantages(seq_adv, student, teacher, has_teacher, 0.5)
+    assert torch.allclose(mixed, torch.tensor([[0.7, -0.8], [-0.6, -0.6]], dtype=F64))
+
+
+def test_task_reward_weight_needs_opd() -> None:
+    from kiln.api.spec import RLSettings
+
+    assert RLSettings.model_validate({"advantage": "opd", "teacher": "a", "taskRewardWeight": 0.3}).task_reward_weight == 0.3
+    with pytest.raises(ValueError, match="taskRewardWeight applies to advantage 'opd' only"):
+        RLSettings.model_validate({"taskRewardWeight": 0.3})
 
 
 def test_ppo_needs_train_old_logprobs() -> None:

@@ -42,6 +42,16 @@ def test_rl_stage_settings_reach_the_trainer(tmp_path: Path) -> None:
     assert (cfg.checkpoint_dir, cfg.checkpoint_interval, cfg.keep_checkpoints) == (tmp_path / "checkpoints", 7, 4)
 
 
+def test_distillation_and_routing_settings_reach_the_trainer(tmp_path: Path) -> None:
+    job = _job()
+    data = job.model_dump(by_alias=True)
+    data["spec"]["stages"][1]["rl"].update(advantage="opd", teacher="warm", taskRewardWeight=0.25)
+    data["spec"]["model"]["routingReplay"] = "record"
+    cfg = config_from_job(RLJob.model_validate(data), run_dir=tmp_path, stage="rl")
+    assert cfg.loss.task_reward_weight == 0.25 and cfg.routing_replay == "record"
+    assert config_from_job(job, run_dir=tmp_path, stage="rl").routing_replay == "replay"
+
+
 def test_default_stage_is_the_first(tmp_path: Path) -> None:
     cfg = config_from_job(_job(), run_dir=tmp_path, model_dir=tmp_path / "other")
     assert cfg.optimizer.lr == 1e-3 and cfg.micro_batch_size == 4 and cfg.model_dir == tmp_path / "other"
