@@ -20,13 +20,15 @@ For a mixture-of-experts checkpoint (Qwen2-MoE) the rollout engine is `megatron`
 build cannot return the experts it routes to): it records the experts it chose for every token,
 and the trainer scores the tokens twice, replaying that routing (`--routing-replay on`, the
 default: the verdict rows) and with its own top-k; the routing-flip rate is the share of
-(token, layer) pairs where the trainer's own top-k differs from the rollout's.
+(token, layer) pairs where the trainer's own top-k differs from the rollout's. `--engine torch`
+samples with transformers and its KV cache instead, an implementation independent of the
+trainer's MoE layers (as vLLM is in production), whose flips show what replay removes.
 
 It prints, per version, the max and mean |log-prob difference| over the sampled tokens and OK or
 MISMATCH against `--threshold` (default 1e-4 in float32, 3e-2 in bfloat16, 0 for a DSA model
 in float32), then for DSA models the index-hash matches, for MoE models the mismatch without
-replay and the routing-flip rate, and exits 1 on any MISMATCH. Not covered: tensor parallelism (the trainer runs TP=1 here) and sequences longer than
-`--max-tokens` plus the prompt.
+replay and the routing-flip rate, and exits 1 on any MISMATCH. Not covered: tensor parallelism
+(the trainer runs TP=1 here) and sequences longer than `--max-tokens` plus the prompt.
 """
 from __future__ import annotations
 
@@ -108,8 +110,8 @@ def _run(args: argparse.Namespace) -> int:
     if problems:
         print(f"kiln consistency: --model {args.model}: {problems[0]}", file=sys.stderr)
         return 2
-    if is_dsa and args.engine == "vllm":
-        print("kiln consistency: --engine vllm cannot run a DSA checkpoint (config.json kiln_dsa); "
+    if is_dsa and args.engine in ("vllm", "torch"):
+        print(f"kiln consistency: --engine {args.engine} cannot run a DSA checkpoint (config.json kiln_dsa); "
               "use --engine megatron", file=sys.stderr)
         return 2
     engine = engine_kind(args.engine, args.model)

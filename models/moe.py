@@ -34,8 +34,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-MOE_ARCHS = ("qwen2_moe",)
-
 
 @dataclass(frozen=True)
 class MoESpec:

@@ -45,8 +45,8 @@ class TorchEngine(EngineBase):
         self._seeds = random.Random(settings.seed)
         self._params = dict(model.named_parameters())
         cfg = model.config
-        self._moe = getattr(cfg, "num_experts", None) and getattr(cfg, "num_experts_per_tok", None)
-        self._record = bool(self._moe) and settings.record_routing
+        self._moe = bool(getattr(cfg, "num_experts", None) and getattr(cfg, "num_experts_per_tok", None))
+        self._record = self._moe and settings.record_routing
 
     @classmethod
     async def start(cls, settings: EngineSettings) -> "TorchEngine":
