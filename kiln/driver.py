@@ -172,7 +172,7 @@ class Driver:
                 time.sleep(self.poll_seconds)
 
     def _evaluate(self, stage: SFTStage | RLStage, when: str) -> None:
-        if not stage.eval:
+        if not stage.eval or (when == "before" and not stage.eval.before):
             return
         for task_set in stage.eval.tasks:
             key = f"{stage.name}/{when}/{task_set}"

@@ -34,7 +34,10 @@ def write_summary(job: RLJob, run_dir: Path, state, *, wall_seconds: float) -> d
         "final_policy_version": last.get("policy_version", 0),
         "max_staleness": max((r["buffer"].get("max_staleness", 0) for r in recs), default=0),
         "dropped_stale": max((r["buffer"].get("dropped_stale", 0) for r in recs), default=0),
-        "evaluations": state.evaluations,
+        # Greedy held-out success after each stage, {stage: {task set: success}}, in stage order;
+        # every evaluation's details (before and after, sampled success, version, time) below.
+        "evaluations": stage_evaluations(job, state.evaluations),
+        "evaluation_details": state.evaluations,
     }
     flips = [r["trainer"]["routing_flips"] for _, r in steps_seen(recs)
              if r["trainer"].get("routing_flips") is not None]
@@ -56,6 +59,17 @@ def write_summary(job: RLJob, run_dir: Path, state, *, wall_seconds: float) -> d
                 summary.setdefault("heldout_sampled_success_after_rl", after["sampled_success"])
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def stage_evaluations(job: RLJob, evaluations: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """{stage: {task set: greedy success after the stage}} for the stages evaluated so far."""
+    out: dict[str, dict[str, float]] = {}
+    for stage in job.spec.stages:
+        for task_set in (stage.eval.tasks if stage.eval else []):
+            after = evaluations.get(f"{stage.name}/after/{task_set}")
+            if after is not None:
+                out.setdefault(stage.name, {})[task_set] = after["greedy_success"]
+    return out
 
 
 def steps_seen(progress: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:

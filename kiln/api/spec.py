@@ -192,6 +192,9 @@ class EvalSpec(_Model):
     """Held-out task sets evaluated before the stage and after it."""
     samples: int = Field(1, ge=1)
     """Sampled attempts per task, besides one greedy attempt."""
+    before: bool = True
+    """Also evaluate before the stage (false: after it only, e.g. when every stage of a chain
+    is evaluated and the previous stage's "after" is this one's "before")."""
 
 
 class _StageBase(_Model):

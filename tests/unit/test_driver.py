@@ -123,6 +123,17 @@ def test_a_resumed_rollout_gets_the_trainers_weights_before_any_episode(tmp_path
     assert rollout.behind == 0
 
 
+def test_an_evaluation_can_be_after_its_stage_only(tmp_path: Path) -> None:
+    data = JOB.model_dump(by_alias=True)
+    data["spec"]["stages"][1]["eval"]["before"] = False
+    trainer = FakeTrainer()
+    rollout = FakeRollout(trainer)
+    driver = Driver(RLJob.model_validate(data), trainer, rollout, FakeBuffer(),
+                    RunState.load(FileStore(tmp_path / "state.json")), poll_seconds=0.0, say=lambda s: None)
+    driver.run()
+    assert list(driver.state.evaluations) == ["rl/after/h"]
+
+
 def test_orders_are_repeated_to_a_restarted_trainer_and_rollout(tmp_path: Path) -> None:
     trainer = FakeTrainer()
     rollout = FakeRollout(trainer)

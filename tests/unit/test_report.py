@@ -33,3 +33,35 @@ def test_steps_and_staleness_histogram(tmp_path: Path) -> None:
     assert {p.name for p in written} == {"reward.png", "masks.png", "mismatch.png", "staleness.png"}
     assert all(p.stat().st_size > 1000 for p in written)
     assert len(write_report(tmp_path, rl_stages={"rl"})) == 4
+
+
+def test_summary_nests_evaluations_by_stage_and_averages_routing_flips(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from kiln.api.spec import RLJob
+    from kiln.cli.local.report import write_summary
+
+    held = {"tasks": ["a-heldout", "b-heldout"], "before": False}
+    job = RLJob.model_validate({
+        "apiVersion": "kiln.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "chain"},
+        "spec": {"model": {"path": "m"},
+                 "tasks": [{"name": n, "env": "chain", "generate": {"count": 4}}
+                           for n in ("a", "a-heldout", "b-heldout")],
+                 "stages": [{"name": "skill-a", "type": "sft", "tasks": ["a"], "eval": held},
+                            {"name": "skill-b", "type": "rl", "tasks": ["a"], "eval": held}]}})
+
+    def ev(greedy: float) -> dict:
+        return {"policy_version": 1, "tasks": 4, "greedy_success": greedy, "sampled_success": 0.1,
+                "seconds": 1.0}
+
+    state = SimpleNamespace(evaluations={
+        "skill-a/after/a-heldout": ev(0.8), "skill-a/after/b-heldout": ev(0.1),
+        "skill-b/after/a-heldout": ev(0.5), "skill-b/after/b-heldout": ev(0.7)})
+    recs = [_progress("skill-b", 1, 11, routing_flips=0.02), _progress("skill-b", 2, 12, routing_flips=0.04)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    summary = write_summary(job, tmp_path, state, wall_seconds=12.34)
+    assert summary["evaluations"] == {"skill-a": {"a-heldout": 0.8, "b-heldout": 0.1},
+                                      "skill-b": {"a-heldout": 0.5, "b-heldout": 0.7}}
+    assert summary["evaluation_details"] == state.evaluations
+    assert summary["routing_flip_frac_mean"] == 0.03 and summary["routing_flip_frac_max"] == 0.04
+    assert json.loads((tmp_path / "summary.json").read_text())["wall_seconds"] == 12.3
