@@ -38,35 +38,38 @@ def _resolve(job: RLJob, job_file: Path) -> RLJob:
     model = spec.model.model_copy(update={"path": str(model_path)})
     tasks = [t.model_copy(update={"path": str((base / t.path).resolve())})
              if t.path and not Path(t.path).is_absolute() else t for t in spec.tasks]
+    def checkpoint(ref: str | None) -> str | None:
+        # A teacher checkpoint, like the model, lives under the working directory.
+        if ref is None or spec.is_stage(ref) or Path(ref).is_absolute():
+            return ref
+        return str((Path.cwd() / ref).resolve())
+
     stages = []
     for st in spec.stages:
         rl = getattr(st, "rl", None)
-        if rl is not None and rl.teacher and not Path(rl.teacher).is_absolute() \
-                and spec.teacher_stage(st) is None:
-            # A teacher checkpoint, like the model, lives under the working directory.
-            st = st.model_copy(update={"rl": rl.model_copy(
-                update={"teacher": str((Path.cwd() / rl.teacher).resolve())})})
+        if rl is not None:
+            st = st.model_copy(update={"rl": rl.model_copy(update={
+                "teacher": checkpoint(rl.teacher),
+                "teachers": [t.model_copy(update={"teacher": checkpoint(t.teacher)}) for t in rl.teachers]})})
         stages.append(st)
     return job.model_copy(update={"spec": spec.model_copy(
         update={"model": model, "tasks": tasks, "stages": stages})})
 
 
-def teacher_of(job: RLJob, run_dir: Path) -> tuple[str, str | None] | None:
-    """(checkpoint directory, stage that makes it or None) of the teacher the job's on-policy
-    distillation stages learn from (one per job here). A stage's final weights are where the
-    trainer exports them (`trainer/stages/<name>`), there once that stage is done."""
+def teachers_of(job: RLJob, run_dir: Path) -> list[tuple[str, str, str | None]]:
+    """(process name, checkpoint directory, stage that makes it or None) of every teacher the
+    job's on-policy distillation stages learn from, in `teacher_refs` order. A stage's final
+    weights are where the trainer exports them (`trainer/stages/<name>`), there once that stage
+    is done."""
+    from kiln.api.distillation import teacher_process, teacher_refs
     from kiln.services.trainer.stages import stage_export_dir
 
-    teachers = set()
-    for s in job.spec.stages:
-        if getattr(s, "rl", None) is not None and s.rl.advantage == "opd":
-            stage = job.spec.teacher_stage(s)
-            path = stage_export_dir(run_dir / "trainer", stage) if stage else Path(s.rl.teacher)
-            teachers.add((str(path), stage))
-    if len(teachers) > 1:
-        raise ValueError(f"spec.stages: kiln run serves one teacher per job; these stages name "
-                         f"{sorted(t for t, _ in teachers)}")
-    return next(iter(teachers), None)
+    out = []
+    for i, ref in enumerate(teacher_refs(job.spec)):
+        stage = ref if job.spec.is_stage(ref) else None
+        path = stage_export_dir(run_dir / "trainer", stage) if stage else Path(ref)
+        out.append((teacher_process(i), str(path), stage))
+    return out
 
 
 def _dump(job: RLJob) -> str:
@@ -117,16 +120,12 @@ def main(args: argparse.Namespace) -> int:
     from kiln.cli.local.model import prepare_model
 
     prepare_model(job, out)
-    try:
-        taught = teacher_of(job, run_dir)
-    except ValueError as exc:
-        print(f"kiln run: {exc}", file=sys.stderr)
-        return 2
-    teacher, teacher_stage = taught if taught else (None, None)
-    if teacher is not None and teacher_stage is None and not (Path(teacher) / "config.json").exists():
-        print(f"kiln run: rl.teacher: {teacher} holds no config.json (a Hugging Face checkpoint "
-              "directory, e.g. an earlier run's `kiln export`)", file=sys.stderr)
-        return 2
+    teachers = teachers_of(job, run_dir)
+    for _, teacher, teacher_stage in teachers:
+        if teacher_stage is None and not (Path(teacher) / "config.json").exists():
+            print(f"kiln run: rl.teacher: {teacher} holds no config.json (a Hugging Face checkpoint "
+                  "directory, e.g. an earlier run's `kiln export`)", file=sys.stderr)
+            return 2
     # The model capabilities once more: spec.model.init may just have made the checkpoint.
     try:
         problems = [r.message for r in job_model_refusals(job.spec)]
@@ -151,24 +150,24 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         order = list(processes.ORDER)
-        if teacher is not None:
-            order.insert(order.index("rollout"), processes.TEACHER)
+        order[order.index("rollout"):order.index("rollout")] = [name for name, _, _ in teachers]
+        teacher_args = {name: ("--teacher", path) + (("--teacher-wait",) if stage else ())
+                        for name, path, stage in teachers}
         out.write(f"run directory: {run_dir}\nstarting services: {', '.join(order)}\n")
         processes.issue_certificates(run_dir, job.metadata.name)
         group = processes.trainer_group(job.spec.trainer.data_parallel)
         for name in order:
             addrs = {n: s.address for n, s in services.items()}
-            args = ((("--teacher", teacher) + (("--teacher-wait",) if teacher_stage else ()))
-                    if name == processes.TEACHER else ())
+            args = teacher_args.get(name, ())
             for member, env in (group.items() if name == "trainer" else [(name, {})]):
                 services[member] = processes.start(member, job_file, run_dir, addrs, env, args=args)
             # A teacher made by an earlier stage only loads once that stage is done: rollout
             # waits for it when it first needs a score.
             ready_now = ("buffer", "sandbox", "weight_sync",
-                         *((processes.TEACHER,) if teacher_stage is None else ()))
+                         *(name for name, _, stage in teachers if stage is None))
             if name in ready_now:
                 processes.wait_ready(services[name])
-            elif name == processes.TEACHER:
+            elif name in teacher_args:
                 processes.wait_port(services[name])  # rollout needs its address
         for name in (*group, "rollout"):
             processes.wait_ready(services[name])
@@ -255,7 +254,8 @@ def _stop_all(services) -> None:
 
     # The trainer's replicas after replica 0, which releases them after its final checkpoint.
     replicas = sorted(n for n in services if n.startswith(processes.REPLICA_PREFIX))
-    order = [n for n in ("rollout", processes.TEACHER, "trainer", *replicas, "weight_sync", "sandbox",
+    teachers = sorted(n for n in services if processes.is_teacher(n))
+    order = [n for n in ("rollout", *teachers, "trainer", *replicas, "weight_sync", "sandbox",
                          "buffer") if n in services]
     try:
         for name in order:

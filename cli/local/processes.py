@@ -27,8 +27,8 @@ from kiln import tls
 from kiln.tls import TLS_DIR_ENV
 
 # Start order: a service is started after the ones it talks to. A job with on-policy
-# distillation also runs a `teacher` (the rollout service serving a fixed checkpoint's scores,
-# `--teacher DIR`), started before rollout.
+# distillation also runs its teachers (`teacher`, `teacher_1`, ...: the rollout service serving a
+# fixed checkpoint's scores, `--teacher DIR`), started before rollout.
 ORDER = ("buffer", "sandbox", "weight_sync", "trainer", "rollout")
 REPLICA_PREFIX = "trainer-replica-"
 TEACHER = "teacher"
@@ -80,7 +80,7 @@ def start(name: str, job_file: Path, run_dir: Path, addresses: dict[str, str],
     # Each service's own certificate (`issue_certificates`); the launcher's is the operator's.
     env[TLS_DIR_ENV] = str(run_dir / "tls" / component_of(name))
     env.setdefault("KILN_LOG_FORMAT", "json")
-    module = ("trainer" if name.startswith(REPLICA_PREFIX) else "rollout" if name == TEACHER
+    module = ("trainer" if name.startswith(REPLICA_PREFIX) else "rollout" if is_teacher(name)
               else name)
     cmd = [sys.executable, "-m", f"kiln.services.{module}.main", "--job", str(job_file),
            "--address", f"127.0.0.1:{port}", "--metrics-port", "0", "--run-dir", str(state),
@@ -98,7 +98,12 @@ def component_of(name: str) -> str:
     rollout deployment, as on a cluster."""
     if name.startswith(REPLICA_PREFIX):
         return "trainer"
-    return "rollout" if name == TEACHER else name.replace("_", "-")
+    return "rollout" if is_teacher(name) else name.replace("_", "-")
+
+
+def is_teacher(name: str) -> bool:
+    """`teacher`, `teacher_1`, ...: the job's teachers (`kiln.api.distillation.teacher_process`)."""
+    return name == TEACHER or name.startswith(TEACHER + "_")
 
 
 def issue_certificates(run_dir: Path, job_name: str) -> None:

@@ -274,3 +274,12 @@ class TrackingSpec(Model):
     """Write TensorBoard event files into the run directory (`tensorboard --logdir RUN_DIR`)."""
     wandb: WandbSpec | None = None
     """Also log to Weights & Biases when set."""
+
+
+class TeacherSpec(Model):
+    """One teacher of an on-policy distillation stage and the task sets it teaches."""
+
+    teacher: str = Field(min_length=1)
+    """The name of an earlier stage (its final weights) or a Hugging Face checkpoint directory."""
+    tasks: list[str] = Field(min_length=1)
+    """Task sets of the stage whose trajectories this teacher scores."""

@@ -15,8 +15,9 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kiln.api.components import (BufferSpec, CheckpointSpec, Model, Quantity, Resources,
-                                 RolloutSpec, SamplingSpec, SandboxSpec, StorageSpec, TrackingSpec,
-                                 TrainerSpec, WandbSpec, WeightSyncSpec)
+                                 RolloutSpec, SamplingSpec, SandboxSpec, StorageSpec, TeacherSpec,
+                                 TrackingSpec, TrainerSpec, WandbSpec, WeightSyncSpec)
+from kiln.api.distillation import teacher_problems
 from kiln.api.status import Condition, Phase, RLJobStatus
 
 __all__ = [
@@ -24,7 +25,7 @@ __all__ = [
     "EvalSpec", "GENERATED_ENVS", "ModelInit", "ModelSpec", "Phase", "PluginRef", "Quantity", "RLJob",
     "RLJobSpec", "RLJobStatus",
     "RLSettings", "RLStage", "Resources", "RolloutSpec", "SFTStage", "SamplingSpec", "SandboxSpec",
-    "Stage", "StorageSpec", "TaskGenerator", "TaskSetSpec", "TrackingSpec", "TrainerSpec",
+    "Stage", "StorageSpec", "TaskGenerator", "TaskSetSpec", "TeacherSpec", "TrackingSpec", "TrainerSpec",
     "WandbSpec", "WeightSyncSpec",
 ]
 
@@ -273,6 +274,9 @@ class RLSettings(_Model):
     teacher: str | None = None
     """The teacher (required when advantage is opd): the name of an earlier stage, whose final
     weights it is, or a Hugging Face checkpoint directory."""
+    teachers: list[TeacherSpec] = Field(default_factory=list)
+    """opd: a teacher per group of the stage's task sets, instead of `teacher` for all of them;
+    each task set has exactly one."""
     task_reward_weight: float = Field(0.0, ge=0.0)
     """opd: weight of the group-relative task advantage added to every token's distillation
     advantage (teacher minus student log-prob); 0 distils only."""
@@ -281,8 +285,10 @@ class RLSettings(_Model):
 
     @model_validator(mode="after")
     def _opd(self) -> RLSettings:
-        if self.advantage == "opd" and not self.teacher:
-            raise ValueError("teacher must be set when advantage is 'opd'")
+        if self.advantage == "opd" and bool(self.teacher) == bool(self.teachers):
+            raise ValueError("advantage 'opd' needs a teacher: set teacher or teachers (not both)")
+        if self.teachers and self.advantage != "opd":
+            raise ValueError("teachers applies to advantage 'opd' only")
         if self.task_reward_weight and self.advantage != "opd":
             raise ValueError("taskRewardWeight applies to advantage 'opd' only")
         if self.dual_clip is not None and self.loss_mode != "ppo":
@@ -358,16 +364,14 @@ class RLJobSpec(_Model):
                     f"stages[{i}] ({stage.name}): batchSize ({stage.batch_size}) must be a "
                     f"multiple of rl.groupSize ({stage.rl.group_size})"
                 )
-            teacher = stage.rl.teacher if isinstance(stage, RLStage) else None
-            if teacher in stage_names and stage_names.index(teacher) >= i:
-                raise ValueError(f"stages[{i}] ({stage.name}): rl.teacher {teacher!r} names a "
-                                 "stage that does not come before this one")
+        problems = teacher_problems(self)
+        if problems:
+            raise ValueError(problems[0])
         return self
 
-    def teacher_stage(self, stage: "RLStage") -> str | None:
-        """The earlier stage whose final weights teach `stage`, when its teacher names one."""
-        teacher = stage.rl.teacher
-        return teacher if teacher in {s.name for s in self.stages} else None
+    def is_stage(self, teacher: str) -> bool:
+        """Whether a teacher reference names one of the job's stages (its final weights)."""
+        return teacher in {s.name for s in self.stages}
 
 
 class ObjectMeta(BaseModel):

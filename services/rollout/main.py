@@ -15,8 +15,9 @@ Every tenth finished trajectory is also kept in `<run-dir>/trajectories.jsonl` f
 
 serves a teacher instead: the checkpoint in DIR, never updated, answering `Score` only. A job
 with on-policy distillation stages (`rl.advantage: opd`) has its rollout send each group of
-trajectories of those stages to the teacher at `KILN_TEACHER_ADDR` and ship them with the
-teacher's per-token log-probs.
+trajectories of those stages to the teacher of their task set and ship them with the
+teacher's per-token log-probs; the job's teachers, in `kiln.api.distillation.teacher_refs`
+order, are at `KILN_TEACHER_ADDR`, `KILN_TEACHER_1_ADDR`, ...
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ import os
 import socket
 import sys
 from pathlib import Path
+
+from kiln.api.distillation import stage_teachers, teacher_process, teacher_refs
 from typing import Sequence
 
 from kiln import tls
@@ -51,6 +54,13 @@ def opd_stages(job: RLJob) -> frozenset[str]:
     """Names of the job's on-policy distillation stages."""
     return frozenset(s.name for s in job.spec.stages
                      if getattr(s, "rl", None) is not None and s.rl.advantage == "opd")
+
+
+def teachers_by_task(job: RLJob, scorers: list) -> dict[tuple[str, str], object]:
+    """(opd stage, task set) -> the Scorer of its teacher, `scorers` in `teacher_refs` order."""
+    refs = teacher_refs(job.spec)
+    return {(stage.name, task): scorers[refs.index(ref)]
+            for stage in job.spec.stages for ref, tasks in stage_teachers(stage) for task in tasks}
 
 
 async def build_teacher(job: RLJob, args: argparse.Namespace):
@@ -143,7 +153,8 @@ async def build(job: RLJob | None, args: argparse.Namespace):
     s = spec.rollout.sampling
     buffer = GrpcBufferClient(buffer_addr)
     distilled = opd_stages(job)
-    teacher, teacher_channel = (teacher_client(_addr("TEACHER")) if distilled else (None, None))
+    clients = [teacher_client(_addr(teacher_process(i).upper())) for i in range(len(teacher_refs(spec)))]
+    teachers = teachers_by_task(job, [score for score, _ in clients])
     producer = Producer(
         engine, env, fmt, buffer,
         sampling=SamplingOptions(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens_per_turn,
@@ -152,7 +163,7 @@ async def build(job: RLJob | None, args: argparse.Namespace):
                       thinking=spec.rollout.thinking),
         max_concurrent=spec.rollout.max_concurrent_episodes,
         samples_path=args.run_dir / "trajectories.jsonl", sample_every=spec.rollout.sample_every,
-        teacher=teacher, opd_stages=distilled)
+        teachers=teachers, opd_stages=distilled)
     producer.start()
     sync_channel = tls.aio_channel(sync_addr, "weight-sync", CHANNEL_OPTIONS)
 
@@ -193,8 +204,8 @@ async def build(job: RLJob | None, args: argparse.Namespace):
         await engine.close()
         await env_channel.close()
         await sync_channel.close()
-        if teacher_channel is not None:
-            await teacher_channel.close()
+        for _, channel in clients:
+            await channel.close()
         await buffer.aclose()
 
     return [Registration(rollout_pb2_grpc.add_RolloutServicer_to_server, servicer, "kiln.v1.Rollout")], on_stop

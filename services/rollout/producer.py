@@ -69,11 +69,13 @@ class Producer:
     def __init__(self, engine: Engine, env: EnvClient, fmt: Format, buffer: BufferClient,
                  *, sampling: SamplingOptions, limits: Limits, max_concurrent: int,
                  samples_path: Path | None = None, sample_every: int = 10,
-                 teacher: Scorer | None = None, opd_stages: frozenset[str] = frozenset()) -> None:
+                 teachers: dict[tuple[str, str], Scorer] | None = None,
+                 opd_stages: frozenset[str] = frozenset()) -> None:
         self.engine, self.env, self.fmt, self.buffer = engine, env, fmt, buffer
-        self.teacher = teacher
-        """Scores trajectories of the `opd_stages` (on-policy distillation): the teacher's
-        per-token log-probs go on each trajectory, for the trainer's advantage."""
+        self.teachers = teachers or {}
+        """(stage, task set) -> the teacher that scores trajectories of the `opd_stages`
+        (on-policy distillation): its per-token log-probs go on each trajectory, for the
+        trainer's advantage."""
         self.opd_stages = opd_stages
         self.sampling, self.limits = sampling, limits
         self.max_concurrent = max_concurrent
@@ -192,7 +194,7 @@ class Producer:
                 if errors:
                     return  # a partial group would bias the group-relative baseline
                 if mode.stage in self.opd_stages:
-                    await self._add_teacher_logprobs(trajs)
+                    await self._add_teacher_logprobs(trajs, self.teachers.get((mode.stage, task_set)))
             for t in trajs:
                 n = sum(t.loss_mask)
                 self.tokens += n
@@ -216,13 +218,13 @@ class Producer:
             for _ in range(group):
                 self._slots.release()
 
-    async def _add_teacher_logprobs(self, trajs: list[Trajectory]) -> None:
-        """Each trajectory's tokens scored by the teacher; kept on the trained tokens only."""
-        if self.teacher is None:
-            raise RuntimeError("an on-policy distillation stage needs a teacher, and this "
-                               "rollout was started without one")
+    async def _add_teacher_logprobs(self, trajs: list[Trajectory], teacher: Scorer | None) -> None:
+        """Each trajectory's tokens scored by its task set's teacher; kept on the trained tokens."""
+        if teacher is None:
+            raise RuntimeError("an on-policy distillation stage needs a teacher for each task set, "
+                               "and this rollout was started without one for it")
         t0 = time.perf_counter()
-        rows = await self.teacher([t.tokens for t in trajs])
+        rows = await teacher([t.tokens for t in trajs])
         for t, row in zip(trajs, rows):
             t.teacher_logp = [lp if m else 0.0 for lp, m in zip(row, t.loss_mask)]
         metrics.TEACHER_SCORE_SECONDS.observe(time.perf_counter() - t0)

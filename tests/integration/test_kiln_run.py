@@ -166,19 +166,23 @@ def test_kiln_run_end_to_end_with_a_buffer_kill(tmp_path):
     assert final.config.vocab_size == len(tok)
 
 
-def test_kiln_run_distils_from_a_served_teacher(tmp_path):
-    """An RL stage with `advantage: opd` taught by the SFT stage before it: kiln run starts a
-    teacher (the rollout service, Score only) that loads the SFT stage's final weights once they
-    exist; rollout ships every trajectory of the distillation stage with the teacher's
-    per-token log-probs on its trained tokens, and the trainer trains on them."""
+def test_kiln_run_distils_from_two_served_teachers(tmp_path):
+    """An RL stage with `advantage: opd` and a teacher per task set: the SFT stage before it for
+    one (its final weights, loaded once they exist) and the initial checkpoint for the other.
+    kiln run starts a teacher process for each (the rollout service, Score only); rollout ships
+    every trajectory of the distillation stage with its own task set's teacher's per-token
+    log-probs on its trained tokens, and the trainer trains on them."""
     job = _job(tmp_path)
     doc = yaml.safe_load(job.read_text())
     spec = doc["spec"]
     spec["trainer"]["dataParallel"] = 1
+    spec["rollout"]["sampleEvery"] = 1  # keep every trajectory: both task sets are checked
+    spec["tasks"].append({"name": "chain-b", "env": "chain", "generate": {"count": 300, "seed": 5}})
     sft, rl = spec["stages"]
     sft["maxSteps"] = 4
-    rl.update(maxSteps=3, name="distil")
-    rl["rl"].update(advantage="opd", teacher=sft["name"])
+    rl.update(maxSteps=3, name="distil", tasks=["chain-train", "chain-b"])
+    rl["rl"].update(advantage="opd", teachers=[{"teacher": sft["name"], "tasks": ["chain-train"]},
+                                                {"teacher": spec["model"]["path"], "tasks": ["chain-b"]}])
     rl.pop("eval", None)
     job.write_text(yaml.safe_dump(doc, sort_keys=False))
     run = tmp_path / "run"
@@ -192,16 +196,38 @@ def test_kiln_run_distils_from_a_served_teacher(tmp_path):
             proc.send_signal(signal.SIGINT)
             proc.wait(120)
     assert proc.returncode == 0, out[-4000:]
-    assert "starting services: buffer, sandbox, weight_sync, trainer, teacher, rollout" in out
+    assert "starting services: buffer, sandbox, weight_sync, trainer, teacher, teacher_1, rollout" in out
     samples = [json.loads(line) for line in (run / "rollout" / "trajectories.jsonl").read_text().splitlines()]
     distilled = [t for t in samples if t["stage"] == "distil"]
     assert distilled, "no trajectory of the distillation stage was kept"
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    teachers = {"chain-train": run / "trainer" / "stages" / "sft", "chain-b": Path(spec["model"]["path"])}
+    models = {k: AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+              for k, d in teachers.items()}
+
+    def logprobs(model, tokens):
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens])).logits[0, :-1].float()
+        return [0.0, *torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0].tolist()]
+
+    seen = set()
     for t in distilled:
+        # The chain environment's task ids are chain-<split>-<seed>-<index>; chain-b's seed is 5.
+        task_set = "chain-b" if t["task_id"].split("-")[2] == "5" else "chain-train"
+        seen.add(task_set)
         lp, mask = t["teacher_logp"], t["loss_mask"]
         assert len(lp) == len(t["tokens"])
         assert all(v == 0.0 for v, m in zip(lp, mask) if not m)
-        assert all(v < 0.0 for v, m in zip(lp, mask) if m)  # a log-prob of a real model
+        # Its own task set's teacher scored it (vLLM vs transformers: ~1e-5), not the other.
+        for name, model in models.items():
+            ref = logprobs(model, t["tokens"])
+            gap = max(abs(a - b) for a, b, m in zip(lp, ref, mask) if m)
+            assert (gap < 1e-3) == (name == task_set), (task_set, name, gap)
+    assert seen == {"chain-train", "chain-b"}
     assert all(not t["teacher_logp"] for t in samples if t["stage"] != "distil")
     assert "waiting for" in (run / "logs" / "teacher.log").read_text()
+    assert "waiting for" not in (run / "logs" / "teacher_1.log").read_text()
     steps = [r for r in _records(run) if r.get("stage") == "distil"]
     assert steps and max(r.get("step", 0) for r in steps) >= 3
