@@ -38,6 +38,7 @@ def _resolve(job: RLJob, job_file: Path) -> RLJob:
     model = spec.model.model_copy(update={"path": str(model_path)})
     tasks = [t.model_copy(update={"path": str((base / t.path).resolve())})
              if t.path and not Path(t.path).is_absolute() else t for t in spec.tasks]
+
     def checkpoint(ref: str | None) -> str | None:
         # A teacher checkpoint, like the model, lives under the working directory.
         if ref is None or spec.is_stage(ref) or Path(ref).is_absolute():
@@ -123,7 +124,7 @@ def main(args: argparse.Namespace) -> int:
     teachers = teachers_of(job, run_dir)
     for _, teacher, teacher_stage in teachers:
         if teacher_stage is None and not (Path(teacher) / "config.json").exists():
-            print(f"kiln run: rl.teacher: {teacher} holds no config.json (a Hugging Face checkpoint "
+            print(f"kiln run: teacher {teacher} holds no config.json (a Hugging Face checkpoint "
                   "directory, e.g. an earlier run's `kiln export`)", file=sys.stderr)
             return 2
     # The model capabilities once more: spec.model.init may just have made the checkpoint.

@@ -29,12 +29,11 @@ import os
 import socket
 import sys
 from pathlib import Path
-
-from kiln.api.distillation import stage_teachers, teacher_process, teacher_refs
 from typing import Sequence
 
 from kiln import tls
 from kiln.api.capabilities import job_model_refusals
+from kiln.api.distillation import stage_teachers, teacher_process, teacher_refs
 from kiln.api.spec import RLJob
 from kiln.services.common import metrics
 from kiln.services.common.server import CHANNEL_OPTIONS, Registration, run_service, service_argparser
