@@ -78,16 +78,6 @@ class RoutedExperts:
     def end(self) -> int:
         return self.start + self.rows
 
-    def concat(self, other: "RoutedExperts") -> "RoutedExperts":
-        """This record followed by `other`, which must start where this one ends."""
-        if (other.layers, other.topk, other.num_experts) != (self.layers, self.topk, self.num_experts):
-            raise ValueError("routed experts of different shapes cannot be joined")
-        if other.start != self.end:
-            raise ValueError(f"routed experts end at {self.end}, the next part starts at {other.start}")
-        import numpy as np
-
-        return RoutedExperts.pack(np.concatenate([self.unpack(), other.unpack()]), self.num_experts, self.start)
-
     def to_dict(self) -> dict:
         return {"layers": self.layers, "topk": self.topk, "num_experts": self.num_experts,
                 "start": self.start, "rows": self.rows, "packed": base64.b64encode(self.packed).decode()}

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -170,7 +170,6 @@ class RoutingFlips:
 
     flips: int = 0
     compared: int = 0
-    per_layer: list[int] = field(default_factory=list)
 
     @property
     def rate(self) -> float:
@@ -219,7 +218,6 @@ def replay_routing(model, routing_BSLK: torch.Tensor, valid_BS: torch.Tensor | N
         for t in taps:
             stats.flips += t.flips
             stats.compared += t.compared
-            stats.per_layer.append(t.flips)
             t.mode, t.target, t.valid = None, None, None
 
 

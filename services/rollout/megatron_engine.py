@@ -76,15 +76,13 @@ class MegatronEngine(EngineBase):
         return cls(model, spec, settings, _eos_token_ids(Path(settings.model)), dsa_backend)
 
     @torch.no_grad()
-    def _step(self, tokens: list[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor], torch.Tensor | None]:
+    def _step(self, tokens: list[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor], list[torch.Tensor]]:
         """Last-row logits of a full forward pass over `tokens`, each DSA layer's indices, and
-        (MoE, when recording) the experts chosen for every position."""
+        each MoE layer's experts for every position ([] unless recording)."""
         ids = torch.tensor([tokens], dtype=torch.long, device=next(self.model.parameters()).device)
-        record = self.settings.record_routing and self.spec.moe is not None
         with dsa.record_indices(self.model) as indices, moe.record_routing(self.model) as routing:
             logits = forward_logits(self.model, ids)
-        routed = moe.recorded_to_BSLK(routing, 1, len(tokens))[0] if record and routing else None
-        return logits[0, -1], dict(indices), routed
+        return logits[0, -1], dict(indices), routing if self.settings.record_routing else []
 
     async def generate(self, prompt_token_ids: Sequence[int], sampling: SamplingOptions) -> Generation:
         if not prompt_token_ids:
@@ -101,7 +99,7 @@ class MegatronEngine(EngineBase):
         tokens = list(prompt_token_ids)
         out, logps, versions = [], [], []
         indices: dict[int, torch.Tensor] = {}
-        routed = None
+        routed: list[torch.Tensor] = []
         finish = "length"
         for _ in range(min(sampling.max_tokens, self.max_len - len(tokens))):
             async with self._lock:
@@ -118,8 +116,9 @@ class MegatronEngine(EngineBase):
                 break
         # The last step covered prompt + out[:-1], i.e. every row that predicted a token.
         hashes = dsa.sequence_hashes(indices, 0, len(tokens)) if indices else []
-        experts = (RoutedExperts.pack(routed.cpu().numpy(), self.spec.moe.num_experts)
-                   if routed is not None else None)
+        # Only the last step's routing is kept: it covers every position, under the newest version.
+        experts = (RoutedExperts.pack(moe.recorded_to_BSLK(routed, 1, len(tokens) - 1)[0].cpu().numpy(),
+                                      self.spec.moe.num_experts) if routed else None)
         return Generation(out, logps, versions, finish, index_hashes=hashes, routed_experts=experts)
 
     async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:

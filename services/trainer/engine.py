@@ -44,7 +44,7 @@ from kiln.services.trainer import metrics
 from kiln.services.trainer.batch import TensorBatch, collate, collate_tokens
 from kiln.services.trainer.config import TrainerConfig
 from kiln.services.trainer.loss import LossStats, policy_loss, sft_loss, token_advantages
-from kiln.services.trainer.replay import routed_logprobs, score as score_routed
+from kiln.services.trainer.replay import batch_logprobs, score as score_routed
 from kiln.trajectory import Trajectory
 
 LossFn = Callable[[torch.Tensor, TensorBatch, torch.Tensor, float], tuple[torch.Tensor, LossStats]]
@@ -186,7 +186,7 @@ class TrainerEngine:
             rows = part[dp_rank::dp]
             for idx in torch.split(rows, self.config.micro_batch_size) if len(rows) else ():
                 mb = tb.select(idx)
-                logp, flips = routed_logprobs(self.model, mb, self.config.routing_replay)
+                logp, flips = batch_logprobs(self.model, mb, self.config.routing_replay)
                 train_old = old[idx][:, : logp.shape[1]] if old is not None else logp.detach()
                 loss, st = loss_fn(logp, mb, train_old, normalizer)
                 st.routing_flips, st.routing_compared = flips.flips, flips.compared
@@ -236,7 +236,7 @@ class TrainerEngine:
         out = torch.zeros_like(tb.logp_infer)
         for idx in torch.split(torch.arange(tb.tokens.shape[0]), self.config.micro_batch_size):
             mb = tb.select(idx)
-            out[idx, : mb.tokens.shape[1]] = routed_logprobs(self.model, mb, self.config.routing_replay)[0]
+            out[idx, : mb.tokens.shape[1]] = batch_logprobs(self.model, mb, self.config.routing_replay)[0]
         return out
 
     def _reduce_replicas(self, loss: float, stats: LossStats) -> tuple[float, LossStats]:

@@ -21,33 +21,39 @@ from kiln.routing import RoutedExperts
 from kiln.services.trainer.batch import TensorBatch, collate_routing
 
 
-def routed_logprobs(model, mb: TensorBatch, mode: str) -> tuple[torch.Tensor, moe.RoutingFlips]:
-    """`token_logprobs` of a micro-batch under routing `mode`, and the flips counted."""
-    if mb.routing is None or mode == "off" or not moe.is_moe_model(model):
-        return token_logprobs(model, mb.tokens), moe.RoutingFlips()
-    positions = torch.arange(mb.tokens.shape[1], device=mb.tokens.device)[None]
-    predicts = positions < torch.tensor(mb.lengths, device=mb.tokens.device)[:, None] - 1
-    with moe.replay_routing(model, mb.routing, mb.routing_valid & predicts, apply=mode == "replay") as flips:
-        logp = token_logprobs(model, mb.tokens)
+def routed_logprobs(model, tokens: torch.Tensor, lengths: list[int], routing: torch.Tensor | None,
+                    covered: torch.Tensor | None, mode: str) -> tuple[torch.Tensor, moe.RoutingFlips]:
+    """`token_logprobs` of right-padded `tokens` [B, S] under routing `mode`, with the recorded
+    `routing` [B, S, layers, topk] where `covered` [B, S]; and the flips counted."""
+    if routing is None or mode == "off" or not moe.is_moe_model(model):
+        return token_logprobs(model, tokens), moe.RoutingFlips()
+    positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
+    predicts = positions < torch.tensor(lengths, device=tokens.device)[:, None] - 1
+    with moe.replay_routing(model, routing, covered & predicts, apply=mode == "replay") as flips:
+        logp = token_logprobs(model, tokens)
     return logp, flips
+
+
+def batch_logprobs(model, mb: TensorBatch, mode: str) -> tuple[torch.Tensor, moe.RoutingFlips]:
+    """`routed_logprobs` of a training micro-batch."""
+    return routed_logprobs(model, mb.tokens, mb.lengths, mb.routing, mb.routing_valid, mode)
 
 
 def score(model, tokens: torch.Tensor, lengths: list[int], routed: list[RoutedExperts | None],
           micro_batch_size: int, mode: str) -> tuple[list[list[float]], moe.RoutingFlips]:
     """Per-token log-probs of right-padded `tokens` ([B, S] on the model's device) with each
     sequence's `routed` experts under `mode`, micro-batch by micro-batch; and the flips."""
-    routing, valid = collate_routing(routed, tokens.shape[1])
+    routing, covered = collate_routing(routed, tokens.shape[1])
+    if routing is not None:
+        routing, covered = routing.to(tokens.device), covered.to(tokens.device)
     total = moe.RoutingFlips()
     out: list[list[float]] = []
     for i in range(0, len(lengths), micro_batch_size):
-        part = lengths[i : i + micro_batch_size]
+        rows, part = slice(i, i + micro_batch_size), lengths[i : i + micro_batch_size]
         n = max(part)
-        mb = TensorBatch(
-            tokens=tokens[i : i + micro_batch_size, :n], loss_mask=None, logp_infer=None, advantages=None,
-            teacher_logp=None, has_teacher=None, lengths=part,
-            routing=routing[i : i + micro_batch_size, :n].to(tokens.device) if routing is not None else None,
-            routing_valid=valid[i : i + micro_batch_size, :n].to(tokens.device) if valid is not None else None)
-        logp, flips = routed_logprobs(model, mb, mode)
+        logp, flips = routed_logprobs(model, tokens[rows, :n], part,
+                                      routing[rows, :n] if routing is not None else None,
+                                      covered[rows, :n] if covered is not None else None, mode)
         total.flips += flips.flips
         total.compared += flips.compared
         out.extend(row[:length].tolist() for row, length in zip(logp.cpu(), part))

@@ -37,14 +37,6 @@ def test_out_of_range_ids_and_bad_sizes_are_refused() -> None:
         broken.unpack()
 
 
-def test_concat_joins_turns() -> None:
-    a = RoutedExperts.pack([[[1, 2]], [[3, 4]]], 8, start=0)
-    b = RoutedExperts.pack([[[5, 6]]], 8, start=2)
-    assert a.concat(b).unpack().tolist() == [[[1, 2]], [[3, 4]], [[5, 6]]]
-    with pytest.raises(ValueError, match="starts at 5"):
-        a.concat(RoutedExperts.pack([[[5, 6]]], 8, start=5))
-
-
 def _traj(routed: RoutedExperts | None) -> Trajectory:
     return Trajectory(id="t", task_id="x", group_id="g", tokens=[1, 2, 3, 4], loss_mask=[0, 0, 1, 1],
                       logp_infer=[0, 0, -1, -1], version_spans=[VersionSpan(2, 4, 0)], routed_experts=routed)
