@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kiln.cli.serve", "serve a checkpoint behind the OpenAI chat-completions API"),
     "prepare-model": ("kiln.cli.prepare_model", "create the job's model (spec.model.init) if missing"),
     "buffer": ("kiln.cli.buffer", "check or repair a buffer directory"),
+    "simulate": ("kiln.cli.simulate", "simulate an RL stage's throughput and staleness"),
     "dev-cluster": ("kiln.cli.devcluster.command",
                     "a local stand-in cluster: fake API, the operator, pods as processes"),
 }

@@ -31,6 +31,12 @@ class ModeRequest:
     """Produce `batch_size` trajectories per policy version, then wait for the next one."""
     batch_size: int = 0
     seed: int = 0
+    tau: int | None = None
+    """The stage's freshness bound: an episode whose oldest token is more than tau versions
+    behind can no longer be trained, so rollout stops it early. None: no bound (SFT)."""
+    min_version: int = 0
+    """Start no episode before the engine serves this policy version (the trainer's when the
+    order was sent): a replica that just joined takes work only once it has current weights."""
 
 
 @dataclass
@@ -47,6 +53,34 @@ class RolloutStatus:
     engine_fingerprint: str = ""
     shipped: int = 0
     """Trajectories whose Put the buffer acknowledged."""
+    stopped_stale: int = 0
+    """Episodes stopped early because their group was already beyond the stage's tau."""
+    generating: int = 0
+    """Generate calls the inference engine has in progress (its occupancy)."""
+
+
+def combined_status(replicas: list[RolloutStatus], draining: list[RolloutStatus] = ()) -> RolloutStatus:
+    """Several rollout replicas as one, for the stage driver: the mode and stage they all have
+    (none, if they differ, so that the driver orders them again), the oldest policy version
+    among them (the driver waits for all to have a version), counts summed, the reward averaged
+    by episodes. Replicas being drained count only for the episodes they still have in flight."""
+    if not replicas:
+        return RolloutStatus(in_flight=sum(d.in_flight for d in draining))
+    first = replicas[0]
+    same = all((r.mode, r.stage) == (first.mode, first.stage) for r in replicas)
+    episodes = sum(r.episodes for r in replicas)
+    return RolloutStatus(
+        mode=first.mode if same else RolloutMode.IDLE, stage=first.stage if same else "",
+        policy_version=min(r.policy_version for r in replicas), episodes=episodes,
+        tokens_generated=sum(r.tokens_generated for r in replicas),
+        tokens_per_second=sum(r.tokens_per_second for r in replicas),
+        mean_reward=(sum(r.mean_reward * r.episodes for r in replicas) / episodes if episodes
+                     else first.mean_reward),
+        in_flight=sum(r.in_flight for r in [*replicas, *draining]),
+        engine_fingerprint=first.engine_fingerprint,
+        shipped=sum(r.shipped for r in replicas),
+        stopped_stale=sum(r.stopped_stale for r in replicas),
+        generating=sum(r.generating for r in replicas))
 
 
 @dataclass
@@ -111,6 +145,22 @@ class RolloutControl(Protocol):
     def evaluate(self, task_set: str, *, samples: int, greedy: bool) -> Evaluation: ...
 
     def status(self) -> RolloutStatus: ...
+
+
+class RolloutScaler(Protocol):
+    """Whatever owns the rollout replicas: `kiln run`'s worker processes, the operator's
+    `spec.rollout.replicas`. Autoscaling (`kiln.autoscale`) asks it for a new count."""
+
+    def replicas(self) -> int:
+        """The count asked for last (serving or on its way)."""
+
+    def settled(self) -> bool:
+        """Every replica asked for serves, and none is still leaving: what the trainer sees
+        now is the effect of the current count."""
+
+    def scale(self, replicas: int) -> None:
+        """Start or stop replicas until there are `replicas`; returns at once (a new replica
+        takes work once it serves the current policy version)."""
 
 
 class BufferControl(Protocol):

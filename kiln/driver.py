@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from kiln.api.spec import RLJob, RLStage, SFTStage
-from kiln.control import (BufferControl, ModeRequest, RolloutControl, RolloutMode, RolloutStatus,
-                          TrainerControl, TrainerStatus)
+from kiln.autoscale import Autoscaler, StepSignals
+from kiln.control import (BufferControl, ModeRequest, RolloutControl, RolloutMode, RolloutScaler,
+                          RolloutStatus, TrainerControl, TrainerStatus)
 
 
 class StateStore(Protocol):
@@ -130,7 +131,7 @@ class Driver:
                  should_stop: Callable[[], bool] = lambda: False,
                  transient: tuple[type[BaseException], ...] = (),
                  unavailable_seconds: float = 600.0,
-                 tracker: Tracker | None = None) -> None:
+                 tracker: Tracker | None = None, scaler: RolloutScaler | None = None) -> None:
         self.job, self.state = job, state
         self.trainer, self.rollout, self.buffer = trainer, rollout, buffer
         self.poll_seconds = poll_seconds
@@ -142,6 +143,9 @@ class Driver:
         self.should_stop = should_stop
         self.transient, self.unavailable_seconds = transient, unavailable_seconds
         self.tracker = tracker
+        self.scaler = scaler
+        """Owner of the rollout replicas; with `spec.rollout.autoscale`, asynchronous RL stages
+        resize rollout through it."""
         self._global_step = 0
 
     # ------------------------------------------------------------------ stages
@@ -200,7 +204,7 @@ class Driver:
             RolloutMode.EXPLORE if rl else RolloutMode.DEMONSTRATE, stage=stage.name,
             task_sets=list(stage.tasks), group_size=stage.rl.group_size if rl else 1,
             synchronous=rl and not stage.rl.asynchronous, batch_size=stage.batch_size,
-            seed=self.job.spec.seed)
+            seed=self.job.spec.seed, tau=stage.rl.tau if rl else None)
 
     def _run_stage(self, stage: SFTStage | RLStage) -> None:
         # A resumed rollout starts from the job's initial weights and the resumed trainer
@@ -215,6 +219,7 @@ class Driver:
         mode = self._mode(stage)
         self._call(lambda: self.trainer.start_stage(stage.name))
         self._call(lambda: self.rollout.set_mode(mode))
+        autoscaler = self._autoscaler(stage)
         start = time.monotonic()
         while True:
             restarted = list(dict.fromkeys(self._restarted + self.supervise()))
@@ -230,8 +235,12 @@ class Driver:
                 t = self._call(lambda: self.trainer.start_stage(stage.name))
             r = self._call(self.rollout.status)
             if (r.stage, r.mode) != (stage.name, mode.mode) and not (t.stage == stage.name and t.stage_done):
-                r = self._call(lambda: self.rollout.set_mode(mode))
+                # A replica that restarted or just joined starts once it has current weights.
+                order = dataclasses.replace(mode, min_version=t.policy_version)
+                r = self._call(lambda: self.rollout.set_mode(order))
             b = self._call(self.buffer.status)
+            if autoscaler is not None and t.stage == stage.name and t.stage_step > 0:
+                self._autoscale(autoscaler, t, b)
             progress = Progress(stage, t, r, b, time.monotonic() - start)
             self._global_step = t.step
             self.on_progress(progress)
@@ -251,6 +260,31 @@ class Driver:
         self._wait(lambda: self.rollout.status().in_flight == 0,
                    "rollout still has episodes in flight")
         self._evaluate(stage, "after")
+
+    def _autoscaler(self, stage: SFTStage | RLStage) -> Autoscaler | None:
+        spec = self.job.spec.rollout.autoscale
+        if spec is None or self.scaler is None or not isinstance(stage, RLStage) \
+                or not stage.rl.asynchronous:
+            return None  # a synchronous stage has nothing to overlap: its rollout is sized by hand
+        return Autoscaler(spec, tau=stage.rl.tau, batch_size=stage.batch_size)
+
+    def _autoscale(self, autoscaler: Autoscaler, t: TrainerStatus, b: Any) -> None:
+        m = t.last_metrics
+        staleness = [k for k, n in t.staleness_counts().items() if n > 0]
+        signals = StepSignals(t.stage_step, m.get("wait_s", 0.0), m.get("step_time_s", 0.0),
+                              max(staleness, default=-1), int(getattr(b, "depth", 0)))
+        if not self.scaler.settled():
+            # A replica is starting or draining: steps now show neither count's effect.
+            autoscaler.window.clear()
+            return
+        replicas = self.scaler.replicas()
+        decision = autoscaler.observe(signals, replicas)
+        if decision is None:
+            return
+        self.say(f"  rollout: {replicas} -> {decision.replicas} replicas ({decision.reason})")
+        self.scaler.scale(decision.replicas)
+        self.on_event({"event": "scale", "stage": t.stage, "step": t.stage_step,
+                       "from": replicas, "to": decision.replicas, "reason": decision.reason})
 
     def _wait(self, done: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout

@@ -8,13 +8,14 @@ are `TRANSIENT` (a pod restarting), which the driver waits out.
 """
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from typing import Callable
 
 import grpc
 
 from kiln import tls
-from kiln.control import Evaluation, ModeRequest, RolloutStatus, TrainerStatus
+from kiln.control import Evaluation, ModeRequest, RolloutStatus, TrainerStatus, combined_status
 from kiln.protos import control as wire
 from kiln.protos.kiln.v1 import (buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc,
                                  trainer_pb2, trainer_pb2_grpc)
@@ -117,6 +118,79 @@ class GrpcRollout(_Service):
             self._rpc("GetStatus", rollout_pb2.RolloutStatusRequest()))
 
 
+def resolve(address: str) -> list[str]:
+    """`host:port` as one `ip:port` per address the name resolves to: a headless Service's name
+    gives each ready pod's. The address itself when it does not resolve (yet)."""
+    host, _, port = address.rpartition(":")
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (OSError, ValueError):
+        return [address]
+    ips = sorted({info[4][0] for info in infos})
+    return [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips] or [address]
+
+
+class GrpcRolloutReplicas:
+    """Every rollout replica of a job behind one RolloutControl. The rollout Service is
+    headless, so its name resolves to each ready pod; every call looks again, so that pods
+    added or removed (autoscaling, a restart) are seen at the next poll. An order goes to each
+    pod whose mode differs from it; the status is theirs combined (`combined_status`)."""
+
+    def __init__(self, address: Callable[[], str], timeout: float = 30.0,
+                 credentials: Callable[[], Bundle | None] = lambda: None,
+                 resolver: Callable[[str], list[str]] = resolve) -> None:
+        self._address, self._timeout, self._credentials = address, timeout, credentials
+        self._resolve = resolver
+        self._pods: dict[str, GrpcRollout] = {}
+        self._last: dict[str, RolloutStatus] = {}
+
+    def _replicas(self) -> dict[str, GrpcRollout]:
+        targets = self._resolve(self._address())
+        for gone in set(self._pods) - set(targets):
+            self._pods.pop(gone).close()
+            self._last.pop(gone, None)
+        for t in targets:
+            if t not in self._pods:
+                self._pods[t] = GrpcRollout(lambda t=t: t, self._timeout, self._credentials)
+        return dict(self._pods)
+
+    def _each(self, fn: Callable[[str, GrpcRollout], RolloutStatus]) -> list[RolloutStatus]:
+        out, down = [], None
+        for target, pod in self._replicas().items():
+            try:
+                self._last[target] = fn(target, pod)
+                out.append(self._last[target])
+            except Unavailable as exc:  # one pod restarting or going away
+                down = exc
+        if not out and down is not None:
+            raise down
+        return out
+
+    def set_mode(self, mode: ModeRequest) -> RolloutStatus:
+        def order(target: str, pod: GrpcRollout) -> RolloutStatus:
+            last = self._last.get(target)
+            if last is not None and (last.stage, last.mode) == (mode.stage, mode.mode):
+                return pod.status()
+            return pod.set_mode(mode)
+        return combined_status(self._each(order))
+
+    def serving(self) -> int:
+        """Rollout pods the Service lists now (ready ones)."""
+        return len(self._resolve(self._address()))
+
+    def evaluate(self, task_set: str, *, samples: int, greedy: bool) -> Evaluation:
+        pods = self._replicas()
+        return pods[min(pods)].evaluate(task_set, samples=samples, greedy=greedy)
+
+    def status(self) -> RolloutStatus:
+        return combined_status(self._each(lambda target, pod: pod.status()))
+
+    def close(self) -> None:
+        for pod in self._pods.values():
+            pod.close()
+        self._pods.clear()
+
+
 @dataclass
 class BufferSummary:
     """The part of the buffer's status the driver records."""
@@ -141,7 +215,7 @@ class GrpcBuffer(_Service):
 @dataclass
 class Controls:
     trainer: GrpcTrainer
-    rollout: GrpcRollout
+    rollout: GrpcRolloutReplicas
     buffer: GrpcBuffer
 
     @classmethod
@@ -150,7 +224,7 @@ class Controls:
         """`address(component)` gives each service's host:port; `credentials()` the
         operator's certificate for the job (None: plain text)."""
         return cls(GrpcTrainer(lambda: address("trainer"), timeout, credentials),
-                   GrpcRollout(lambda: address("rollout"), timeout, credentials),
+                   GrpcRolloutReplicas(lambda: address("rollout"), timeout, credentials),
                    GrpcBuffer(lambda: address("buffer"), timeout, credentials))
 
     def close(self) -> None:

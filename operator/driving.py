@@ -58,12 +58,37 @@ class StatusStore:
         self.kube.merge_patch_status(self.ref(), status)
 
 
+class SpecReplicas:
+    """Autoscaling on a cluster: the decision becomes the RLJob's `spec.rollout.replicas`, which
+    the update handler reconciles into the rollout Deployment like any edit (and which an HPA
+    would write through the scale subresource instead). New pods join at the current policy
+    version (weight sync sends the latest on subscribe; rollout waits for it before its first
+    episode); a pod scaled away gets SIGTERM and finishes its episodes in its grace period."""
+
+    def __init__(self, kube: Kube, ref: dict[str, Any], current: Callable[[], int],
+                 serving: Callable[[], int]) -> None:
+        self.kube, self.ref, self.current, self.serving = kube, ref, current, serving
+
+    def replicas(self) -> int:
+        return self.current()
+
+    def settled(self) -> bool:
+        # The headless Service lists ready pods only: as many as asked means they all serve
+        # (and any scaled away has left).
+        return self.serving() == self.current()
+
+    def scale(self, replicas: int) -> None:
+        self.kube.merge_patch(self.ref, {"spec": {"rollout": {"replicas": replicas}}})
+
+
 def drive(job: RLJob, ref: JobRef, kube: Kube, address: Callable[[str], str],
           current_status: Callable[[], dict[str, Any]], stopped: threading.Event | Any,
           suspended: Callable[[], bool], *, poll_seconds: float = 2.0,
           unavailable_seconds: float = 900.0,
-          credentials: Callable[[], Any] = lambda: None) -> str:
-    """Run the job's remaining stages; returns the outcome: succeeded, failed or stopped."""
+          credentials: Callable[[], Any] = lambda: None,
+          rollout_replicas: Callable[[], int] | None = None) -> str:
+    """Run the job's remaining stages; returns the outcome: succeeded, failed or stopped.
+    `rollout_replicas()`: the live spec's rollout replica count (autoscaling changes it)."""
     store = StatusStore(kube, ref, current_status)
     state = RunState.load(store)
     names = [s.name for s in job.spec.stages]
@@ -83,7 +108,10 @@ def drive(job: RLJob, ref: JobRef, kube: Kube, address: Callable[[str], str],
                     say=lambda s: log.info("%s/%s %s", ref.namespace, ref.name, s.strip()),
                     on_progress=on_progress,
                     should_stop=lambda: bool(stopped.is_set()) or suspended(),
-                    transient=TRANSIENT, unavailable_seconds=unavailable_seconds)
+                    transient=TRANSIENT, unavailable_seconds=unavailable_seconds,
+                    scaler=SpecReplicas(kube, store.ref(), rollout_replicas or
+                                        (lambda: job.spec.rollout.replicas),
+                                        controls.rollout.serving))
     try:
         driver.run()
     except Stopped:

@@ -33,7 +33,7 @@ from kiln.api.spec import API_GROUP, API_VERSION, KIND, PLURAL, RLJob
 from kiln.operator import driving, metrics
 from kiln.operator.config import OperatorConfig
 from kiln.operator.kube import Kube, load_credentials
-from kiln.operator.naming import FINALIZER, JobRef
+from kiln.operator.naming import FINALIZER, JobRef, selector_labels
 from kiln.operator.reconcile import accepted_spec, finalize, parse_spec, reconcile
 from kiln.operator.status import (Addresses, GrpcStatusReader, derive_status, rfc3339,
                                   set_condition)
@@ -175,6 +175,10 @@ def reconcile_job(body: kopf.Body, name: str, namespace: str, uid: str, patch: k
     patch.status["conditions"] = conditions
     patch.status["message"] = message
     patch.status["observedGeneration"] = body.meta.get("generation")
+    # What the scale subresource reads back (kubectl scale, an HPA, KEDA).
+    patch.status["rolloutReplicas"] = spec.rollout.replicas if _active(spec, status) else 0
+    patch.status["rolloutSelector"] = ",".join(
+        f"{k}={v}" for k, v in selector_labels(job, "rollout").items())
     _event_phase(body, old_phase, phase, message)
     _track(namespace, name, phase)
     metrics.RECONCILES.labels("applied").inc()
@@ -315,7 +319,8 @@ def _drive_until_stopped(stopped: kopf.DaemonStopped, body: kopf.Body, job: JobR
                 current, stopped,
                 lambda: bool(body.spec.get("suspend")) or bool(body.meta.get("deletionTimestamp")),
                 poll_seconds=_DRIVE_POLL, unavailable_seconds=memo.config.unavailable_seconds,
-                credentials=lambda: memo.credentials(job))
+                credentials=lambda: memo.credentials(job),
+                rollout_replicas=lambda: int((body.spec.get("rollout") or {}).get("replicas", 1)))
         except Exception:  # noqa: BLE001 - an API error must not end this job's driving for good
             logger.exception("driver stopped on an error; starting again")
             _pause(stopped, 10 * _DRIVE_POLL)

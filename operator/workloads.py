@@ -286,6 +286,8 @@ def trainer_replicas(job: JobRef, spec: RLJobSpec, config_hash: str, active: boo
 
 def rollout(job: JobRef, spec: RLJobSpec, config_hash: str, active: bool) -> dict[str, Any]:
     volumes, mounts, env = _model_volume(spec)
+    # Each replica its own task stream (the producer salts the job's seed with it).
+    env = [*env, {"name": "KILN_ROLLOUT_REPLICA", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
     container = service_container(job, spec, "rollout", spec.rollout.resources, env, mounts)
     if spec.rollout.openai_port:
         container["ports"].append({"name": "openai", "containerPort": spec.rollout.openai_port,

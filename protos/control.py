@@ -10,12 +10,14 @@ from kiln.protos.kiln.v1 import trainer_pb2 as tpb
 def mode_to_proto(m: ModeRequest) -> rpb.SetModeRequest:
     return rpb.SetModeRequest(mode=int(m.mode), stage=m.stage, task_sets=m.task_sets,
                              group_size=m.group_size, synchronous=m.synchronous,
-                             batch_size=m.batch_size, seed=m.seed)
+                             batch_size=m.batch_size, seed=m.seed, tau=m.tau,
+                             min_version=m.min_version)
 
 
 def mode_from_proto(msg: rpb.SetModeRequest) -> ModeRequest:
     return ModeRequest(RolloutMode(msg.mode), msg.stage, list(msg.task_sets), msg.group_size,
-                       msg.synchronous, msg.batch_size, msg.seed)
+                       msg.synchronous, msg.batch_size, msg.seed,
+                       msg.tau if msg.HasField("tau") else None, msg.min_version)
 
 
 def rollout_status_to_proto(s: RolloutStatus) -> rpb.RolloutStatus:
@@ -23,14 +25,15 @@ def rollout_status_to_proto(s: RolloutStatus) -> rpb.RolloutStatus:
         mode=int(s.mode), stage=s.stage, policy_version=s.policy_version, episodes=s.episodes,
         tokens_generated=s.tokens_generated, tokens_per_second=s.tokens_per_second,
         mean_reward=s.mean_reward, in_flight=s.in_flight,
-        engine_fingerprint=s.engine_fingerprint, shipped=s.shipped)
+        engine_fingerprint=s.engine_fingerprint, shipped=s.shipped,
+        stopped_stale=s.stopped_stale, generating=s.generating)
 
 
 def rollout_status_from_proto(msg: rpb.RolloutStatus) -> RolloutStatus:
     return RolloutStatus(
         RolloutMode(msg.mode), msg.stage, msg.policy_version, msg.episodes,
         msg.tokens_generated, msg.tokens_per_second, msg.mean_reward, msg.in_flight,
-        msg.engine_fingerprint, msg.shipped)
+        msg.engine_fingerprint, msg.shipped, msg.stopped_stale, msg.generating)
 
 
 def evaluation_to_proto(e: Evaluation) -> rpb.EvaluateResponse:

@@ -79,6 +79,7 @@ def _dump(job: RLJob) -> str:
 
 def main(args: argparse.Namespace) -> int:
     from kiln.cli.local import processes
+    from kiln.cli.local.fleet import RolloutFleet
     from kiln.cli.local.progress import LocalProgress
     from kiln.driver import Driver, FileStore, RunState
     from kiln.cli.local.report import write_report, write_summary
@@ -143,6 +144,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"kiln run: {exc}", file=sys.stderr)
         return 2
     services: dict[str, processes.ServiceProcess] = {}
+    fleet = None
     interrupted = failed = False
 
     def _interrupt(signum, frame):  # noqa: ARG001
@@ -174,8 +176,10 @@ def main(args: argparse.Namespace) -> int:
             processes.wait_ready(services[name])
         out.write(f"all services healthy after {time.time() - started:.1f} s\n")
         trainer = _WhileDown(TrainerClient(services["trainer"].address))
-        rollout = _WhileDown(RolloutClient(services["rollout"].address))
         buffer = _WhileDown(GrpcBufferClient(services["buffer"].address))
+
+        def start_worker(name: str) -> processes.ServiceProcess:
+            return processes.start(name, job_file, run_dir, {n: s.address for n, s in services.items()})
 
         def supervise() -> list[str]:
             """Restart any service that died, on its old port; it resumes from its state."""
@@ -191,9 +195,14 @@ def main(args: argparse.Namespace) -> int:
             return dead
 
         shown = LocalProgress(run_dir, out)
+        fleet = RolloutFleet(services, start_worker, lambda svc: RolloutClient(svc.address),
+                             drain_seconds=job.spec.rollout.episode_timeout_seconds, say=shown.say)
+        fleet.scale(max(1, job.spec.rollout.replicas))  # the others join once healthy
+        rollout = _WhileDown(fleet)
         driver = Driver(job, trainer, rollout, buffer, RunState.load(FileStore(run_dir / "state.json")),
                         say=shown.say, on_progress=shown.progress, on_event=shown.event,
-                        supervise=supervise, transient=(ServiceDown,), tracker=tracker)
+                        supervise=supervise, transient=(ServiceDown,), tracker=tracker,
+                        scaler=fleet)
         state = driver.run()
     except KeyboardInterrupt:
         interrupted = True
@@ -204,6 +213,8 @@ def main(args: argparse.Namespace) -> int:
         out.write(f"\nkiln run: {exc}\nlogs: {run_dir / 'logs'}; continue with kiln run --resume {run_dir}\n")
         failed = True
     finally:
+        if fleet is not None:
+            fleet.close()  # workers already retired by autoscaling, still on their way out
         _stop_all(services)
         tracker.close()
     if failed:
@@ -256,8 +267,9 @@ def _stop_all(services) -> None:
     # The trainer's replicas after replica 0, which releases them after its final checkpoint.
     replicas = sorted(n for n in services if n.startswith(processes.REPLICA_PREFIX))
     teachers = sorted(n for n in services if processes.is_teacher(n))
-    order = [n for n in ("rollout", *teachers, "trainer", *replicas, "weight_sync", "sandbox",
-                         "buffer") if n in services]
+    workers = sorted(n for n in services if n.startswith(processes.ROLLOUT_WORKER_PREFIX))
+    order = [n for n in ("rollout", *workers, *teachers, "trainer", *replicas, "weight_sync",
+                         "sandbox", "buffer") if n in services]
     try:
         for name in order:
             processes.stop(services[name])

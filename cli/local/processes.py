@@ -32,6 +32,8 @@ from kiln.tls import TLS_DIR_ENV
 ORDER = ("buffer", "sandbox", "weight_sync", "trainer", "rollout")
 REPLICA_PREFIX = "trainer-replica-"
 TEACHER = "teacher"
+#: Rollout workers after the first (`rollout-1`, ...: `fleet.py`), each the rollout service.
+ROLLOUT_WORKER_PREFIX = "rollout-"
 
 
 class ServiceFailed(RuntimeError):
@@ -76,12 +78,15 @@ def start(name: str, job_file: Path, run_dir: Path, addresses: dict[str, str],
     port_file.unlink(missing_ok=True)
     log_path = run_dir / "logs" / f"{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, **{env_var(k): v for k, v in addresses.items()}, **(extra_env or {})}
+    env = {**os.environ, **{env_var(k): v for k, v in addresses.items()
+                            if not k.startswith(ROLLOUT_WORKER_PREFIX)}, **(extra_env or {})}
     # Each service's own certificate (`issue_certificates`); the launcher's is the operator's.
     env[TLS_DIR_ENV] = str(run_dir / "tls" / component_of(name))
     env.setdefault("KILN_LOG_FORMAT", "json")
-    module = ("trainer" if name.startswith(REPLICA_PREFIX) else "rollout" if is_teacher(name)
-              else name)
+    if name.startswith(ROLLOUT_WORKER_PREFIX):
+        # Its own task stream (the producer salts the job's seed with it), across restarts too.
+        env["KILN_ROLLOUT_REPLICA"] = name.removeprefix(ROLLOUT_WORKER_PREFIX)
+    module = component_of(name).replace("-", "_")
     cmd = [sys.executable, "-m", f"kiln.services.{module}.main", "--job", str(job_file),
            "--address", f"127.0.0.1:{port}", "--metrics-port", "0", "--run-dir", str(state),
            "--port-file", str(port_file), *args]
@@ -98,7 +103,9 @@ def component_of(name: str) -> str:
     rollout deployment, as on a cluster."""
     if name.startswith(REPLICA_PREFIX):
         return "trainer"
-    return "rollout" if is_teacher(name) else name.replace("_", "-")
+    if is_teacher(name) or name.startswith(ROLLOUT_WORKER_PREFIX):
+        return "rollout"
+    return name.replace("_", "-")
 
 
 def is_teacher(name: str) -> bool:

@@ -52,11 +52,44 @@ class SamplingSpec(Model):
     """Prompt, actions and observations together; the episode ends when it is reached."""
 
 
+class AutoscaleSpec(Model):
+    """Rollout replicas sized by what the trainer and freshness control see (`kiln.autoscale`):
+    one more when the trainer waits for batches, one fewer when the staleness trained nears the
+    stage's tau or the buffer backs up. Decided after each optimizer step of an asynchronous RL
+    stage, from the last `windowSteps` steps; the operator writes the result to
+    `spec.rollout.replicas`, `kiln run` starts or stops rollout worker processes. Leave it unset
+    to size rollout by hand, or from an HPA or KEDA through the RLJob's scale subresource."""
+
+    min_replicas: int = Field(1, ge=1)
+    """Fewest replicas autoscaling leaves."""
+    max_replicas: int = Field(ge=1)
+    """Most replicas autoscaling starts."""
+    scale_up_idle: float = Field(0.3, gt=0, lt=1)
+    """Add a replica when the trainer waited this fraction of the window's time for batches."""
+    staleness_margin: int = Field(1, ge=0)
+    """Remove one when a trained trajectory was tau - stalenessMargin or more versions old."""
+    max_buffer_batches: float = Field(2.0, gt=0)
+    """Remove one when this many batches wait in the buffer (rollout outruns the trainer)."""
+    window_steps: int = Field(3, ge=1)
+    """Optimizer steps each decision looks at; after a change, the next decision waits for as
+    many steps, all taken with the new replica count."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "AutoscaleSpec":
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"maxReplicas ({self.max_replicas}) is below minReplicas "
+                             f"({self.min_replicas})")
+        return self
+
+
 class RolloutSpec(Model):
     """The rollout service: inference engines running the agent loop."""
 
     replicas: int = Field(1, ge=0)
-    """Rollout pods (on a cluster); each runs one engine."""
+    """Rollout replicas, each with its engine: pods on a cluster, worker processes for `kiln
+    run`. With `autoscale`, the number to start with."""
+    autoscale: AutoscaleSpec | None = None
+    """Size rollout from the trainer's waiting and the staleness trained (see AutoscaleSpec)."""
     engine: Literal["vllm", "megatron"] = "vllm"
     """`vllm` (production; DSA and MoE checkpoints fall back to megatron: vLLM cannot run DSA
     on a CPU, nor record MoE routing for replay) or `megatron` (the trainer's own model code:
@@ -85,7 +118,11 @@ class RolloutSpec(Model):
     quickstart's tiny models use. `auto`: the chat template when it renders tools (llama3 for
     Llama models, hermes otherwise), else `tags`."""
     max_concurrent_episodes: int = Field(64, ge=1)
-    """Episodes in flight per rollout replica."""
+    """Episodes in flight per rollout replica, at most."""
+    target_engine_occupancy: int | None = Field(None, ge=1)
+    """RL: start a new group only while the engine has fewer generations in progress than
+    this, so that episodes waiting on slow tools leave room for others (maxConcurrentEpisodes
+    still bounds the total). Unset: maxConcurrentEpisodes episodes whatever they wait on."""
     kv_cache_bytes: int = Field(1 << 30, ge=1 << 20)
     """KV cache reserved by each engine (vLLM otherwise takes most of the host's memory)."""
     sample_every: int = Field(10, ge=1)
@@ -109,6 +146,14 @@ class RolloutSpec(Model):
         if self.thinking == "turn-level" and self.tool_call_format == "tags":
             raise ValueError("thinking: 'turn-level' needs a chat-template toolCallFormat (hermes, "
                              "llama3 or auto), not 'tags', which has no turns to re-render")
+        return self
+
+    @model_validator(mode="after")
+    def _autoscale_bounds(self) -> "RolloutSpec":
+        a = self.autoscale
+        if a is not None and not a.min_replicas <= self.replicas <= a.max_replicas:
+            raise ValueError(f"replicas ({self.replicas}) must be within autoscale's minReplicas "
+                             f"({a.min_replicas}) and maxReplicas ({a.max_replicas})")
         return self
 
 
@@ -195,6 +240,29 @@ class SandboxSpec(Model):
     def _docker_image(self) -> SandboxSpec:
         if self.backend == "docker" and self.rootfs is not None:
             raise ValueError("rootfs applies to the bubblewrap backend; use image with docker")
+        return self
+
+
+class ToolLatency(Model):
+    """Wall-clock time added to every tool call of a task set's episodes: after the tool runs,
+    the episode's sandbox runs `sleep D`, D drawn from a log-normal law with the given median
+    and 99th percentile (capped at maxSeconds). It makes a fast environment behave like one
+    whose tools run tests or builds, for measuring how rollout overlaps environment time."""
+
+    p50_seconds: float = Field(gt=0)
+    """Median added time per tool call."""
+    p99_seconds: float = Field(gt=0)
+    """99th percentile; its ratio to the median sets the tail (1: always the median)."""
+    max_seconds: float = Field(120.0, gt=0)
+    """Longest added time (a tool's timeout, as a real environment has)."""
+    seed: int = 0
+    """Seed of the draws (their order follows the calls' arrival)."""
+
+    @model_validator(mode="after")
+    def _tail(self) -> "ToolLatency":
+        if self.p99_seconds < self.p50_seconds:
+            raise ValueError(f"p99Seconds ({self.p99_seconds}) must be at least p50Seconds "
+                             f"({self.p50_seconds})")
         return self
 
 

@@ -131,7 +131,12 @@ def build_crd() -> dict[str, Any]:
                     "name": API_VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    # `scale` sizes rollout: `kubectl scale rljob/NAME --replicas N`, an HPA or
+                    # a KEDA ScaledObject (or the operator, with spec.rollout.autoscale).
+                    "subresources": {"status": {}, "scale": {
+                        "specReplicasPath": ".spec.rollout.replicas",
+                        "statusReplicasPath": ".status.rolloutReplicas",
+                        "labelSelectorPath": ".status.rolloutSelector"}},
                     "additionalPrinterColumns": [
                         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
                         {"name": "Stage", "type": "string", "jsonPath": ".status.stage"},

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kiln.api.components import (BufferSpec, CheckpointSpec, Model, Quantity, Resources,
                                  RolloutSpec, SamplingSpec, SandboxSpec, StorageSpec, TeacherSpec,
-                                 TrackingSpec, TrainerSpec, WandbSpec, WeightSyncSpec)
+                                 ToolLatency, TrackingSpec, TrainerSpec, WandbSpec, WeightSyncSpec)
 from kiln.api.distillation import teacher_problems
 from kiln.api.status import Condition, Phase, RLJobStatus
 
@@ -167,6 +167,8 @@ class TaskSetSpec(_Model):
     """A custom reward, `{plugin: "module:function"}`: called with (task, grade, transcript)
     after the environment's own grade, it returns the reward (a number, or a `kiln.env.Grade`
     whose parts are kept beside the environment's)."""
+    tool_latency: ToolLatency | None = None
+    """Time added to each tool call, run in the sandbox (benchmarks of environment latency)."""
 
     @model_validator(mode="after")
     def _source(self) -> TaskSetSpec:

@@ -69,3 +69,7 @@ class RLJobStatus(Model):
     """Stages the driver completed, in order (a restarted operator resumes after them)."""
     evaluations: dict[str, EvaluationResult] = Field(default_factory=dict)
     """Held-out results keyed "stage/before|after/task set"."""
+    rollout_replicas: int | None = None
+    """Rollout replicas applied (the scale subresource's status replicas)."""
+    rollout_selector: str | None = None
+    """Label selector of the rollout pods (the scale subresource's, for an HPA)."""

@@ -29,6 +29,7 @@ import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kiln.episode import Demonstration, StepResult
 from kiln.routing import RoutedExperts, merge_routing
@@ -51,6 +52,11 @@ class Limits:
     def __post_init__(self) -> None:
         if self.thinking not in THINKING_MODES:
             raise ValueError(f"thinking={self.thinking!r} is not one of {THINKING_MODES}")
+
+
+class EpisodeStale(Exception):
+    """The episode was stopped before its next generation: its oldest token is already too old
+    to be trained (freshness control would drop it), so finishing it would waste the engine."""
 
 
 @dataclass
@@ -79,10 +85,13 @@ class _Segment:
 
 async def run_episode(engine: Engine, env: EnvClient, fmt: Format, *, task_set: str,
                       index: int, sampling: SamplingOptions, limits: Limits, group_id: str = "",
-                      ) -> list[Trajectory]:
+                      stale: Callable[[int], bool] | None = None) -> list[Trajectory]:
     """Play one episode: its trajectories, one per segment (one, unless turn-level thinking
     dropped a thought from the context), all with the episode's reward. Always closes the
-    environment's episode, even on error."""
+    environment's episode, even on error.
+
+    `stale(oldest)`, asked before every generation after the first with the oldest policy
+    version among the episode's tokens, stops the episode (EpisodeStale) when it says True."""
     ep = await env.open(task_set, index, limits.max_turns)
     try:
         conv = fmt.conversation(ep)
@@ -91,7 +100,11 @@ async def run_episode(engine: Engine, env: EnvClient, fmt: Format, *, task_set: 
         result = StepResult()
         flags: list[str] = []
         index_hashes: list[int] = []
-        for _turn in range(limits.max_turns):
+        oldest: int | None = None
+        for turn in range(limits.max_turns):
+            if stale is not None and oldest is not None and stale(oldest):
+                raise EpisodeStale(f"{ep.task_id}: stopped before turn {turn + 1}, its first "
+                                   f"tokens (version {oldest}) are too old to train on")
             prefix = conv.action_prefix()
             budget = min(limits.max_tokens_per_turn,
                          limits.max_total_tokens - len(seg.tokens) - len(prefix))
@@ -105,6 +118,8 @@ async def run_episode(engine: Engine, env: EnvClient, fmt: Format, *, task_set: 
             seg.mask += [1] * len(gen.token_ids)
             seg.logp += gen.logprobs
             seg.versions += gen.versions
+            if gen.versions:
+                oldest = min(gen.versions) if oldest is None else min(oldest, min(gen.versions))
             # Each generation's hashes cover the whole sequence so far; the last one's win.
             index_hashes = list(gen.index_hashes) or index_hashes
             seg.routed = merge_routing(seg.routed, gen.routed_experts)

@@ -161,8 +161,11 @@ async def build(job: RLJob | None, args: argparse.Namespace):
         limits=Limits(spec.rollout.max_turns, s.max_tokens_per_turn, s.max_total_tokens,
                       thinking=spec.rollout.thinking),
         max_concurrent=spec.rollout.max_concurrent_episodes,
+        target_occupancy=spec.rollout.target_engine_occupancy,
         samples_path=args.run_dir / "trajectories.jsonl", sample_every=spec.rollout.sample_every,
-        teachers=teachers, opd_stages=distilled)
+        teachers=teachers, opd_stages=distilled,
+        # Set per replica (kiln run's worker index, the pod's name on a cluster).
+        stream=os.environ.get("KILN_ROLLOUT_REPLICA", ""))
     producer.start()
     sync_channel = tls.aio_channel(sync_addr, "weight-sync", CHANNEL_OPTIONS)
 

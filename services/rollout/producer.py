@@ -7,7 +7,15 @@ Modes (set by the stage driver through the Rollout RPC):
 - IDLE: nothing new starts; episodes in flight finish and are shipped.
 
 Asynchronous RL keeps up to `maxConcurrentEpisodes` episodes running whatever the trainer does;
-weights change underneath them and every token records its version. Synchronous RL (`async:
+weights change underneath them and every token records its version (a partial rollout: an
+episode goes on across weight updates). With `targetEngineOccupancy` a new group starts only
+while fewer episodes than that occupy the engine (`occupancy.py`: an episode does unless its
+environment is stepping), so episodes waiting on slow tools leave room and enough of them are
+in flight to keep the engine busy. An episode whose group's oldest token falls more than the
+stage's tau behind the engine's version is stopped before its next generation, with its whole
+group (the buffer would drop the group on arrival; finishing it only costs the engine). An
+order with `min_version` starts nothing before the engine serves that version (a replica
+that just joined). Synchronous RL (`async:
 false`) produces exactly one batch per policy version and waits for the next version before
 starting another, so the trainer and rollout take turns.
 
@@ -30,9 +38,10 @@ from typing import Awaitable, Callable
 from kiln.episode import Demonstration
 from kiln.services.buffer.client import BufferClient
 from kiln.services.common import metrics
-from kiln.services.rollout.agent import Limits, demonstration_trajectory, run_episode
+from kiln.services.rollout.agent import EpisodeStale, Limits, demonstration_trajectory, run_episode
 from kiln.services.rollout.engine import Engine, SamplingOptions
 from kiln.services.rollout.formats import Format
+from kiln.services.rollout.occupancy import EngineTimer, EnvTimer, Occupancy
 from kiln.services.rollout.wire import ModeRequest, RolloutMode
 from kiln.services.sandbox.client import EnvClient
 from kiln.trajectory import Trajectory
@@ -57,26 +66,35 @@ class Mode:
     synchronous: bool = False
     batch_size: int = 0
     seed: int = 0
+    tau: int | None = None
+    min_version: int = 0
 
     @classmethod
     def of(cls, request: ModeRequest, sizes: dict[str, int]) -> "Mode":
         return cls(request.mode, request.stage, [(t, sizes[t]) for t in request.task_sets],
                    max(1, request.group_size), request.synchronous, request.batch_size,
-                   request.seed)
+                   request.seed, request.tau, request.min_version)
 
 
 class Producer:
     def __init__(self, engine: Engine, env: EnvClient, fmt: Format, buffer: BufferClient,
                  *, sampling: SamplingOptions, limits: Limits, max_concurrent: int,
-                 samples_path: Path | None = None, sample_every: int = 10,
+                 target_occupancy: int | None = None, samples_path: Path | None = None,
+                 sample_every: int = 10,
                  teachers: dict[tuple[str, str], Scorer] | None = None,
-                 opd_stages: frozenset[str] = frozenset()) -> None:
-        self.engine, self.env, self.fmt, self.buffer = engine, env, fmt, buffer
+                 opd_stages: frozenset[str] = frozenset(), stream: str = "") -> None:
+        self.occupancy = Occupancy()
+        self.engine, self.env = EngineTimer(engine), EnvTimer(env, self.occupancy)
+        self.fmt, self.buffer = fmt, buffer
+        self.target_occupancy = target_occupancy
         self.teachers = teachers or {}
         """(stage, task set) -> the teacher that scores trajectories of the `opd_stages`
         (on-policy distillation): its per-token log-probs go on each trajectory, for the
         trainer's advantage."""
         self.opd_stages = opd_stages
+        self.stream = stream
+        """Which replica's task stream this is ("" for the first): replicas of one job draw
+        different tasks from the same seed."""
         self.sampling, self.limits = sampling, limits
         self.max_concurrent = max_concurrent
         self.mode = Mode()
@@ -88,6 +106,8 @@ class Producer:
         """Trajectories whose Put the buffer acknowledged."""
         self.tokens = 0
         self.in_flight = 0
+        self.stopped_stale = 0
+        """Episodes stopped early because their group could no longer be trained."""
         self.recent_rewards: collections.deque[float] = collections.deque(maxlen=256)
         self._token_times: collections.deque[tuple[float, int]] = collections.deque(maxlen=512)
         self._main: asyncio.Task | None = None
@@ -99,6 +119,12 @@ class Producer:
     # ---------------------------------------------------------------- control
     def start(self) -> None:
         self._main = asyncio.ensure_future(self._run())
+        self._flusher = asyncio.ensure_future(self._flush_idle())
+
+    async def _flush_idle(self) -> None:
+        while True:  # the idle counter advances while the engine is idle, not only after
+            self.engine.flush_idle()
+            await asyncio.sleep(1.0)
 
     def set_mode(self, mode: Mode) -> None:
         if mode.stage != self.mode.stage and mode.mode != IDLE:
@@ -110,6 +136,7 @@ class Producer:
         self.set_mode(Mode())
         if self._main:
             self._main.cancel()
+            self._flusher.cancel()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
@@ -133,7 +160,12 @@ class Producer:
                 continue
             if rng_mode is not mode:
                 # One task stream per stage, reproducible from the job's seed.
-                rng_mode, rng = mode, random.Random(f"{mode.seed}/{mode.stage}")
+                rng_mode, rng = mode, random.Random(
+                    f"{mode.seed}/{mode.stage}" + (f"/{self.stream}" if self.stream else ""))
+            if self.engine.policy_version < mode.min_version:
+                # Just joined (or restarted): no episode on weights older than the trainer's.
+                await asyncio.sleep(0.05)
+                continue
             if mode.synchronous and mode.mode == EXPLORE:
                 await self._one_synchronous_batch(mode, rng)
                 continue
@@ -142,11 +174,14 @@ class Producer:
             # max_concurrent episodes run at once.
             for _ in range(group):
                 await self._slots.acquire()
+            if self.target_occupancy and mode.mode == EXPLORE:
+                await self.occupancy.below(self.target_occupancy)
             if self.mode is not mode:
                 for _ in range(group):
                     self._slots.release()
                 continue
             name, size = rng.choice(mode.task_sets)
+            self.occupancy.admit(group)
             task = asyncio.ensure_future(self._group(mode, name, rng.randrange(size), group))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -162,7 +197,10 @@ class Producer:
             for _ in range(-(-missing // mode.group_size)):
                 for _ in range(mode.group_size):
                     await self._slots.acquire()
+                if self.target_occupancy:
+                    await self.occupancy.below(self.target_occupancy)
                 name, size = rng.choice(mode.task_sets)
+                self.occupancy.admit(mode.group_size)
                 jobs.append(asyncio.ensure_future(
                     self._group(mode, name, rng.randrange(size), mode.group_size)))
             await asyncio.gather(*jobs, return_exceptions=True)
@@ -172,6 +210,14 @@ class Producer:
 
     async def _group(self, mode: Mode, task_set: str, index: int, group: int) -> None:
         self.in_flight += group
+        playing = [group]  # members that have not finished: they occupy the engine
+
+        async def member(**kwargs):
+            try:
+                return await run_episode(self.engine, self.env, self.fmt, **kwargs)
+            finally:
+                playing[0] -= 1
+                self.occupancy.finish(1)
         try:
             gid = uuid.uuid4().hex
             if mode.mode == DEMONSTRATE:
@@ -182,12 +228,18 @@ class Producer:
                 trajs = [demonstration_trajectory(demo, self.fmt, version=self.engine.policy_version,
                                                   group_id=gid)]
             else:
+                stale = self._staleness_check(mode)
                 results = await asyncio.gather(*[
-                    run_episode(self.engine, self.env, self.fmt, task_set=task_set, index=index,
-                                sampling=self.sampling, limits=self.limits, group_id=gid)
+                    member(task_set=task_set, index=index, sampling=self.sampling,
+                           limits=self.limits, group_id=gid, stale=stale)
                     for _ in range(group)], return_exceptions=True)
                 trajs = [t for r in results if isinstance(r, list) for t in r]
                 errors = [r for r in results if not isinstance(r, list)]
+                if any(isinstance(r, EpisodeStale) for r in errors):
+                    # Stopped (and the members that finished first) for freshness, not failed.
+                    metrics.EPISODES.labels("stale").inc(group)
+                    self.stopped_stale += group
+                    return
                 for err in errors:
                     metrics.EPISODES.labels("error").inc()
                     log.warning("episode of %s[%d] failed: %r", task_set, index, err)
@@ -215,8 +267,22 @@ class Producer:
             log.exception("group of %s[%d] failed", task_set, index)
         finally:
             self.in_flight -= group
+            self.occupancy.finish(playing[0])
             for _ in range(group):
                 self._slots.release()
+
+    def _staleness_check(self, mode: Mode):
+        """The group's `stale` test for run_episode: a group is as old as its oldest member
+        (the buffer judges it so), so the members share one oldest version and all stop once
+        it is more than tau behind the version the engine now samples."""
+        if mode.tau is None or mode.synchronous:
+            return None  # a synchronous batch is trained at the version it was sampled at
+        oldest: list[int] = []
+
+        def stale(version: int) -> bool:
+            oldest[:] = [min(oldest + [version])]
+            return self.engine.policy_version - oldest[0] > mode.tau
+        return stale
 
     async def _add_teacher_logprobs(self, trajs: list[Trajectory], teacher: Scorer | None) -> None:
         """Each trajectory's tokens scored by its task set's teacher; kept on the trained tokens."""

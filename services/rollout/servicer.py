@@ -26,7 +26,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             episodes=p.episodes, tokens_generated=p.tokens,
             tokens_per_second=p.tokens_per_second(),
             mean_reward=sum(rewards) / len(rewards) if rewards else 0.0, in_flight=p.in_flight,
-            engine_fingerprint=p.engine.fingerprint, shipped=p.shipped)
+            engine_fingerprint=p.engine.fingerprint, shipped=p.shipped,
+            stopped_stale=p.stopped_stale, generating=p.engine.generating)
 
     async def SetMode(self, request, context):
         req = wire.mode_from_proto(request)

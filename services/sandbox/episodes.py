@@ -36,6 +36,7 @@ from .config import BubblewrapConfig, DockerConfig, config_from_spec
 from .environments.tasks import builtin_environment
 from .factory import make_sandbox, reap_orphans
 from .interface import Sandbox
+from .latency import LatencyDraws, sleep_command
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ class TaskSet:
     environment: Environment
     tasks: list[Task]
     reward_fn: Callable[..., Any] | None = None
+    latency: LatencyDraws | None = None
+    """Extra time per tool call (`toolLatency`), slept in the episode's sandbox."""
 
 
 @dataclass
@@ -97,7 +100,8 @@ def load_task_set(spec: TaskSetSpec, base_dir: Path) -> TaskSet:
             raise EpisodeError(f"{where}.path: {path}: {exc}") from None
     if not tasks:
         raise EpisodeError(f"{where}: no tasks")
-    return TaskSet(spec.name, spec.env_name, env, tasks, reward_fn)
+    latency = LatencyDraws(spec.tool_latency) if spec.tool_latency else None
+    return TaskSet(spec.name, spec.env_name, env, tasks, reward_fn, latency)
 
 
 class _LazySandbox:
@@ -202,6 +206,9 @@ class EpisodeManager:
                 log.exception("tool %s of %s failed", call.name, ep.task_set.env_name)
                 result = ToolResult(f"error: the tool failed: {type(exc).__name__}: {exc}")
             turn.outputs.append(ToolOutput(call.id, call.name, result.output))
+            if ep.task_set.latency is not None:
+                seconds = ep.task_set.latency.draw()
+                await sandbox.exec(sleep_command(seconds), timeout=seconds + 30)
             if result.done:
                 return await self._finish(ep, result.answer, [])
         if ep.actions >= ep.max_actions:

@@ -92,13 +92,15 @@ def run_stage(
     while result.steps < settings.max_steps and not should_stop():
         t0 = time.perf_counter()
         batch = source.next_batch(settings.batch_size)
-        common_metrics.TRAINER_IDLE_SECONDS.inc(time.perf_counter() - t0)
+        waited = time.perf_counter() - t0
+        common_metrics.TRAINER_IDLE_SECONDS.inc(waited)
         if not batch.trajectories:
             break
         if settings.kind == "rl":
             m = engine.step(batch.trajectories, batch.staleness)
         else:
             m = engine.sft_step(batch.trajectories)
+        m["wait_s"] = waited  # what rollout autoscaling reads (kiln.autoscale)
         result.steps += 1
         result.metrics.append(m)
         if on_step is not None:

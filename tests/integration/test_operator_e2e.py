@@ -283,6 +283,38 @@ def test_scaling_rollout_is_live_and_spec_change_restarts_only_affected(cluster:
     assert c.workload("beta", "rollout")["spec"]["replicas"] == 3
 
 
+def test_an_autoscaling_decision_resizes_rollout_and_the_scale_status_follows(cluster: Cluster) -> None:
+    """What the driver does with a decision on a cluster (`SpecReplicas.scale`): the RLJob's
+    spec.rollout.replicas changes, the update handler resizes the Deployment without
+    restarting a pod, and status carries what the scale subresource reads back."""
+    import kubernetes
+
+    from kiln.operator.driving import SpecReplicas
+    from kiln.operator.kube import Kube
+
+    c = cluster
+    c.create(manifest("kappa", rollout={"replicas": 1, "autoscale": {"minReplicas": 1,
+                                                                     "maxReplicas": 4}}))
+    wait_for("children", lambda: len(c.children("kappa")) == 13)
+    wait_for("scale status", lambda: c.status("kappa").get("rolloutReplicas") == 1)
+    assert c.status("kappa")["rolloutSelector"] == (
+        "app.kubernetes.io/name=kiln,app.kubernetes.io/instance=kappa,"
+        "app.kubernetes.io/component=rollout")
+    before = _hashes(c, "kappa")
+    kube = Kube(kubernetes.config.new_client_from_config(os.environ["KUBECONFIG"]))
+    ref = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "RLJob",
+           "metadata": {"name": "kappa", "namespace": NS}}
+    scaler = SpecReplicas(kube, ref, lambda: c.job("kappa")["spec"]["rollout"]["replicas"],
+                          serving=lambda: 1)
+    assert scaler.settled()
+    scaler.scale(3)
+    wait_for("3 rollout replicas", lambda: c.workload("kappa", "rollout")["spec"]["replicas"] == 3)
+    assert scaler.replicas() == 3
+    assert not scaler.settled()  # until three pods serve
+    wait_for("scale status 3", lambda: c.status("kappa").get("rolloutReplicas") == 3)
+    assert _hashes(c, "kappa") == before
+
+
 def test_immutable_field_change_is_refused_until_reverted(cluster: Cluster) -> None:
     c = cluster
     c.create(manifest("gamma"))

@@ -111,3 +111,20 @@ def test_every_crd_field_has_a_description():
     spec = schema["properties"]["spec"]["properties"]
     assert "tau" in spec["stages"]["items"]["properties"]["rl"]["properties"]
     assert spec["tasks"]["items"]["properties"]["generate"]["properties"]["seed"]["description"]
+
+
+def test_scale_subresource_paths_name_fields_of_the_schema():
+    """`kubectl scale`, an HPA or KEDA write and read rollout's replica count through these."""
+    version = build_crd()["spec"]["versions"][0]
+    scale = version["subresources"]["scale"]
+    schema = version["schema"]["openAPIV3Schema"]
+
+    def field(path: str) -> dict:
+        node = schema
+        for part in path.strip(".").split("."):
+            node = node["properties"][part]
+        return node
+
+    assert field(scale["specReplicasPath"])["type"] == "integer"
+    assert field(scale["statusReplicasPath"])["type"] == "integer"
+    assert field(scale["labelSelectorPath"])["type"] == "string"

@@ -17,7 +17,7 @@ DEMONSTRATE: RolloutMode
 EXPLORE: RolloutMode
 
 class SetModeRequest(_message.Message):
-    __slots__ = ("mode", "stage", "task_sets", "group_size", "synchronous", "batch_size", "seed")
+    __slots__ = ("mode", "stage", "task_sets", "group_size", "synchronous", "batch_size", "seed", "tau", "min_version")
     MODE_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     TASK_SETS_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,8 @@ class SetModeRequest(_message.Message):
     SYNCHRONOUS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    TAU_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     mode: RolloutMode
     stage: str
     task_sets: _containers.RepeatedScalarFieldContainer[str]
@@ -32,14 +34,16 @@ class SetModeRequest(_message.Message):
     synchronous: bool
     batch_size: int
     seed: int
-    def __init__(self, mode: _Optional[_Union[RolloutMode, str]] = ..., stage: _Optional[str] = ..., task_sets: _Optional[_Iterable[str]] = ..., group_size: _Optional[int] = ..., synchronous: _Optional[bool] = ..., batch_size: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    tau: int
+    min_version: int
+    def __init__(self, mode: _Optional[_Union[RolloutMode, str]] = ..., stage: _Optional[str] = ..., task_sets: _Optional[_Iterable[str]] = ..., group_size: _Optional[int] = ..., synchronous: _Optional[bool] = ..., batch_size: _Optional[int] = ..., seed: _Optional[int] = ..., tau: _Optional[int] = ..., min_version: _Optional[int] = ...) -> None: ...
 
 class RolloutStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("mode", "stage", "policy_version", "episodes", "tokens_generated", "tokens_per_second", "mean_reward", "in_flight", "engine_fingerprint", "shipped")
+    __slots__ = ("mode", "stage", "policy_version", "episodes", "tokens_generated", "tokens_per_second", "mean_reward", "in_flight", "engine_fingerprint", "shipped", "stopped_stale", "generating")
     MODE_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +54,8 @@ class RolloutStatus(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SHIPPED_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_STALE_FIELD_NUMBER: _ClassVar[int]
+    GENERATING_FIELD_NUMBER: _ClassVar[int]
     mode: RolloutMode
     stage: str
     policy_version: int
@@ -60,7 +66,9 @@ class RolloutStatus(_message.Message):
     in_flight: int
     engine_fingerprint: str
     shipped: int
-    def __init__(self, mode: _Optional[_Union[RolloutMode, str]] = ..., stage: _Optional[str] = ..., policy_version: _Optional[int] = ..., episodes: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., mean_reward: _Optional[float] = ..., in_flight: _Optional[int] = ..., engine_fingerprint: _Optional[str] = ..., shipped: _Optional[int] = ...) -> None: ...
+    stopped_stale: int
+    generating: int
+    def __init__(self, mode: _Optional[_Union[RolloutMode, str]] = ..., stage: _Optional[str] = ..., policy_version: _Optional[int] = ..., episodes: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., mean_reward: _Optional[float] = ..., in_flight: _Optional[int] = ..., engine_fingerprint: _Optional[str] = ..., shipped: _Optional[int] = ..., stopped_stale: _Optional[int] = ..., generating: _Optional[int] = ...) -> None: ...
 
 class TokenSequence(_message.Message):
     __slots__ = ("token_ids",)

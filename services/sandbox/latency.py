@@ -1,0 +1,38 @@
+"""Environment latency on demand: a task set's `toolLatency` (kiln.api.components.ToolLatency)
+makes each tool call take extra wall-clock time, spent in the episode's own sandbox.
+
+The time is a real `sleep` run where the tool ran, not an `asyncio.sleep` in this service, so
+it occupies a sandbox slot and a process as a test run or a build would, and what the rollout
+side sees (a step that returns seconds later) is what a slow environment gives it.
+"""
+from __future__ import annotations
+
+import math
+import random
+
+from kiln.api.components import ToolLatency
+
+#: z-score of the 99th percentile of a standard normal law.
+Z99 = 2.326347874
+
+
+class LatencyDraws:
+    """Log-normal draws with the spec's median and 99th percentile: ln D ~ N(mu, sigma^2) with
+    mu = ln p50 and sigma = (ln p99 - ln p50) / z99, capped at maxSeconds."""
+
+    def __init__(self, spec: ToolLatency) -> None:
+        self.spec = spec
+        self.mu = math.log(spec.p50_seconds)
+        self.sigma = (math.log(spec.p99_seconds) - self.mu) / Z99
+        self.rng = random.Random(spec.seed)
+
+    def draw(self) -> float:
+        return min(self.spec.max_seconds, math.exp(self.rng.gauss(self.mu, self.sigma)))
+
+    def mean(self) -> float:
+        """The uncapped law's mean, exp(mu + sigma^2 / 2)."""
+        return math.exp(self.mu + self.sigma ** 2 / 2)
+
+
+def sleep_command(seconds: float) -> str:
+    return f"sleep {seconds:.3f}"

@@ -1,0 +1,68 @@
+"""Rollout autoscaling in `kiln run`: real worker processes, each with its own vLLM engine.
+
+The RL stage is asynchronous with slow tools (`toolLatency`), so the trainer waits for batches
+and autoscaling starts a second rollout worker; that worker takes work only at the trainer's
+current policy version, and once the staleness trained reaches tau - stalenessMargin the
+worker is drained and stopped again. Nothing is trained beyond tau throughout.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tests.integration.test_kiln_run import _job, _records
+
+pytestmark = pytest.mark.slow
+TAU = 3
+
+
+def test_rollout_scales_up_while_the_trainer_waits_and_down_near_tau(tmp_path):
+    job = _job(tmp_path)
+    doc = yaml.safe_load(job.read_text())
+    spec = doc["spec"]
+    spec["trainer"]["dataParallel"] = 1
+    spec["tasks"][0]["toolLatency"] = {"p50Seconds": 0.3, "p99Seconds": 1.5}
+    # Two groups in flight per worker against batches of four: one worker leaves the trainer
+    # waiting, two fill the buffer and age what it holds.
+    spec["rollout"].update(sampleEvery=1, maxConcurrentEpisodes=8, autoscale={
+        "minReplicas": 1, "maxReplicas": 2, "windowSteps": 2, "scaleUpIdle": 0.3,
+        "stalenessMargin": 1})
+    sft, rl = spec["stages"]
+    sft["maxSteps"] = 4
+    rl.update(maxSteps=60)  # the second worker takes ~40 s to start
+    rl["rl"].update(tau=TAU)
+    rl.pop("eval", None)
+    job.write_text(yaml.safe_dump(doc, sort_keys=False))
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.cli.main", "run", str(job), "--run-dir", str(run)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    try:
+        out = proc.communicate(timeout=900)[0]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(120)
+    assert proc.returncode == 0, out[-4000:]
+    scales = [r for r in _records(run) if r.get("event") == "scale"]
+    assert scales, out[-3000:]
+    assert (scales[0]["from"], scales[0]["to"]) == (1, 2) and "trainer idle" in scales[0]["reason"]
+    assert "rollout: worker rollout-1 joined" in out
+    downs = [s for s in scales if s["to"] < s["from"]]
+    assert downs and "near tau" in downs[0]["reason"], scales
+    assert "rollout: worker rollout-1 stopped" in out
+    # The second worker's episodes started at a version the trainer had published after the
+    # stage began, never on the weights the worker's engine was started with.
+    joined = [json.loads(line) for line in
+              (run / "rollout-1" / "trajectories.jsonl").read_text().splitlines()]
+    assert joined, "the second worker shipped nothing"
+    first_scale_step = scales[0]["step"]
+    for t in joined:
+        assert t["stage"] == "rl"
+        assert min(s["policy_version"] for s in t["version_spans"]) >= first_scale_step
+    summary = json.loads((run / "summary.json").read_text())
+    assert 0 <= summary["max_staleness"] <= TAU
