@@ -286,15 +286,17 @@ def trainer_replicas(job: JobRef, spec: RLJobSpec, config_hash: str, active: boo
 
 def rollout(job: JobRef, spec: RLJobSpec, config_hash: str, active: bool) -> dict[str, Any]:
     volumes, mounts, env = _model_volume(spec)
-    # Each replica its own task stream (the producer salts the job's seed with it).
-    env = [*env, {"name": "KILN_ROLLOUT_REPLICA", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+    # Each replica its own task stream (the producer salts the job's seed with it); a pod scaled
+    # away first lets its episodes finish (within the grace period below).
+    env = [*env, {"name": "KILN_ROLLOUT_REPLICA", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+           {"name": "KILN_ROLLOUT_DRAIN_SECONDS", "value": "50"}]
     container = service_container(job, spec, "rollout", spec.rollout.resources, env, mounts)
     if spec.rollout.openai_port:
         container["ports"].append({"name": "openai", "containerPort": spec.rollout.openai_port,
                                    "protocol": "TCP"})
     volumes = [_job_volume(job), {"name": "run", **_scratch(spec.rollout.resources)}, *volumes]
     template = pod_template(job, spec, "rollout", config_hash, [container], volumes,
-                            model_init_container(spec, spec.rollout.resources))
+                            model_init_container(spec, spec.rollout.resources), grace_seconds=60)
     return _deployment(job, spec, "rollout", spec.rollout.replicas if active else 0, template)
 
 

@@ -201,6 +201,9 @@ async def build(job: RLJob | None, args: argparse.Namespace):
     async def on_stop() -> None:
         if openai is not None:
             await openai.stop()
+        # A pod scaled away (the operator sets this within its grace period): episodes in
+        # flight finish and ship before the weights stop coming.
+        await producer.drain(float(os.environ.get("KILN_ROLLOUT_DRAIN_SECONDS", "0")))
         subscription.cancel()
         await producer.stop()
         await engine.close()

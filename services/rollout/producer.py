@@ -132,6 +132,14 @@ class Producer:
         self.mode = mode
         self._changed.set()
 
+    async def drain(self, seconds: float) -> None:
+        """Start nothing new and give the episodes in flight up to `seconds` to finish and
+        ship (a replica scaled away); those that outlive their tau stop on their own."""
+        self.set_mode(Mode())
+        deadline = time.monotonic() + seconds
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+
     async def stop(self) -> None:
         self.set_mode(Mode())
         if self._main:

@@ -259,3 +259,23 @@ def test_a_replica_starts_no_episode_before_it_serves_the_ordered_version():
 
     asyncio.run(asyncio.wait_for(main(), 30))
     assert all(t.oldest_version >= 3 for _, t in buffer.shipped)
+
+
+def test_a_drained_replica_ships_its_episodes_in_flight_and_starts_no_more():
+    engine, env = SlowEngine(0.01), SlowEnv(0.1, turns=3)
+    p, buffer = producer(engine, env, max_concurrent=8)
+
+    async def main():
+        p.start()
+        p.set_mode(explore(group=2))
+        while p.in_flight < 8:
+            await asyncio.sleep(0.01)
+        opened = len(env.actions)
+        await p.drain(10)
+        assert p.in_flight == 0 and len(env.actions) == opened  # none new after the drain began
+        await p.stop()
+        return opened
+
+    opened = asyncio.run(asyncio.wait_for(main(), 30))
+    assert len(buffer.shipped) == opened  # the 8 in flight when it began were shipped too
+    assert all(n == 3 for n in env.actions.values())  # every episode ran to its end
