@@ -8,14 +8,11 @@ worker is drained and stopped again. Nothing is trained beyond tau throughout.
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
 
 import pytest
 import yaml
 
-from tests.integration.test_kiln_run import _job, _records
+from tests.integration.test_kiln_run import _job, _records, kiln_run
 
 pytestmark = pytest.mark.slow
 TAU = 3
@@ -39,15 +36,7 @@ def test_rollout_scales_up_while_the_trainer_waits_and_down_near_tau(tmp_path):
     rl.pop("eval", None)
     job.write_text(yaml.safe_dump(doc, sort_keys=False))
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "kiln.cli.main", "run", str(job), "--run-dir", str(run)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
-    try:
-        out = proc.communicate(timeout=900)[0]
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(120)
-    assert proc.returncode == 0, out[-4000:]
+    out = kiln_run(job, run)
     scales = [r for r in _records(run) if r.get("event") == "scale"]
     assert scales, out[-3000:]
     assert (scales[0]["from"], scales[0]["to"]) == (1, 2) and "trainer idle" in scales[0]["reason"]

@@ -57,6 +57,22 @@ def _job(tmp: Path) -> Path:
     return path
 
 
+def kiln_run(job: Path, run: Path, timeout: float = 900) -> str:
+    """`kiln run JOB --run-dir RUN` to its end; its output. Fails the test on a non-zero exit."""
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.cli.main", "run", str(job), "--run-dir", str(run)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=job.parent)
+    try:
+        out = proc.communicate(timeout=timeout)[0]
+    finally:
+        if proc.poll() is None:
+            # Ctrl-C: the launcher stops every service it started before it exits.
+            proc.send_signal(signal.SIGINT)
+            proc.wait(120)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
 def _records(run: Path) -> list[dict]:
     path = run / "metrics.jsonl"
     if not path.exists():
@@ -186,16 +202,7 @@ def test_kiln_run_distils_from_two_served_teachers(tmp_path):
     rl.pop("eval", None)
     job.write_text(yaml.safe_dump(doc, sort_keys=False))
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "kiln.cli.main", "run", str(job), "--run-dir", str(run)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
-    try:
-        out = proc.communicate(timeout=900)[0]
-    finally:
-        if proc.poll() is None:
-            # Ctrl-C: the launcher stops every service it started before it exits.
-            proc.send_signal(signal.SIGINT)
-            proc.wait(120)
-    assert proc.returncode == 0, out[-4000:]
+    out = kiln_run(job, run)
     assert "starting services: buffer, sandbox, weight_sync, trainer, teacher, teacher_1, rollout" in out
     samples = [json.loads(line) for line in (run / "rollout" / "trajectories.jsonl").read_text().splitlines()]
     distilled = [t for t in samples if t["stage"] == "distil"]
