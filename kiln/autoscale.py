@@ -6,8 +6,8 @@ rollout makes the trainer step sooner, so an episode spans more policy versions 
 trained: staleness rises towards tau, and past tau freshness control throws the work away. The
 rule therefore looks at both over the last `windowSteps` steps and gives freshness the last word:
 
-1. a trained trajectory was `tau - stalenessMargin` or more versions old, or `maxBufferBatches`
-   batches wait in the buffer (rollout outruns the trainer): one replica fewer;
+1. a trained trajectory was `max(1, tau - stalenessMargin)` or more versions old, or
+   `maxBufferBatches` batches wait in the buffer (rollout outruns the trainer): one fewer;
 2. else the trainer waited at least `scaleUpIdle` of the window's time: one more;
 3. else keep the count.
 
@@ -73,7 +73,8 @@ class Autoscaler:
         waited = sum(x.waited_seconds for x in w)
         busy = sum(x.step_seconds for x in w)
         idle = waited / (waited + busy) if waited + busy > 0 else 0.0
-        if self.tau is not None and worst >= self.tau - s.staleness_margin:
+        # At least 1: a margin as large as tau must not make every fresh step a reason to shrink.
+        if self.tau is not None and worst >= max(1, self.tau - s.staleness_margin):
             if replicas > s.min_replicas:
                 return Decision(replicas - 1, f"staleness {worst} near tau {self.tau}")
             return None

@@ -67,7 +67,8 @@ class AutoscaleSpec(Model):
     scale_up_idle: float = Field(0.3, gt=0, lt=1)
     """Add a replica when the trainer waited this fraction of the window's time for batches."""
     staleness_margin: int = Field(1, ge=0)
-    """Remove one when a trained trajectory was tau - stalenessMargin or more versions old."""
+    """Remove one when a trained trajectory was tau - stalenessMargin (at least 1) or more
+    versions old."""
     max_buffer_batches: float = Field(2.0, gt=0)
     """Remove one when this many batches wait in the buffer (rollout outruns the trainer)."""
     window_steps: int = Field(3, ge=1)

@@ -163,3 +163,10 @@ def test_a_synchronous_stage_is_never_autoscaled(tmp_path: Path):
            RunState.load(FileStore(tmp_path / "state.json")), poll_seconds=0.0,
            say=lambda s: None, scaler=workers).run()
     assert workers.history == [1]
+
+
+def test_a_margin_as_large_as_tau_still_lets_fresh_steps_scale_up():
+    a = Autoscaler(SPEC.model_copy(update={"staleness_margin": 2}), tau=1, batch_size=64)
+    assert steps(a, 1, (3.0, 1.0, 0, 0), (3.0, 1.0, 0, 0))[-1].replicas == 2
+    b = Autoscaler(SPEC.model_copy(update={"staleness_margin": 2}), tau=1, batch_size=64)
+    assert steps(b, 2, (3.0, 1.0, 0, 0), (3.0, 1.0, 1, 0))[-1].replicas == 1
