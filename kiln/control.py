@@ -59,7 +59,8 @@ class RolloutStatus:
     """Generate calls the inference engine has in progress (its occupancy)."""
 
 
-def combined_status(replicas: list[RolloutStatus], draining: list[RolloutStatus] = ()) -> RolloutStatus:
+def combined_status(replicas: list[RolloutStatus],
+                    draining: list[RolloutStatus] = ()) -> RolloutStatus:
     """Several rollout replicas as one, for the stage driver: the mode and stage they all have
     (none, if they differ, so that the driver orders them again), the oldest policy version
     among them (the driver waits for all to have a version), counts summed, the reward averaged

@@ -41,8 +41,9 @@ full instead of waiting on each batch's longest episodes), and a JSON summary as
 T)`; the plot of the two runs is WORK_DIR/async_rl.png.
 
 Not measured: learning (no evaluation runs; the RL jobs train on throughput alone), several
-rollout replicas, a GPU, episodes longer than the chain task's 9 calls. The two RL jobs run one after the other, so a change in machine load
-between them shows up in the ratio; the load averages printed beside it say how much.
+rollout replicas, a GPU, episodes longer than the chain task's 9 calls. The two RL jobs run
+one after the other, so a change in machine load between them shows up in the ratio; the load
+averages printed beside it say how much.
 """
 from __future__ import annotations
 
@@ -446,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     (work / "results.json").write_text(json.dumps(summary, indent=2))
     plot(sync, asyn, work / "async_rl.png")
     out.write(json.dumps(summary) + "\n")
-    out.write(f"async/sync: {ratio:.2f}x (max staleness {max(asyn['max_staleness'], 0)}, tau {args.tau})\n")
+    out.write(f"async/sync: {ratio:.2f}x (max staleness {max(asyn['max_staleness'], 0)}, "
+              f"tau {args.tau})\n")
     return 0
 
 
