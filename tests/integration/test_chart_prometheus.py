@@ -231,6 +231,8 @@ EXPORTER = textwrap.dedent("""
         m.SERVED.inc(8)
         m.ROLLOUT_TOKENS.inc(500)
         m.EPISODES.labels("finished").inc()
+        m.EPISODES.labels("stale").inc()
+        m.ROLLOUT_ENGINE_IDLE.inc(0.05)
         m.EPISODE_REWARD.observe(1.0)
         m.SANDBOX_START_SECONDS.labels("bubblewrap").observe(0.01)
         m.SANDBOX_FAILURES.labels("bubblewrap", "timeout").inc()
