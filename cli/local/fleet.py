@@ -155,6 +155,7 @@ class RolloutFleet:
             if svc.proc.poll() is None and time.monotonic() > deadline:
                 svc.proc.kill()
             if svc.proc.poll() is not None:
+                processes.kill_leftovers(svc)
                 del self._stopping[name]
                 self.say(f"  rollout: worker {name} stopped")
 

@@ -164,6 +164,7 @@ def _check_alive(svc: ServiceProcess) -> None:
 def restart(svc: ServiceProcess, job_file: Path, run_dir: Path, addresses: dict[str, str],
             extra_env: dict[str, str] | None = None) -> ServiceProcess:
     """Start a dead service again on its old port and wait until it is healthy."""
+    kill_leftovers(svc)
     new = start(svc.name, job_file, run_dir, {k: v for k, v in addresses.items() if k != svc.name},
                 extra_env, port=svc.port, args=svc.args)
     wait_ready(new)
@@ -206,4 +207,14 @@ def stop(svc: ServiceProcess, timeout: float = 60.0) -> int | None:
         except subprocess.TimeoutExpired:
             svc.proc.kill()
             svc.proc.wait()
+    kill_leftovers(svc)
     return svc.proc.returncode
+
+
+def kill_leftovers(svc: ServiceProcess) -> None:
+    """Kill what a dead service left in its session (each service has its own): a rollout
+    killed with SIGKILL leaves vLLM's engine-core process behind, holding its memory."""
+    try:
+        os.killpg(svc.proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # nothing left
