@@ -29,10 +29,6 @@ class LatencyDraws:
     def draw(self) -> float:
         return min(self.spec.max_seconds, math.exp(self.rng.gauss(self.mu, self.sigma)))
 
-    def mean(self) -> float:
-        """The uncapped law's mean, exp(mu + sigma^2 / 2)."""
-        return math.exp(self.mu + self.sigma ** 2 / 2)
-
 
 def sleep_command(seconds: float) -> str:
     return f"sleep {seconds:.3f}"
