@@ -24,6 +24,7 @@ between replicas, which only a full-size run would show.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import random
 import statistics
@@ -33,6 +34,7 @@ from pathlib import Path
 from kiln.cli.simulation import (EngineModel, JobModel, Result, Workload, nominal_episode_seconds,
                                  zipf_calls)
 from kiln.cli.simulator import simulate
+from kiln.services.sandbox.latency import log_normal
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -95,11 +97,10 @@ def _stage(job, name: str | None):
 def workload(job, stage, args) -> Workload:
     task_set = next(t for t in job.spec.tasks if t.name == stage.tasks[0])
     if args.calls_p50 is not None:
-        p50, p99 = args.calls_p50, args.calls_p99 or args.calls_p50
-        sigma = (math.log(p99) - math.log(p50)) / 2.326347874
+        law = log_normal(args.calls_p50, args.calls_p99 or args.calls_p50)
 
         def calls(rng: random.Random) -> int:
-            return max(1, min(args.calls_max, round(math.exp(rng.gauss(math.log(p50), sigma)))))
+            return max(1, min(args.calls_max, round(math.exp(rng.gauss(*law)))))
     elif task_set.generate is not None:
         gen = task_set.generate
         calls = (zipf_calls(gen.num_steps, gen.length_tail) if gen.length_tail is not None
@@ -163,12 +164,13 @@ ROWS = [("trajectories trained / min", "trajectories_per_minute", "{:.1f}"),
 # ----------------------------------------------------------------------------- the search
 
 
-def search(w: Workload, e: EngineModel, stage, args, out) -> dict | None:
+def search(w: Workload, e: EngineModel, job, stage, args, out) -> dict | None:
     if not args.train_seconds_per_trajectory:
         raise SystemExit("--accelerators needs --train-seconds-per-trajectory")
+    base = job_model(job, stage, args, asynchronous=True)
     taus = [int(t) for t in args.taus.split(",")]
     occupancies = ([int(o) for o in args.occupancies.split(",")] if args.occupancies
-                   else [args.target_occupancy])
+                   else [base.target_occupancy])
     g, n = args.replica_accelerators, args.accelerators
     best = None
     out.write(f"{'rollout':>8} {'train':>6} {'tau':>4} {'occupancy':>9} {'traj/min':>10} {'max stale':>10} "
@@ -183,10 +185,8 @@ def search(w: Workload, e: EngineModel, stage, args, out) -> dict | None:
         step = stage.batch_size * args.train_seconds_per_trajectory / train
         sim = min(replicas, args.sim_replicas)
         groups = max(1, round(stage.batch_size * sim / replicas / stage.rl.group_size))
-        j = JobModel(batch=groups * stage.rl.group_size, group=stage.rl.group_size, tau=tau,
-                     asynchronous=True, train_step=step, sync_pause=args.sync_pause,
-                     replicas=sim, max_concurrent=args.max_concurrent, target_occupancy=occupancy,
-                     sync_interval=stage.rl.sync_interval, steps=args.steps or stage.max_steps)
+        j = dataclasses.replace(base, batch=groups * stage.rl.group_size, tau=tau,
+                                train_step=step, replicas=sim, target_occupancy=occupancy)
         r = averaged(w, e, j, args.seeds, scale=replicas / sim)
         out.write(f"{replicas * g:>8} {train:>6} {tau:>4} {occupancy or 0:>9} "
                   f"{r['steady_per_minute']:>10.0f} {r['max_staleness']:>10d} "
@@ -213,9 +213,7 @@ def run(args: argparse.Namespace) -> int:
               f"per engine, no waiting, no stop): p50 {p50:.1f} s, p99 {p99:.1f} s "
               f"({p99 / p50:.0f}x)\n")
     if args.accelerators:
-        args.max_concurrent = job.spec.rollout.max_concurrent_episodes
-        args.target_occupancy = job.spec.rollout.target_engine_occupancy
-        best = search(w, e, stage, args, out)
+        best = search(w, e, job, stage, args, out)
         if best is None:
             out.write(f"no configuration kept staleness within {args.max_staleness}\n")
             return 1

@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
-Z99 = 2.326347874
+from kiln.services.sandbox.latency import log_normal
 
 
 @dataclass
@@ -28,11 +28,14 @@ class Workload:
     tool_p99: float = 0.0
     tool_max: float = math.inf
 
+    def __post_init__(self) -> None:
+        self._tool_law = log_normal(self.tool_p50, self.tool_p99) if self.tool_p50 > 0 else None
+
     def tool_latency(self, rng: random.Random) -> float:
-        if self.tool_p50 <= 0:
+        """The sandbox's `toolLatency` law (0 without one)."""
+        if self._tool_law is None:
             return 0.0
-        sigma = (math.log(self.tool_p99) - math.log(self.tool_p50)) / Z99
-        return min(self.tool_max, math.exp(rng.gauss(math.log(self.tool_p50), sigma)))
+        return min(self.tool_max, math.exp(rng.gauss(*self._tool_law)))
 
 
 @dataclass

@@ -146,8 +146,9 @@ class Simulation:
         self.events: list = []
         self.now = 0.0
         self.replicas = [_Replica(self, i) for i in range(job.replicas)]
-        self.buffer: deque[tuple[_Group, int]] = deque()
+        self.buffer: deque[_Group] = deque()
         self.buffered = 0
+        """Trajectories in `buffer` (its groups' members)."""
         self.version = 0
         self.step = 0
         self.trainer_busy_until: float | None = None
@@ -253,39 +254,42 @@ class Simulation:
         g.replica.admitted -= g.members
         if not g.stopped:
             self.result.episodes += g.members
-            self.buffer.append((g, g.members))
-            self.buffered += g.members
-            self._train(now)
+            if self._stale(g):
+                self.result.dropped_stale += g.members  # the buffer refuses it on arrival
+            else:
+                self.buffer.append(g)
+                self.buffered += g.members
+                self._train(now)
         elif not self.job.asynchronous:
             self.batch_left += g.members
         self.admit(now, None if not self.job.asynchronous else g.replica)
 
     # ------------------------------------------------------------------ buffer and trainer
-    def _fresh(self) -> int:
-        """Trajectories waiting, after dropping every group more than tau behind (the buffer
-        does so whenever the trainer's version advances)."""
-        tau = self.job.tau
-        if tau is not None:
-            kept = deque()
-            for g, n in self.buffer:
-                if self.version - g.oldest > tau:
-                    self.buffered -= n
-                    self.result.dropped_stale += n
-                else:
-                    kept.append((g, n))
-            self.buffer = kept
-        return self.buffered
+    def _stale(self, g: _Group) -> bool:
+        return self.job.tau is not None and self.version - g.oldest > self.job.tau
+
+    def _drop_stale(self) -> None:
+        """What the buffer does when the trainer's version advances: every waiting group
+        more than tau behind goes (a group's age changes only then)."""
+        kept: deque[_Group] = deque()
+        for g in self.buffer:
+            if self._stale(g):
+                self.buffered -= g.members
+                self.result.dropped_stale += g.members
+            else:
+                kept.append(g)
+        self.buffer = kept
 
     def _train(self, now: float) -> None:
-        if self.trainer_busy_until is not None or self._fresh() < self.job.batch:
+        if self.trainer_busy_until is not None or self.buffered < self.job.batch:
             return
         self.trainer_idle += now - self.trainer_waiting_since
         taken = 0
         while taken < self.job.batch:
-            g, n = self.buffer.popleft()
-            self.buffered -= n
-            taken += n
-            self.result.staleness[self.version - g.oldest] += n
+            g = self.buffer.popleft()
+            self.buffered -= g.members
+            taken += g.members
+            self.result.staleness[self.version - g.oldest] += g.members
         self.result.trained += taken
         self.trainer_busy_until = now + self.job.train_step
         self.at(self.trainer_busy_until, self._stepped)
@@ -297,6 +301,7 @@ class Simulation:
         self.trainer_waiting_since = now
         if self.step % self.job.sync_interval == 0:
             self.version += 1
+            self._drop_stale()
             if not self.job.asynchronous:
                 self.batch_left = self.job.batch
             for r in self.replicas:

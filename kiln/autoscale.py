@@ -63,8 +63,13 @@ class Autoscaler:
             return None
         decision = self.decide(replicas)
         if decision is not None:
-            self.window.clear()  # the next decision sees only steps taken with the new count
+            self.hold()  # the next decision sees only steps taken with the new count
         return decision
+
+    def hold(self) -> None:
+        """Replicas are starting or leaving: forget the window, the next decision waits for a
+        whole window of steps taken at a settled count."""
+        self.window.clear()
 
     def decide(self, replicas: int) -> Decision | None:
         s, w = self.spec, list(self.window)

@@ -275,7 +275,7 @@ class Driver:
                               max(staleness, default=-1), int(getattr(b, "depth", 0)))
         if not self.scaler.settled():
             # A replica is starting or draining: steps now show neither count's effect.
-            autoscaler.window.clear()
+            autoscaler.hold()
             return
         replicas = self.scaler.replicas()
         decision = autoscaler.observe(signals, replicas)

@@ -175,8 +175,9 @@ class GrpcRolloutReplicas:
         return combined_status(self._each(order))
 
     def serving(self) -> int:
-        """Rollout pods the Service lists now (ready ones)."""
-        return len(self._resolve(self._address()))
+        """Rollout pods the Service listed (ready ones) at the last order or status read, which
+        the driver makes every poll."""
+        return len(self._pods)
 
     def evaluate(self, task_set: str, *, samples: int, greedy: bool) -> Evaluation:
         pods = self._replicas()

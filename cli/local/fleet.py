@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -38,12 +37,6 @@ def worker_name(index: int) -> str:
     return "rollout" if index == 0 else f"{WORKER_PREFIX}{index}"
 
 
-@dataclass
-class _Draining:
-    name: str
-    deadline: float
-
-
 class RolloutFleet:
     def __init__(self, services: dict[str, processes.ServiceProcess],
                  start: Callable[[str], processes.ServiceProcess],
@@ -56,7 +49,8 @@ class RolloutFleet:
         self.drain_seconds, self.say = drain_seconds, say
         self.active: list[str] = [n for n in services if n == "rollout" or n.startswith(WORKER_PREFIX)]
         self.joining: list[str] = []
-        self.draining: list[_Draining] = []
+        self.draining: dict[str, float] = {}
+        """Workers ordered IDLE, stopped once their episodes are done or at this deadline."""
         self._stopping: dict[str, tuple[processes.ServiceProcess, float]] = {}
         """Retired processes sent SIGTERM, killed if still there at their deadline."""
         self._clients: dict[str, object] = {}
@@ -85,9 +79,9 @@ class RolloutFleet:
         for name in self.active:
             self._last[name] = self._of(name).status()
         drained = []
-        for d in self.draining:
+        for name in self.draining:
             try:
-                drained.append(self._of(d.name).status())
+                drained.append(self._of(name).status())
             except grpc.RpcError:
                 pass  # gone already; the next tick retires it
         return combined_status([self._last[n] for n in self.active], drained)
@@ -97,7 +91,8 @@ class RolloutFleet:
         return len(self.active) + len(self.joining)
 
     def settled(self) -> bool:
-        self._tick()
+        # As of the last status read (the driver's every poll, which also admits the workers
+        # that became healthy and retires the drained).
         return not self.joining and not self.draining
 
     def scale(self, replicas: int) -> None:
@@ -114,13 +109,12 @@ class RolloutFleet:
             name = self.active.pop()
             self._of(name).set_mode(ModeRequest(RolloutMode.IDLE))
             self._last.pop(name, None)
-            self.draining.append(_Draining(name, time.monotonic() + self.drain_seconds))
+            self.draining[name] = time.monotonic() + self.drain_seconds
             self.say(f"  rollout: draining worker {name}")
 
     # ------------------------------------------------------------------ joining and leaving
     def _free_name(self) -> str:
-        taken = (set(self.active) | set(self.joining) | {d.name for d in self.draining}
-                 | set(self._stopping))
+        taken = {*self.active, *self.joining, *self.draining, *self._stopping}
         return next(worker_name(i) for i in range(1, 10_000) if worker_name(i) not in taken)
 
     def _tick(self) -> None:
@@ -130,14 +124,14 @@ class RolloutFleet:
                 self.joining.remove(name)
                 self.active.append(name)
                 self.say(f"  rollout: worker {name} joined")
-        for d in list(self.draining):
+        for name, deadline in list(self.draining.items()):
             try:
-                idle = self._of(d.name).status().in_flight == 0
+                idle = self._of(name).status().in_flight == 0
             except grpc.RpcError:
                 idle = True  # gone already
-            if idle or time.monotonic() > d.deadline:
-                self.draining.remove(d)
-                self._retire(d.name)
+            if idle or time.monotonic() > deadline:
+                del self.draining[name]
+                self._retire(name)
 
     def _retire(self, name: str) -> None:
         """SIGTERM now (the service drains and exits); reaped by a later tick, never waited

@@ -16,14 +16,20 @@ from kiln.api.components import ToolLatency
 Z99 = 2.326347874
 
 
+def log_normal(p50: float, p99: float) -> tuple[float, float]:
+    """(mu, sigma) of the log-normal law with this median and 99th percentile: ln X ~
+    N(mu, sigma^2), mu = ln p50, sigma = (ln p99 - ln p50) / z99. `kiln simulate` draws its
+    tools and episode lengths from the same law."""
+    mu = math.log(p50)
+    return mu, (math.log(p99) - mu) / Z99
+
+
 class LatencyDraws:
-    """Log-normal draws with the spec's median and 99th percentile: ln D ~ N(mu, sigma^2) with
-    mu = ln p50 and sigma = (ln p99 - ln p50) / z99, capped at maxSeconds."""
+    """Draws from the spec's log-normal law (`log_normal`), capped at maxSeconds."""
 
     def __init__(self, spec: ToolLatency) -> None:
         self.spec = spec
-        self.mu = math.log(spec.p50_seconds)
-        self.sigma = (math.log(spec.p99_seconds) - self.mu) / Z99
+        self.mu, self.sigma = log_normal(spec.p50_seconds, spec.p99_seconds)
         self.rng = random.Random(spec.seed)
 
     def draw(self) -> float:
