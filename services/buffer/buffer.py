@@ -220,7 +220,7 @@ class TrajectoryBuffer:
                 "groups": [g.key for g in lease.groups], "max_staleness": max(stal),
             })
             index.leases.end(batch_id)
-            index.served += len(entries)
+            index.consumed(entries)
             index.max_staleness = max(index.max_staleness, max(stal))
             metrics.SERVED.inc(len(entries))
             for v in stal:

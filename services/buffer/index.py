@@ -52,6 +52,10 @@ class BufferIndex:
         self.max_staleness = -1
         self.config_set = False
         """True once a Configure call (durable) has overridden the start-up config."""
+        self._unconsumed_bytes = 0
+        """Bytes of the stored members of every group not consumed, kept as entries are filed,
+        dropped and consumed: a scan on every Put cost the buffer most of its CPU once it
+        held thousands of trajectories (a full buffer during SFT)."""
 
     # ----------------------------------------------------------------------------- recovery
 
@@ -105,6 +109,7 @@ class BufferIndex:
             self.seq += 1
             group = self.pending[entry.group_key] = G.Group(entry.group_key, size, self.seq)
         group.members.append(entry)
+        self._unconsumed_bytes += len(entry.payload)
         if group.complete:
             for member, adv in zip(group.members,
                                    G.group_advantages([m.reward for m in group.members])):
@@ -132,6 +137,7 @@ class BufferIndex:
             group = self.pending.get(key) or self.ready.get(key) or self.leases.peek_group(key)
             if group is not None:
                 pairs.extend((e.id, key) for e in group.members)
+                self._unconsumed_bytes -= sum(len(e.payload) for e in group.members)
         stale_n = 0
         for reason in sorted(set(doomed.values())):
             members = [tid for tid, key in pairs if doomed[key] == reason]
@@ -168,7 +174,12 @@ class BufferIndex:
     @property
     def unconsumed_bytes(self) -> int:
         """Bytes of every stored trajectory not consumed (waiting, ready and leased)."""
-        return sum(len(e.payload) for g in self.unserved_groups() for e in g.members)
+        return self._unconsumed_bytes
+
+    def consumed(self, entries: list[G.Entry]) -> None:
+        """`entries` (an acked lease's) are consumed: they no longer hold capacity."""
+        self.served += len(entries)
+        self._unconsumed_bytes -= sum(len(e.payload) for e in entries)
 
     def update_gauges(self) -> None:
         metrics.BUFFER_DEPTH.set(self.depth)

@@ -109,6 +109,40 @@ def test_byte_capacity_bounds_what_is_held_in_memory(tmp_path: Path) -> None:
     buf.close()
 
 
+def test_unconsumed_bytes_is_kept_as_entries_come_and_go(tmp_path: Path) -> None:
+    """The byte count is kept as entries are filed, dropped and consumed, not rescanned per Put:
+    after every kind of change it equals a scan of the groups not consumed, and a restart
+    rebuilds the same figure."""
+    def scanned(b: TrajectoryBuffer) -> int:
+        return sum(len(e.payload) for g in b.index.unserved_groups() for e in g.members)
+
+    buf = _open(tmp_path, group_size=2, tau=1)
+    steps = [
+        lambda: buf.put(synthetic_group("a", 2)),
+        lambda: buf.put(synthetic_group("b", 2)),
+        lambda: buf.put(synthetic_group("half", 2)[:1]),          # an incomplete group
+        lambda: buf.put(synthetic_group("old", 2, version=0)),
+        lambda: buf.ack_batch(buf.try_get_batch(2, 0).batch_id),  # consumed
+        lambda: buf.try_get_batch(2, 0),                          # leased: still held
+        lambda: buf.set_policy_version(2),                        # version 0 is now stale
+        lambda: buf.put(synthetic_group("c", 2, version=2)),
+        lambda: buf.put(synthetic_group("d", 2, version=2)),
+        lambda: buf.configure(drop_unserved=True),                # everything discarded
+        lambda: buf.put(synthetic_group("e", 2, version=2)),
+    ]
+    seen = set()
+    for step in steps:
+        step()
+        seen.add(buf.status().unconsumed_bytes)
+        assert buf.status().unconsumed_bytes == scanned(buf)
+    assert len(seen) > 3  # the figure moved both ways
+    held = buf.status().unconsumed_bytes
+    buf.close()
+    buf = _open(tmp_path, group_size=2, tau=1)
+    assert buf.status().unconsumed_bytes == held == scanned(buf) > 0
+    buf.close()
+
+
 def test_get_batch_waits_for_a_put_in_another_thread(tmp_path: Path) -> None:
     buf = _open(tmp_path, group_size=2)
     threading.Timer(0.2, lambda: buf.put(synthetic_group("late", 2))).start()
