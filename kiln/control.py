@@ -57,6 +57,10 @@ class RolloutStatus:
     """Episodes stopped early because their group was already beyond the stage's tau."""
     generating: int = 0
     """Generate calls the inference engine has in progress (its occupancy)."""
+    teacher_seconds: float = 0.0
+    """On-policy distillation: seconds spent waiting for the teachers' scores, in all."""
+    teacher_tokens: int = 0
+    """On-policy distillation: tokens the teachers scored, in all."""
 
 
 def combined_status(replicas: list[RolloutStatus],
@@ -81,7 +85,9 @@ def combined_status(replicas: list[RolloutStatus],
         engine_fingerprint=first.engine_fingerprint,
         shipped=sum(r.shipped for r in replicas),
         stopped_stale=sum(r.stopped_stale for r in replicas),
-        generating=sum(r.generating for r in replicas))
+        generating=sum(r.generating for r in replicas),
+        teacher_seconds=sum(r.teacher_seconds for r in replicas),
+        teacher_tokens=sum(r.teacher_tokens for r in replicas))
 
 
 @dataclass

@@ -26,14 +26,16 @@ def rollout_status_to_proto(s: RolloutStatus) -> rpb.RolloutStatus:
         tokens_generated=s.tokens_generated, tokens_per_second=s.tokens_per_second,
         mean_reward=s.mean_reward, in_flight=s.in_flight,
         engine_fingerprint=s.engine_fingerprint, shipped=s.shipped,
-        stopped_stale=s.stopped_stale, generating=s.generating)
+        stopped_stale=s.stopped_stale, generating=s.generating,
+        teacher_seconds=s.teacher_seconds, teacher_tokens=s.teacher_tokens)
 
 
 def rollout_status_from_proto(msg: rpb.RolloutStatus) -> RolloutStatus:
     return RolloutStatus(
         RolloutMode(msg.mode), msg.stage, msg.policy_version, msg.episodes,
         msg.tokens_generated, msg.tokens_per_second, msg.mean_reward, msg.in_flight,
-        msg.engine_fingerprint, msg.shipped, msg.stopped_stale, msg.generating)
+        msg.engine_fingerprint, msg.shipped, msg.stopped_stale, msg.generating,
+        msg.teacher_seconds, msg.teacher_tokens)
 
 
 def evaluation_to_proto(e: Evaluation) -> rpb.EvaluateResponse:

@@ -57,8 +57,37 @@ def write_summary(job: RLJob, run_dir: Path, state, *, wall_seconds: float) -> d
                 summary.setdefault("heldout_success_after_rl", after["greedy_success"])
                 summary.setdefault("heldout_sampled_success_before_rl", before["sampled_success"])
                 summary.setdefault("heldout_sampled_success_after_rl", after["sampled_success"])
+    scoring = teacher_scoring(job, recs)
+    if scoring:
+        summary["teacher_scoring"] = scoring
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def teacher_scoring(job: RLJob, progress: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """What serving teachers cost each distillation stage: the seconds rollout's groups waited
+    for their scores (summed over groups, which wait concurrently) and the tokens scored, beside
+    the stage's wall time and the tokens rollout generated in it."""
+    out: dict[str, dict[str, float]] = {}
+    for stage in job.spec.stages:
+        if not isinstance(stage, RLStage) or stage.rl.advantage != "opd":
+            continue
+        recs = [r for r in progress if r["stage"] == stage.name]
+        if len(recs) < 2:
+            continue
+        first, last = recs[0]["rollout"], recs[-1]["rollout"]
+
+        def grew(key: str) -> float:
+            # A restarted rollout starts its counters again: then its latest figures alone.
+            now, before = last.get(key) or 0, first.get(key) or 0
+            return now - before if now >= before else now
+        out[stage.name] = {
+            "wait_seconds": round(grew("teacher_seconds"), 2),
+            "tokens_scored": int(grew("teacher_tokens")),
+            "tokens_generated": int(grew("tokens_generated")),
+            "stage_wall_seconds": round(recs[-1]["time"] - recs[0]["time"], 1),
+        }
+    return out
 
 
 def stage_evaluations(job: RLJob, evaluations: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -94,10 +123,13 @@ def staleness_histogram(steps: list[tuple[int, dict[str, Any]]]) -> dict[int, fl
     return dict(sorted(hist.items()))
 
 
-def write_report(run_dir: Path, rl_stages: set[str] | None = None) -> list[Path]:
+def write_report(run_dir: Path, rl_stages: set[str] | None = None,
+                 evaluations: dict[str, dict[str, float]] | None = None) -> list[Path]:
     """PNG plots: reward and pass rate per step, mask fractions, mismatch (per step), and a
     staleness histogram. With `rl_stages` the per-step plots show those stages' steps only (an
-    SFT stage's "reward" is its demonstrations', and it has no masks or mismatch)."""
+    SFT stage's "reward" is its demonstrations', and it has no masks or mismatch). With
+    `evaluations` ({stage: {task set: success}}, the summary's) also `evaluations.png`: each held-out
+    set's greedy success after each stage, the table of a chain of stages at a glance."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -164,4 +196,29 @@ def write_report(run_dir: Path, rl_stages: set[str] | None = None) -> list[Path]
     fig.savefig(out_dir / "staleness.png", dpi=80)
     plt.close(fig)
     written.append(out_dir / "staleness.png")
+    if evaluations:
+        written.append(_plot_evaluations(plt, out_dir / "evaluations.png", evaluations))
     return written
+
+
+def _plot_evaluations(plt, path: Path, evaluations: dict[str, dict[str, float]]) -> Path:
+    """Grouped bars: one group per stage (in stage order), one bar per held-out task set."""
+    stages = list(evaluations)
+    task_sets = list(dict.fromkeys(t for per in evaluations.values() for t in per))
+    width = 0.8 / len(task_sets)
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for i, task_set in enumerate(task_sets):
+        xs = [k + (i - (len(task_sets) - 1) / 2) * width for k, s in enumerate(stages)
+              if task_set in evaluations[s]]
+        ys = [evaluations[s][task_set] for s in stages if task_set in evaluations[s]]
+        bars = ax.bar(xs, ys, width=width * 0.95, label=task_set)
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    ax.set_xticks(range(len(stages)), stages)
+    ax.set_ylim(0, 1.1)
+    ax.set_ylabel("greedy success")
+    ax.set_title("Held-out success after each stage")
+    ax.legend(loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path

@@ -107,6 +107,9 @@ class Producer:
         self.tokens = 0
         self.in_flight = 0
         self.stopped_stale = 0
+        self.teacher_seconds = 0.0
+        self.teacher_tokens = 0
+        """Time waited for, and tokens of, teachers' scores: the cost of distillation."""
         """Episodes stopped early because their group could no longer be trained."""
         self.recent_rewards: collections.deque[float] = collections.deque(maxlen=256)
         self._token_times: collections.deque[tuple[float, int]] = collections.deque(maxlen=512)
@@ -301,8 +304,11 @@ class Producer:
         rows = await teacher([t.tokens for t in trajs])
         for t, row in zip(trajs, rows):
             t.teacher_logp = [lp if m else 0.0 for lp, m in zip(row, t.loss_mask)]
-        metrics.TEACHER_SCORE_SECONDS.observe(time.perf_counter() - t0)
-        metrics.TEACHER_SCORED_TOKENS.inc(sum(len(t.tokens) for t in trajs))
+        seconds, tokens = time.perf_counter() - t0, sum(len(t.tokens) for t in trajs)
+        self.teacher_seconds += seconds
+        self.teacher_tokens += tokens
+        metrics.TEACHER_SCORE_SECONDS.observe(seconds)
+        metrics.TEACHER_SCORED_TOKENS.inc(tokens)
 
     async def _demonstration(self, task_set: str, index: int) -> Demonstration:
         """The task's fixed demonstration, asked of the environment (which runs its tool calls

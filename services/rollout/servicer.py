@@ -27,7 +27,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             tokens_per_second=p.tokens_per_second(),
             mean_reward=sum(rewards) / len(rewards) if rewards else 0.0, in_flight=p.in_flight,
             engine_fingerprint=p.engine.fingerprint, shipped=p.shipped,
-            stopped_stale=p.stopped_stale, generating=p.engine.generating)
+            stopped_stale=p.stopped_stale, generating=p.engine.generating,
+            teacher_seconds=p.teacher_seconds, teacher_tokens=p.teacher_tokens)
 
     async def SetMode(self, request, context):
         req = wire.mode_from_proto(request)

@@ -33,7 +33,9 @@ def test_trajectory_message_round_trips():
 def test_control_records_match_the_wire():
     """kiln.control's torch-free records and kiln.v1's messages agree: enum values and a round
     trip through the converters every service and the operator use."""
-    from kiln.control import ModeRequest, RolloutMode, TrainerStatus
+    from dataclasses import fields
+
+    from kiln.control import ModeRequest, RolloutMode, RolloutStatus, TrainerStatus
     from kiln.protos import control
     from kiln.protos.kiln.v1 import rollout_pb2 as rpb
 
@@ -43,3 +45,9 @@ def test_control_records_match_the_wire():
     status = TrainerStatus(step=4, policy_version=4, stage="rl", last_metrics={"loss": 0.5},
                            stage_step=2, stage_max_steps=10, message="ok")
     assert control.trainer_status_from_proto(control.trainer_status_to_proto(status)) == status
+    # Every field set to a value of its own, so a converter that drops or swaps one fails.
+    rollout = RolloutStatus(**{f.name: (RolloutMode.EXPLORE if f.name == "mode" else
+                                        f"s{i}" if f.type == "str" else
+                                        i + 0.5 if f.type == "float" else i)
+                               for i, f in enumerate(fields(RolloutStatus), 1)})
+    assert control.rollout_status_from_proto(control.rollout_status_to_proto(rollout)) == rollout

@@ -65,3 +65,30 @@ def test_summary_nests_evaluations_by_stage_and_averages_routing_flips(tmp_path:
     assert summary["evaluation_details"] == state.evaluations
     assert summary["routing_flip_frac_mean"] == 0.03 and summary["routing_flip_frac_max"] == 0.04
     assert json.loads((tmp_path / "summary.json").read_text())["wall_seconds"] == 12.3
+    written = write_report(tmp_path, rl_stages={"skill-b"}, evaluations=summary["evaluations"])
+    plot = tmp_path / "report" / "evaluations.png"
+    assert plot in written and plot.stat().st_size > 1000
+
+
+def test_teacher_scoring_cost_per_distillation_stage() -> None:
+    from kiln.api.spec import RLJob
+    from kiln.cli.local.report import teacher_scoring
+
+    job = RLJob.model_validate({
+        "apiVersion": "kiln.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "chain"},
+        "spec": {"model": {"path": "m"},
+                 "tasks": [{"name": "a", "env": "chain", "generate": {"count": 4}}],
+                 "stages": [{"name": "rl", "type": "rl", "tasks": ["a"]},
+                            {"name": "opd", "type": "rl", "tasks": ["a"],
+                             "rl": {"advantage": "opd", "teacher": "rl"}}]}})
+
+    def rec(stage: str, t: float, seconds: float, scored: int, generated: int) -> dict:
+        return {"event": "progress", "stage": stage, "time": t, "trainer": {},
+                "rollout": {"teacher_seconds": seconds, "teacher_tokens": scored,
+                            "tokens_generated": generated}}
+
+    recs = [rec("rl", 0, 0, 0, 100), rec("rl", 5, 0, 0, 500),
+            rec("opd", 10, 0, 0, 600), rec("opd", 30, 4.5, 9000, 2600), rec("opd", 40, 6.25, 12000, 3600)]
+    assert teacher_scoring(job, recs) == {"opd": {"wait_seconds": 6.25, "tokens_scored": 12000,
+                                                   "tokens_generated": 3000,
+                                                   "stage_wall_seconds": 30.0}}
