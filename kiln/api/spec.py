@@ -18,6 +18,7 @@ from kiln.api.components import (BufferSpec, CheckpointSpec, Model, Quantity, Re
                                  RolloutSpec, SamplingSpec, SandboxSpec, StorageSpec, TeacherSpec,
                                  ToolLatency, TrackingSpec, TrainerSpec, WandbSpec, WeightSyncSpec)
 from kiln.api.distillation import teacher_problems
+from kiln.api.rl import RLSettings
 from kiln.api.status import Condition, Phase, RLJobStatus
 
 __all__ = [
@@ -238,64 +239,6 @@ class SFTStage(_StageBase):
     """`sft`."""
     epochs: int = Field(1, ge=1)
     """Unused: an SFT stage runs maxSteps steps over its finite demonstration pool."""
-
-
-class RLSettings(_Model):
-    """The RL algorithm's knobs."""
-
-    group_size: int = Field(8, ge=2)
-    """G: samples per task; advantages are relative to the group mean."""
-    loss_mode: Literal["masked", "ppo"] = "masked"
-    """`masked` (asynchronous agentic RL): ratio to the inference policy, tokens outside the
-    window dropped, no separate IcePop. `ppo` (reasoning RL): ratio to the trainer's weights at
-    the start of the step under PPO's clip, plus IcePop on the train/inference ratio as its own
-    mask and weight; give it `minibatches` > 1 so the two ratios differ."""
-    eps_low: float = Field(0.2, ge=0, lt=1)
-    """masked: tokens with ratio below 1 - epsLow are masked out; ppo: the clip's lower bound."""
-    eps_high: float = Field(0.28, ge=0)
-    """masked: tokens with ratio above 1 + epsHigh are masked out; ppo: the clip's upper bound."""
-    dual_clip: float | None = Field(None, gt=1)
-    """ppo: bound the loss of negative-advantage tokens at dualClip * A (dual-clip PPO)."""
-    icepop_beta: float | None = Field(2.0, gt=1)
-    """ppo: IcePop keeps a token only if pi_train_old / pi_infer is in [1/beta, beta] and
-    weighs it by that ratio; null disables. Not used by the masked mode."""
-    minibatches: int = Field(1, ge=1)
-    """Optimizer updates per step, each on a share of the batch (the trainer's log-probs at the
-    start of the step are what ppo's ratio and IcePop compare against)."""
-    tau: int = Field(4, ge=0)
-    """Freshness: drop a trajectory whose oldest policy version is more than tau behind."""
-    sync_interval: int = Field(1, ge=1)
-    """Publish weights to rollout every this many optimizer steps."""
-    reset_optimizer_on_sync: bool = True
-    """Reset AdamW's first and second moments after each weight publish."""
-    loss_aggregation: Literal["token-mean", "sequence-mean"] = "token-mean"
-    """`token-mean`: average over the batch's trained tokens; `sequence-mean`: average each
-    trajectory over its tokens, then over trajectories."""
-    advantage: Literal["group", "opd"] = "group"
-    """`group`: reward minus group mean; `opd`: per-token teacher minus student log-prob."""
-    teacher: str | None = None
-    """The teacher (required when advantage is opd): the name of an earlier stage, whose final
-    weights it is, or a Hugging Face checkpoint directory."""
-    teachers: list[TeacherSpec] = Field(default_factory=list)
-    """opd: a teacher per group of the stage's task sets, instead of `teacher` for all of them;
-    each task set has exactly one."""
-    task_reward_weight: float = Field(0.0, ge=0.0)
-    """opd: weight of the group-relative task advantage added to every token's distillation
-    advantage (teacher minus student log-prob); 0 distils only."""
-    asynchronous: bool = Field(True, alias="async")
-    """Rollout keeps generating while the trainer steps; false pauses rollout during training."""
-
-    @model_validator(mode="after")
-    def _opd(self) -> RLSettings:
-        if self.advantage == "opd" and bool(self.teacher) == bool(self.teachers):
-            raise ValueError("advantage 'opd' needs a teacher: set teacher or teachers (not both)")
-        if self.teachers and self.advantage != "opd":
-            raise ValueError("teachers applies to advantage 'opd' only")
-        if self.task_reward_weight and self.advantage != "opd":
-            raise ValueError("taskRewardWeight applies to advantage 'opd' only")
-        if self.dual_clip is not None and self.loss_mode != "ppo":
-            raise ValueError("dualClip applies to lossMode ppo only")
-        return self
 
 
 class RLStage(_StageBase):

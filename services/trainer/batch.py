@@ -7,6 +7,8 @@ loss mask 0 and is never trained on.
 """
 from __future__ import annotations
 
+import dataclasses
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -126,3 +128,15 @@ def collate_tokens(sequences: list[list[int]]) -> tuple[torch.Tensor, list[int]]
     for i, x in enumerate(sequences):
         tokens[i, : len(x)] = torch.tensor(x, dtype=torch.long)
     return tokens, [len(x) for x in sequences]
+
+
+def std_normalized(batch: list[Trajectory], eps: float = 1e-6) -> list[Trajectory]:
+    """`batch` with each advantage (reward minus its group's mean, from the buffer) divided by
+    the standard deviation of its group's rewards (GRPO's normalisation). A batch holds whole
+    groups (the buffer serves no partial one), so each group's rewards are all here."""
+    rewards: dict[str, list[float]] = {}
+    for t in batch:
+        rewards.setdefault(t.group_id, []).append(t.reward)
+    std = {g: statistics.pstdev(rs) for g, rs in rewards.items()}
+    return [dataclasses.replace(t, advantage=t.advantage / (std[t.group_id] + eps)) for t in batch]
+

@@ -95,7 +95,10 @@ def config_from_job(job: RLJob, *, run_dir: Path, stage: str | None = None, mode
             eps_high=rl.eps_high,
             dual_clip=rl.dual_clip,
             icepop_beta=rl.icepop_beta,
-            aggregation="token_mean" if rl.loss_aggregation == "token-mean" else "seq_mean",
+            aggregation={"token-mean": "token_mean", "sequence-mean": "seq_mean",
+                         "sequence-sum": "seq_sum"}[rl.loss_aggregation],
+            seq_sum_tokens=job.spec.rollout.sampling.max_total_tokens,
+            advantage_norm=rl.advantage_norm,
             task_reward_weight=rl.task_reward_weight,
         )
         reset = rl.reset_optimizer_on_sync

@@ -41,7 +41,7 @@ from kiln.models.megatron_model import forward_logits
 from kiln.routing import RoutedExperts
 from kiln.services.trainer import checkpoint as ckpt
 from kiln.services.trainer import metrics
-from kiln.services.trainer.batch import TensorBatch, collate, collate_tokens
+from kiln.services.trainer.batch import TensorBatch, collate, collate_tokens, std_normalized
 from kiln.services.trainer.config import TrainerConfig
 from kiln.services.trainer.loss import LossStats, policy_loss, sft_loss, token_advantages
 from kiln.services.trainer.replay import batch_logprobs, score as score_routed
@@ -132,6 +132,8 @@ class TrainerEngine:
         """One RL step on `batch` (policy loss). Returns the step's metrics. `staleness` (from
         the buffer, per trajectory) is counted into the metrics as `staleness_<k>`."""
         cfg = self.config.loss
+        if cfg.advantage_norm == "mean-std":
+            batch = std_normalized(batch)
 
         def loss_fn(logp, mb, train_old, normalizer):
             # On-policy distillation: per-token advantage from the teacher, else the sequence's.
@@ -176,6 +178,8 @@ class TrainerEngine:
             mask = tb.loss_mask[part]
             if aggregation == "token_mean":
                 normalizer = float(mask.sum().clamp(min=1))
+            elif aggregation == "seq_sum":
+                normalizer = float(len(part) * self.config.loss.seq_sum_tokens)
             else:
                 normalizer = float((mask.sum(dim=1) > 0).sum().clamp(min=1))
             self.optimizer.zero_grad(set_to_none=True)

@@ -29,7 +29,9 @@ left out), so the KL estimate stays finite and NaN-free whatever the engines dis
 
 Aggregation: "token_mean" divides the summed token losses by the number of loss-masked tokens
 (masked-out tokens still count, so dropping a token does not up-weight the others);
-"seq_mean" averages each sequence over its loss-masked tokens, then averages sequences. Pass
+"seq_mean" averages each sequence over its loss-masked tokens, then averages sequences;
+"seq_sum" (Dr. GRPO) sums every token loss and divides by sequences x `seq_sum_tokens`, a
+constant (the longest a sequence may be), so no sequence's tokens weigh less for its length. Pass
 `normalizer` to divide by a count over the whole batch instead, when a batch is split into
 micro-batches whose gradients are accumulated.
 
@@ -44,7 +46,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, Field, model_validator
 
-Aggregation = Literal["token_mean", "seq_mean"]
+Aggregation = Literal["token_mean", "seq_mean", "seq_sum"]
 LossMode = Literal["masked", "ppo"]
 
 #: Log-ratios beyond this are clamped in the mismatch metrics: exp(20) is 5e8, far past any
@@ -67,6 +69,10 @@ class PolicyLossConfig(BaseModel):
     """ppo: keep a token only if `pi_train_old / pi_infer` is in `[1/beta, beta]`, weighted by
     that ratio; None disables. masked mode has no separate IcePop and ignores it."""
     aggregation: Aggregation = "token_mean"
+    seq_sum_tokens: int = Field(1024, ge=1)
+    """seq_sum: the constant each sequence's summed loss is divided by."""
+    advantage_norm: Literal["mean", "mean-std"] = "mean"
+    """mean-std: divide each sequence's (group-relative) advantage by its group's reward std."""
     task_reward_weight: float = Field(0.0, ge=0.0)
     """On-policy distillation: weight of the sequence's task advantage added to each token's
     teacher advantage."""
@@ -201,7 +207,8 @@ def _check_shapes(name_to_tensor: dict[str, torch.Tensor], shape: torch.Size) ->
 
 
 def _aggregate(
-    per_token: torch.Tensor, mask: torch.Tensor, aggregation: Aggregation, normalizer: float | None
+    per_token: torch.Tensor, mask: torch.Tensor, aggregation: Aggregation, normalizer: float | None,
+    seq_sum_tokens: int = 1024,
 ) -> torch.Tensor:
     if aggregation == "token_mean":
         denom = normalizer if normalizer is not None else mask.sum().clamp(min=1.0)
@@ -211,7 +218,10 @@ def _aggregate(
         seq_loss = per_token.sum(dim=1) / seq_tokens.clamp(min=1.0)
         denom = normalizer if normalizer is not None else (seq_tokens > 0).sum().clamp(min=1)
         return seq_loss.sum() / denom
-    raise ValueError(f"aggregation={aggregation!r} is not 'token_mean' or 'seq_mean'")
+    if aggregation == "seq_sum":
+        denom = normalizer if normalizer is not None else seq_sum_tokens * mask.shape[0]
+        return per_token.sum() / denom
+    raise ValueError(f"aggregation={aggregation!r} is not 'token_mean', 'seq_mean' or 'seq_sum'")
 
 
 def policy_loss(
@@ -265,7 +275,7 @@ def policy_loss(
     stats.both_masked = float((ratio_drop & ice_drop).sum())
     stats.kept = float(keep.sum())
     stats.ratio_sum = float((ratio.detach() * keep).sum())
-    loss = _aggregate(per_token, mask, config.aggregation, normalizer)
+    loss = _aggregate(per_token, mask, config.aggregation, normalizer, config.seq_sum_tokens)
     return loss, stats
 
 

@@ -192,6 +192,35 @@ def test_policy_loss_seq_mean_by_hand() -> None:
     loss_tok, _ = policy_loss(logp, logp_infer, mask, adv, token_cfg)
     assert loss_tok.item() == pytest.approx((-3 + 3) / 4)
 
+    # Dr. GRPO: every token loss summed, over sequences x the constant length 10: (-3 + 3) / 20;
+    # sequence 1's one token weighs as much as each of sequence 0's three.
+    sum_cfg = cfg.model_copy(update={"aggregation": "seq_sum", "seq_sum_tokens": 10})
+    adv = torch.tensor([1.0, -1.0], dtype=F64)
+    loss_sum, _ = policy_loss(logp, logp_infer, mask, adv, sum_cfg)
+    assert loss_sum.item() == pytest.approx((-3 + 1) / 20)
+
+
+def test_group_std_normalization_by_hand() -> None:
+    """mean-std divides the buffer's reward-minus-mean advantage by the group's reward std
+    (population std, as GRPO): group a (rewards 1, 0, 0, 0: std sqrt(3)/4) and group b
+    (all 1: advantage 0 stays 0)."""
+    from kiln.services.buffer.synthetic import synthetic_trajectory
+    from kiln.services.trainer.batch import std_normalized
+
+    rewards = {"a": [1.0, 0.0, 0.0, 0.0], "b": [1.0, 1.0]}
+    batch = []
+    for g, rs in rewards.items():
+        mean = sum(rs) / len(rs)
+        for i, r in enumerate(rs):
+            t = synthetic_trajectory(f"{g}/{i}", g, reward=r)
+            t.advantage = r - mean
+            batch.append(t)
+    out = std_normalized(batch)
+    std = math.sqrt(3) / 4
+    assert [t.advantage for t in out] == pytest.approx([0.75 / std, -0.25 / std, -0.25 / std,
+                                                        -0.25 / std, 0.0, 0.0], rel=1e-5)
+    assert [t.advantage for t in batch][:2] == [0.75, -0.25]  # the batch itself is unchanged
+
 
 def test_normalizer_splits_a_batch_into_micro_batches() -> None:
     torch.manual_seed(0)

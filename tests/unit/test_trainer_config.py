@@ -50,6 +50,11 @@ def test_distillation_and_routing_settings_reach_the_trainer(tmp_path: Path) -> 
     cfg = config_from_job(RLJob.model_validate(data), run_dir=tmp_path, stage="rl")
     assert cfg.loss.task_reward_weight == 0.25 and cfg.routing_replay == "record"
     assert config_from_job(job, run_dir=tmp_path, stage="rl").routing_replay == "replay"
+    data["spec"]["stages"][1]["rl"].update(advantage="group", teacher=None, taskRewardWeight=0.0,
+                                           advantageNorm="mean-std", lossAggregation="sequence-sum")
+    data["spec"]["rollout"] = {"sampling": {"maxTotalTokens": 300}}
+    cfg = config_from_job(RLJob.model_validate(data), run_dir=tmp_path, stage="rl")
+    assert (cfg.loss.advantage_norm, cfg.loss.aggregation, cfg.loss.seq_sum_tokens) == ("mean-std", "seq_sum", 300)
 
 
 def test_default_stage_is_the_first(tmp_path: Path) -> None:
