@@ -227,7 +227,7 @@ def main(args: argparse.Namespace) -> int:
     if final is not None:
         out.write(f"final weights (Hugging Face checkpoint): {final}\n")
     summary = write_summary(job, run_dir, state, wall_seconds=time.time() - started)
-    write_report(run_dir, rl_stages={s.name for s in job.spec.stages if s.type == "rl"},
+    write_report(run_dir, rl_stages={s.name for s in job.spec.stages if s.type != "sft"},
                  evaluations=summary["evaluations"])
     out.write(json.dumps(summary, indent=2) + "\n")
     return 0

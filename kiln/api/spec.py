@@ -250,7 +250,27 @@ class RLStage(_StageBase):
     """Group size, masks, freshness, weight sync and advantage settings."""
 
 
-Stage = Annotated[SFTStage | RLStage, Field(discriminator="type")]
+class OPDStage(RLStage):
+    """On-policy distillation: an RL stage whose advantage is the teachers' (`rl.advantage`
+    is `opd`, and need not be written); `rl.teacher` or `rl.teachers` names them."""
+
+    type: Literal["opd"]  # type: ignore[assignment]
+    """`opd`."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _distils(cls, data):  # type: ignore[no-untyped-def]
+        rl = data.get("rl") if isinstance(data, dict) else None
+        if isinstance(rl, dict):
+            if rl.setdefault("advantage", "opd") != "opd":
+                raise ValueError(f"rl.advantage: an opd stage distils (advantage 'opd'), "
+                                 f"found {rl['advantage']!r}")
+        elif isinstance(data, dict) and rl is None:
+            raise ValueError("rl: an opd stage needs rl.teacher or rl.teachers")
+        return data
+
+
+Stage = Annotated[SFTStage | RLStage | OPDStage, Field(discriminator="type")]
 
 
 # ------------------------------------------------------------------------------------------- job

@@ -107,10 +107,10 @@ class Producer:
         self.tokens = 0
         self.in_flight = 0
         self.stopped_stale = 0
+        """Episodes stopped early because their group could no longer be trained."""
         self.teacher_seconds = 0.0
         self.teacher_tokens = 0
         """Time waited for, and tokens of, teachers' scores: the cost of distillation."""
-        """Episodes stopped early because their group could no longer be trained."""
         self.recent_rewards: collections.deque[float] = collections.deque(maxlen=256)
         self._token_times: collections.deque[tuple[float, int]] = collections.deque(maxlen=512)
         self._main: asyncio.Task | None = None

@@ -67,6 +67,21 @@ def test_examples_validate(path):
     assert jobs
 
 
+def test_forgetting_example_has_the_stages_and_evaluations_it_reports():
+    """The OPD forgetting example's names are what its summary is read by: stages skill-a,
+    skill-b and opd, both held-out sets evaluated after each, each skill taught by the stage
+    that learned it."""
+    (job,), problems = validate_file(REPO / "deploy" / "examples" / "opd-forgetting.yaml")
+    assert problems == []
+    stages = job.spec.stages
+    assert [s.name for s in stages] == ["skill-a", "skill-b", "opd"]
+    for s in stages:
+        assert s.eval.tasks == ["skill-a-heldout", "skill-b-heldout"] and not s.eval.before
+    assert stages[2].type == "opd" and stages[2].rl.advantage == "opd"  # implied by the type
+    taught = {t.teacher: t.tasks for t in stages[2].rl.teachers}
+    assert taught == {"skill-a": stages[0].tasks, "skill-b": stages[1].tasks}
+
+
 CASES = {
     # name: (manifest text, expected field path, substring of the message)
     "yaml-syntax": (GOOD.replace("  name: demo", "  name: [demo"), "", "YAML syntax error"),
@@ -91,6 +106,11 @@ CASES = {
     "teacher-not-earlier": (_mutate(lambda d: d["spec"]["stages"][0]["rl"].update(
         advantage="opd", teacher=d["spec"]["stages"][0]["name"])),
                             "spec", "does not come before this one"),
+    "opd-stage-with-group-advantage": (_mutate(lambda d: d["spec"]["stages"][0].update(
+        type="opd", rl={"advantage": "group", "teacher": "/models/t"})),
+                                       "spec.stages[0].opd", "an opd stage distils"),
+    "opd-stage-without-teacher": (_mutate(lambda d: d["spec"]["stages"][0].update(type="opd", rl={})),
+                                  "spec.stages[0].opd.rl", "needs a teacher"),
     "dual-clip-in-masked-mode": (GOOD.replace("groupSize: 8", "groupSize: 8\n        dualClip: 3"),
                                  "spec.stages[0].rl", "dualClip applies to lossMode ppo"),
     "tau-negative": (GOOD.replace("groupSize: 8", "groupSize: 8\n        tau: -1"),
