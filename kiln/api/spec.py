@@ -18,6 +18,7 @@ from kiln.api.components import (BufferSpec, CheckpointSpec, Model, Quantity, Re
                                  RolloutSpec, SamplingSpec, SandboxSpec, StorageSpec, TeacherSpec,
                                  ToolLatency, TrackingSpec, TrainerSpec, WandbSpec, WeightSyncSpec)
 from kiln.api.distillation import teacher_problems
+from kiln.api.rewards import RewardRules
 from kiln.api.rl import RLSettings
 from kiln.api.status import Condition, Phase, RLJobStatus
 
@@ -170,6 +171,9 @@ class TaskSetSpec(_Model):
     whose parts are kept beside the environment's)."""
     tool_latency: ToolLatency | None = None
     """Time added to each tool call, run in the sandbox (benchmarks of environment latency)."""
+    reward_rules: RewardRules | None = None
+    """Rule-based components added to the reward (answer regex, answer length, well-formed
+    replies), each weighted, each score kept on the trajectory."""
 
     @model_validator(mode="after")
     def _source(self) -> TaskSetSpec:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from kiln.api.rewards import RewardRules
 from kiln.api.spec import RLJob, TaskSetSpec
 from kiln.env import Environment, Grade, PluginError, Task, ToolResult, load_plugin
 from kiln.episode import Action, Demonstration, Turn, EpisodeInfo, Message, StepResult, ToolOutput
@@ -37,6 +38,7 @@ from .environments.tasks import builtin_environment
 from .factory import make_sandbox, reap_orphans
 from .interface import Sandbox
 from .latency import LatencyDraws, sleep_command
+from .rules import apply_rules
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,8 @@ class TaskSet:
     reward_fn: Callable[..., Any] | None = None
     latency: LatencyDraws | None = None
     """Extra time per tool call (`toolLatency`), slept in the episode's sandbox."""
+    rules: RewardRules | None = None
+    """Rule-based components added to the grade (`rewardRules`)."""
 
 
 @dataclass
@@ -65,6 +69,7 @@ class _Episode:
     owner: str
     sandbox: Sandbox | None = None
     actions: int = 0
+    invalid_replies: int = 0
     done: bool = False
     turns: list[Turn] = field(default_factory=list)
     last_used: float = field(default_factory=time.monotonic)
@@ -101,7 +106,7 @@ def load_task_set(spec: TaskSetSpec, base_dir: Path) -> TaskSet:
     if not tasks:
         raise EpisodeError(f"{where}: no tasks")
     latency = LatencyDraws(spec.tool_latency) if spec.tool_latency else None
-    return TaskSet(spec.name, spec.env_name, env, tasks, reward_fn, latency)
+    return TaskSet(spec.name, spec.env_name, env, tasks, reward_fn, latency, spec.reward_rules)
 
 
 class _LazySandbox:
@@ -194,6 +199,7 @@ class EpisodeManager:
         turn = Turn(action.content, list(action.tool_calls))
         ep.turns.append(turn)
         if action.unparseable:
+            ep.invalid_replies += 1
             if getattr(env, "end_on_invalid_action", False):
                 return await self._finish(ep, None, ["invalid_action"], note=action.problem)
             turn.outputs = [ToolOutput("", "", f"error: {action.problem}")]
@@ -242,6 +248,9 @@ class EpisodeManager:
                       note: str = "") -> StepResult:
         ep.done = True
         grade = await self._grade(ep.task_set, ep.task, _LazySandbox(self, ep), answer, ep.turns)
+        if ep.task_set.rules is not None:
+            well_formed = answer is not None and not ep.invalid_replies and "max_actions" not in flags
+            grade = apply_rules(ep.task_set.rules, grade, answer, well_formed)
         output = f"{note}; {grade.output}" if note else grade.output
         return StepResult(done=True, reward=grade.reward, reward_parts=grade.parts,
                           verifier_output=output, flags=flags + grade.flags)
