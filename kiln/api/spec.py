@@ -266,10 +266,11 @@ class OPDStage(RLStage):
     def _distils(cls, data):  # type: ignore[no-untyped-def]
         rl = data.get("rl") if isinstance(data, dict) else None
         if isinstance(rl, dict):
-            if rl.setdefault("advantage", "opd") != "opd":
+            if rl.get("advantage", "opd") != "opd":
                 raise ValueError(f"rl.advantage: an opd stage distils (advantage 'opd'), "
                                  f"found {rl['advantage']!r}")
-        elif isinstance(data, dict) and rl is None:
+            return {**data, "rl": {**rl, "advantage": "opd"}}  # the caller's dict left as it is
+        if isinstance(data, dict) and rl is None:
             raise ValueError("rl: an opd stage needs rl.teacher or rl.teachers")
         return data
 
