@@ -4,8 +4,8 @@ An episode is a task, its environment and the sandbox its tool calls run in. `op
 task's messages and tools; `step` takes what a model reply asked for (tool calls, a final
 answer, or a reply that could not be read), runs the calls with the environment in the
 episode's sandbox and returns their outputs, or ends the episode with the environment's grade
-(and the task set's custom reward and reward rules, when it has them). The sandbox is created, and the task set up
-in it, the first time the episode needs it: an episode that never calls a tool (or whose grade
+(and the task set's custom reward and reward rules, when it has them). The sandbox is
+created, and the task set up in it, the first time the episode needs it: an episode that never calls a tool (or whose grade
 reads no state) costs no sandbox. `demonstrate` plays the environment's scripted solution for
 SFT, with its tool calls run for real unless the solver knows their outputs.
 

@@ -131,8 +131,8 @@ class StageRunner:
             remaining = stage.max_steps - done
             if remaining > 0:
                 source = BufferBatchSource(self.buffer, self.engine, self._stop)
-                settings = StageSettings(kind="sft" if stage.type == "sft" else "rl", name=stage.name, max_steps=remaining,
-                                         batch_size=stage.batch_size,
+                settings = StageSettings(kind="rl" if rl else "sft", name=stage.name,
+                                         max_steps=remaining, batch_size=stage.batch_size,
                                          sync_interval=stage.rl.sync_interval if rl else None)
                 publisher = _LockedPublisher(self.publisher, self.buffer, self.lock)
                 locked = _LockedEngine(self.engine, self.lock, lambda: self._set_lr(stage))
