@@ -277,7 +277,12 @@ class Node:
     # ------------------------------------------------------------------ the loop
     def sync(self) -> None:
         # One list of each kind per namespace and sync; everything below works from these.
-        listed = {ns: {kind: self.api.list(*kind, ns) for kind in (*OWNED, RLJOBS)}
+        # Workloads first: the operator creates a job's Services and ConfigMaps before its
+        # workloads, so a workload listed here has them in the lists that follow. Listed the
+        # other way round, a workload created between the two lists started without its
+        # Services, its `<service>:<port>` env left unresolved for good.
+        kinds = (*WORKLOADS, *(k for k in OWNED if k not in WORKLOADS), RLJOBS)
+        listed = {ns: {kind: self.api.list(*kind, ns) for kind in kinds}
                   for ns in self.api.namespaces()}
         desired: dict[tuple[str, str], Any] = {}
         for ns, objs in listed.items():
