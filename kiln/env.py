@@ -181,6 +181,13 @@ class Environment(abc.ABC):
     async def grade(self, sandbox: SandboxHandle | None, task: Task, answer: str | None) -> Grade:
         """Score the episode's final state (and `answer`: the submitted or final text)."""
 
+    def subtask(self, task: Task, role: str, instructions: str, assigned: str) -> Task:
+        """Agent swarms: the sub-task a subagent plays when an orchestrator working on `task`
+        assigns it `assigned` (with the `role` and `instructions` it created the subagent
+        with). ValueError, with a message for the orchestrator, when the text names no
+        sub-task this environment can make."""
+        raise NotImplementedError("this environment makes no sub-tasks for subagents")
+
     def demonstrate(self, task: Task, rng: random.Random) -> list[AssistantTurn] | None:
         """A scripted solution for SFT, or None if the environment has no solver."""
         return None

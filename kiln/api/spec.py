@@ -20,6 +20,7 @@ from kiln.api.components import (BufferSpec, CheckpointSpec, Model, Quantity, Re
 from kiln.api.distillation import teacher_problems
 from kiln.api.rewards import RewardRules
 from kiln.api.rl import RLSettings
+from kiln.api.swarm import SwarmSettings, swarm_problems
 from kiln.api.status import Condition, Phase, RLJobStatus
 
 __all__ = [
@@ -138,9 +139,9 @@ class TaskGenerator(_Model):
     every task takes numSteps calls."""
 
 
-BuiltinEnv = Literal["chain", "lookup", "terminal", "swe", "search", "code"]
+BuiltinEnv = Literal["chain", "lookup", "terminal", "swe", "search", "code", "wide", "wide-lookup"]
 #: Built-in environments whose tasks can be generated (`generate`) rather than read from a file.
-GENERATED_ENVS = ("chain", "lookup")
+GENERATED_ENVS = ("chain", "lookup", "wide", "wide-lookup")
 
 
 class PluginRef(_Model):
@@ -252,6 +253,8 @@ class RLStage(_StageBase):
     """`rl`."""
     rl: RLSettings = Field(default_factory=RLSettings)
     """Group size, masks, freshness, weight sync and advantage settings."""
+    swarm: SwarmSettings | None = None
+    """Train an orchestrator whose subagents run a frozen checkpoint (`kiln.swarm`)."""
 
 
 class OPDStage(RLStage):
@@ -334,7 +337,7 @@ class RLJobSpec(_Model):
                     f"stages[{i}] ({stage.name}): batchSize ({stage.batch_size}) must be a "
                     f"multiple of rl.groupSize ({stage.rl.group_size})"
                 )
-        problems = teacher_problems(self)
+        problems = teacher_problems(self) + swarm_problems(self)
         if problems:
             raise ValueError(problems[0])
         return self

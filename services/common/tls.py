@@ -36,7 +36,7 @@ CALLERS: dict[str, frozenset[str]] = {
     "/kiln.v1.Buffer/Put": frozenset({"rollout"}),
     "/kiln.v1.Buffer/GetStatus": frozenset({"operator", "trainer", "rollout"}),
     **{f"/kiln.v1.Environment/{m}": frozenset({"rollout"})
-       for m in ("ListTaskSets", "OpenEpisode", "Step", "CloseEpisode", "Demonstrate")},
+       for m in ("ListTaskSets", "OpenEpisode", "OpenSubtask", "Step", "CloseEpisode", "Demonstrate")},
     **{f"/kiln.v1.Sandbox/{m}": frozenset({"rollout"})
        for m in ("CreateSession", "Exec", "ReadFile", "WriteFile", "Verify", "DestroySession")},
     **{f"/kiln.v1.Rollout/{m}": frozenset({"operator"}) for m in ("SetMode", "Evaluate", "GetStatus")},

@@ -28,6 +28,11 @@ class EnvClient(Protocol):
         ...
 
     async def open(self, task_set: str, index: int, max_actions: int) -> EpisodeInfo: ...
+    async def open_subtask(self, parent_episode_id: str, role: str, instructions: str, task: str,
+                           max_actions: int) -> EpisodeInfo:
+        """A subagent's episode: the sub-task the environment makes of `task` (assigned by the
+        orchestrator of `parent_episode_id`). ValueError when it cannot make one."""
+        ...
     async def step(self, episode_id: str, action: Action) -> StepResult: ...
     async def close(self, episode_id: str) -> None: ...
     async def demonstrate(self, task_set: str, index: int, seed: int) -> Demonstration: ...
@@ -48,6 +53,18 @@ class GrpcEnvClient:
         ep = await self.stub.OpenEpisode(env_pb2.OpenEpisodeRequest(
             task_set=task_set, index=index, owner=self.owner, max_actions=max_actions),
             timeout=self.timeout)
+        return wire.episode_from_proto(ep)
+
+    async def open_subtask(self, parent_episode_id: str, role: str, instructions: str, task: str,
+                           max_actions: int) -> EpisodeInfo:
+        try:
+            ep = await self.stub.OpenSubtask(env_pb2.OpenSubtaskRequest(
+                parent_episode_id=parent_episode_id, role=role, instructions=instructions,
+                task=task, owner=self.owner, max_actions=max_actions), timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(exc.details()) from None
+            raise
         return wire.episode_from_proto(ep)
 
     async def step(self, episode_id: str, action: Action) -> StepResult:
@@ -77,6 +94,11 @@ class LocalEnvClient:
 
     async def open(self, task_set: str, index: int, max_actions: int) -> EpisodeInfo:
         return self.manager.open(task_set, index, owner=self.owner, max_actions=max_actions)
+
+    async def open_subtask(self, parent_episode_id: str, role: str, instructions: str, task: str,
+                           max_actions: int) -> EpisodeInfo:
+        return self.manager.open_subtask(parent_episode_id, role, instructions, task,
+                                         owner=self.owner, max_actions=max_actions)
 
     async def step(self, episode_id: str, action: Action) -> StepResult:
         return await self.manager.step(episode_id, action)

@@ -5,7 +5,7 @@ import grpc
 
 from kiln.protos.kiln.v1 import env_pb2, env_pb2_grpc
 from kiln.services.sandbox import wire
-from kiln.services.sandbox.episodes import EpisodeError, EpisodeManager
+from kiln.services.sandbox.episodes import EpisodeError, EpisodeManager, SubtaskRefused
 
 
 class EnvironmentServicer(env_pb2_grpc.EnvironmentServicer):
@@ -21,6 +21,17 @@ class EnvironmentServicer(env_pb2_grpc.EnvironmentServicer):
         try:
             episode = self.manager.open(request.task_set, request.index, owner=request.owner,
                                         max_actions=request.max_actions)
+        except EpisodeError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        return wire.episode_to_proto(episode)
+
+    async def OpenSubtask(self, request, context):
+        try:
+            episode = self.manager.open_subtask(
+                request.parent_episode_id, request.role, request.instructions, request.task,
+                owner=request.owner, max_actions=request.max_actions)
+        except SubtaskRefused as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EpisodeError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         return wire.episode_to_proto(episode)

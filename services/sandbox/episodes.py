@@ -18,6 +18,7 @@ Not covered: gRPC (`env_servicer.py`), tokens and log-probs (rollout).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import random
@@ -45,6 +46,11 @@ log = logging.getLogger(__name__)
 
 class EpisodeError(ValueError):
     """The request names something that does not exist or is not supported; do not retry."""
+
+
+class SubtaskRefused(EpisodeError):
+    """The environment cannot make a sub-task of what the orchestrator assigned (its mistake,
+    shown to it as an observation)."""
 
 
 @dataclass
@@ -186,6 +192,28 @@ class EpisodeManager:
         self._episodes[eid] = _Episode(eid, ts, task, max_actions or self.default_max_actions, owner)
         messages, tools = self._opening(ts, task)
         return EpisodeInfo(eid, task.id, ts.env_name, messages, tools)
+
+    def open_subtask(self, parent_episode_id: str, role: str, instructions: str, task: str, *,
+                     owner: str = "", max_actions: int = 0) -> EpisodeInfo:
+        """A subagent's episode (agent swarms): the environment's sub-task of the parent
+        episode's task for the text assigned, in its own sandbox, graded by the sub-task's own
+        verifier (the task set's custom reward and rules are the orchestrator's, not its)."""
+        parent = self._episodes.get(parent_episode_id)
+        if parent is None:
+            raise EpisodeError(f"episode {parent_episode_id!r} does not exist (closed or expired)")
+        ts = parent.task_set
+        try:
+            sub = ts.environment.subtask(parent.task, role, instructions, task)
+        except NotImplementedError as exc:
+            raise EpisodeError(f"environment {ts.env_name!r}: {exc}") from None
+        except ValueError as exc:
+            raise SubtaskRefused(str(exc)) from None
+        sub_ts = dataclasses.replace(ts, reward_fn=None, rules=None, latency=None)
+        eid = uuid.uuid4().hex
+        self._episodes[eid] = _Episode(eid, sub_ts, sub, max_actions or self.default_max_actions,
+                                       owner)
+        messages, tools = self._opening(sub_ts, sub)
+        return EpisodeInfo(eid, sub.id, ts.env_name, messages, tools)
 
     async def step(self, episode_id: str, action: Action) -> StepResult:
         ep = self._episodes.get(episode_id)

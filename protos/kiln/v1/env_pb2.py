@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kiln/v1/env.proto\x12\x07kiln.v1\"\x15\n\x13ListTaskSetsRequest\"6\n\x0bTaskSetInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03\x65nv\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\r\"?\n\x14ListTaskSetsResponse\x12\'\n\ttask_sets\x18\x01 \x03(\x0b\x32\x14.kiln.v1.TaskSetInfo\"Y\n\x12OpenEpisodeRequest\x12\x10\n\x08task_set\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x13\n\x0bmax_actions\x18\x04 \x01(\r\"(\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"F\n\x08ToolSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"\x81\x01\n\x07\x45pisode\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x0b\n\x03\x65nv\x18\x03 \x01(\t\x12\"\n\x08messages\x18\x04 \x03(\x0b\x32\x10.kiln.v1.Message\x12 \n\x05tools\x18\x05 \x03(\x0b\x32\x11.kiln.v1.ToolSpec\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\x7f\n\x0bStepRequest\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12%\n\ntool_calls\x18\x02 \x03(\x0b\x32\x11.kiln.v1.ToolCall\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\t\x12\x13\n\x0bunparseable\x18\x04 \x01(\x08\x12\x0f\n\x07problem\x18\x05 \x01(\t\"A\n\nToolOutput\x12\x14\n\x0ctool_call_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\t\"\x86\x02\n\nStepResult\x12$\n\x07outputs\x18\x01 \x03(\x0b\x32\x13.kiln.v1.ToolOutput\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x0e\n\x06reward\x18\x03 \x01(\x01\x12:\n\x0creward_parts\x18\x04 \x03(\x0b\x32$.kiln.v1.StepResult.RewardPartsEntry\x12\x17\n\x0fverifier_output\x18\x05 \x01(\t\x12\r\n\x05\x66lags\x18\x06 \x03(\t\x12\x1c\n\x14sandbox_image_digest\x18\x07 \x01(\t\x1a\x32\n\x10RewardPartsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\")\n\x13\x43loseEpisodeRequest\x12\x12\n\nepisode_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseEpisodeResponse\"C\n\x12\x44\x65monstrateRequest\x12\x10\n\x08task_set\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"h\n\x08\x44\x65moTurn\x12\x0f\n\x07\x63ontent\x18\x01 \x01(\t\x12%\n\ntool_calls\x18\x02 \x03(\x0b\x32\x11.kiln.v1.ToolCall\x12$\n\x07outputs\x18\x03 \x03(\x0b\x32\x13.kiln.v1.ToolOutput\"\xb1\x01\n\rDemonstration\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\"\n\x08messages\x18\x02 \x03(\x0b\x32\x10.kiln.v1.Message\x12 \n\x05tools\x18\x03 \x03(\x0b\x32\x11.kiln.v1.ToolSpec\x12 \n\x05turns\x18\x04 \x03(\x0b\x32\x11.kiln.v1.DemoTurn\x12\x0e\n\x06reward\x18\x05 \x01(\x01\x12\x17\n\x0fverifier_output\x18\x06 \x01(\t2\xdc\x02\n\x0b\x45nvironment\x12K\n\x0cListTaskSets\x12\x1c.kiln.v1.ListTaskSetsRequest\x1a\x1d.kiln.v1.ListTaskSetsResponse\x12<\n\x0bOpenEpisode\x12\x1b.kiln.v1.OpenEpisodeRequest\x1a\x10.kiln.v1.Episode\x12\x31\n\x04Step\x12\x14.kiln.v1.StepRequest\x1a\x13.kiln.v1.StepResult\x12K\n\x0c\x43loseEpisode\x12\x1c.kiln.v1.CloseEpisodeRequest\x1a\x1d.kiln.v1.CloseEpisodeResponse\x12\x42\n\x0b\x44\x65monstrate\x12\x1b.kiln.v1.DemonstrateRequest\x1a\x16.kiln.v1.Demonstrationb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kiln/v1/env.proto\x12\x07kiln.v1\"\x15\n\x13ListTaskSetsRequest\"6\n\x0bTaskSetInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03\x65nv\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\r\"?\n\x14ListTaskSetsResponse\x12\'\n\ttask_sets\x18\x01 \x03(\x0b\x32\x14.kiln.v1.TaskSetInfo\"Y\n\x12OpenEpisodeRequest\x12\x10\n\x08task_set\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x13\n\x0bmax_actions\x18\x04 \x01(\r\"\x85\x01\n\x12OpenSubtaskRequest\x12\x19\n\x11parent_episode_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x14\n\x0cinstructions\x18\x03 \x01(\t\x12\x0c\n\x04task\x18\x04 \x01(\t\x12\r\n\x05owner\x18\x05 \x01(\t\x12\x13\n\x0bmax_actions\x18\x06 \x01(\r\"(\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"F\n\x08ToolSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"\x81\x01\n\x07\x45pisode\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x0b\n\x03\x65nv\x18\x03 \x01(\t\x12\"\n\x08messages\x18\x04 \x03(\x0b\x32\x10.kiln.v1.Message\x12 \n\x05tools\x18\x05 \x03(\x0b\x32\x11.kiln.v1.ToolSpec\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\x7f\n\x0bStepRequest\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12%\n\ntool_calls\x18\x02 \x03(\x0b\x32\x11.kiln.v1.ToolCall\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\t\x12\x13\n\x0bunparseable\x18\x04 \x01(\x08\x12\x0f\n\x07problem\x18\x05 \x01(\t\"A\n\nToolOutput\x12\x14\n\x0ctool_call_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\t\"\x86\x02\n\nStepResult\x12$\n\x07outputs\x18\x01 \x03(\x0b\x32\x13.kiln.v1.ToolOutput\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x0e\n\x06reward\x18\x03 \x01(\x01\x12:\n\x0creward_parts\x18\x04 \x03(\x0b\x32$.kiln.v1.StepResult.RewardPartsEntry\x12\x17\n\x0fverifier_output\x18\x05 \x01(\t\x12\r\n\x05\x66lags\x18\x06 \x03(\t\x12\x1c\n\x14sandbox_image_digest\x18\x07 \x01(\t\x1a\x32\n\x10RewardPartsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\")\n\x13\x43loseEpisodeRequest\x12\x12\n\nepisode_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseEpisodeResponse\"C\n\x12\x44\x65monstrateRequest\x12\x10\n\x08task_set\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"h\n\x08\x44\x65moTurn\x12\x0f\n\x07\x63ontent\x18\x01 \x01(\t\x12%\n\ntool_calls\x18\x02 \x03(\x0b\x32\x11.kiln.v1.ToolCall\x12$\n\x07outputs\x18\x03 \x03(\x0b\x32\x13.kiln.v1.ToolOutput\"\xb1\x01\n\rDemonstration\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\"\n\x08messages\x18\x02 \x03(\x0b\x32\x10.kiln.v1.Message\x12 \n\x05tools\x18\x03 \x03(\x0b\x32\x11.kiln.v1.ToolSpec\x12 \n\x05turns\x18\x04 \x03(\x0b\x32\x11.kiln.v1.DemoTurn\x12\x0e\n\x06reward\x18\x05 \x01(\x01\x12\x17\n\x0fverifier_output\x18\x06 \x01(\t2\x9a\x03\n\x0b\x45nvironment\x12K\n\x0cListTaskSets\x12\x1c.kiln.v1.ListTaskSetsRequest\x1a\x1d.kiln.v1.ListTaskSetsResponse\x12<\n\x0bOpenEpisode\x12\x1b.kiln.v1.OpenEpisodeRequest\x1a\x10.kiln.v1.Episode\x12<\n\x0bOpenSubtask\x12\x1b.kiln.v1.OpenSubtaskRequest\x1a\x10.kiln.v1.Episode\x12\x31\n\x04Step\x12\x14.kiln.v1.StepRequest\x1a\x13.kiln.v1.StepResult\x12K\n\x0c\x43loseEpisode\x12\x1c.kiln.v1.CloseEpisodeRequest\x1a\x1d.kiln.v1.CloseEpisodeResponse\x12\x42\n\x0b\x44\x65monstrate\x12\x1b.kiln.v1.DemonstrateRequest\x1a\x16.kiln.v1.Demonstrationb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,32 +41,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTTASKSETSRESPONSE']._serialized_end=172
   _globals['_OPENEPISODEREQUEST']._serialized_start=174
   _globals['_OPENEPISODEREQUEST']._serialized_end=263
-  _globals['_MESSAGE']._serialized_start=265
-  _globals['_MESSAGE']._serialized_end=305
-  _globals['_TOOLSPEC']._serialized_start=307
-  _globals['_TOOLSPEC']._serialized_end=377
-  _globals['_EPISODE']._serialized_start=380
-  _globals['_EPISODE']._serialized_end=509
-  _globals['_TOOLCALL']._serialized_start=511
-  _globals['_TOOLCALL']._serialized_end=571
-  _globals['_STEPREQUEST']._serialized_start=573
-  _globals['_STEPREQUEST']._serialized_end=700
-  _globals['_TOOLOUTPUT']._serialized_start=702
-  _globals['_TOOLOUTPUT']._serialized_end=767
-  _globals['_STEPRESULT']._serialized_start=770
-  _globals['_STEPRESULT']._serialized_end=1032
-  _globals['_STEPRESULT_REWARDPARTSENTRY']._serialized_start=982
-  _globals['_STEPRESULT_REWARDPARTSENTRY']._serialized_end=1032
-  _globals['_CLOSEEPISODEREQUEST']._serialized_start=1034
-  _globals['_CLOSEEPISODEREQUEST']._serialized_end=1075
-  _globals['_CLOSEEPISODERESPONSE']._serialized_start=1077
-  _globals['_CLOSEEPISODERESPONSE']._serialized_end=1099
-  _globals['_DEMONSTRATEREQUEST']._serialized_start=1101
-  _globals['_DEMONSTRATEREQUEST']._serialized_end=1168
-  _globals['_DEMOTURN']._serialized_start=1170
-  _globals['_DEMOTURN']._serialized_end=1274
-  _globals['_DEMONSTRATION']._serialized_start=1277
-  _globals['_DEMONSTRATION']._serialized_end=1454
-  _globals['_ENVIRONMENT']._serialized_start=1457
-  _globals['_ENVIRONMENT']._serialized_end=1805
+  _globals['_OPENSUBTASKREQUEST']._serialized_start=266
+  _globals['_OPENSUBTASKREQUEST']._serialized_end=399
+  _globals['_MESSAGE']._serialized_start=401
+  _globals['_MESSAGE']._serialized_end=441
+  _globals['_TOOLSPEC']._serialized_start=443
+  _globals['_TOOLSPEC']._serialized_end=513
+  _globals['_EPISODE']._serialized_start=516
+  _globals['_EPISODE']._serialized_end=645
+  _globals['_TOOLCALL']._serialized_start=647
+  _globals['_TOOLCALL']._serialized_end=707
+  _globals['_STEPREQUEST']._serialized_start=709
+  _globals['_STEPREQUEST']._serialized_end=836
+  _globals['_TOOLOUTPUT']._serialized_start=838
+  _globals['_TOOLOUTPUT']._serialized_end=903
+  _globals['_STEPRESULT']._serialized_start=906
+  _globals['_STEPRESULT']._serialized_end=1168
+  _globals['_STEPRESULT_REWARDPARTSENTRY']._serialized_start=1118
+  _globals['_STEPRESULT_REWARDPARTSENTRY']._serialized_end=1168
+  _globals['_CLOSEEPISODEREQUEST']._serialized_start=1170
+  _globals['_CLOSEEPISODEREQUEST']._serialized_end=1211
+  _globals['_CLOSEEPISODERESPONSE']._serialized_start=1213
+  _globals['_CLOSEEPISODERESPONSE']._serialized_end=1235
+  _globals['_DEMONSTRATEREQUEST']._serialized_start=1237
+  _globals['_DEMONSTRATEREQUEST']._serialized_end=1304
+  _globals['_DEMOTURN']._serialized_start=1306
+  _globals['_DEMOTURN']._serialized_end=1410
+  _globals['_DEMONSTRATION']._serialized_start=1413
+  _globals['_DEMONSTRATION']._serialized_end=1590
+  _globals['_ENVIRONMENT']._serialized_start=1593
+  _globals['_ENVIRONMENT']._serialized_end=2003
 # @@protoc_insertion_point(module_scope)

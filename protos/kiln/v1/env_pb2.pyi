@@ -38,6 +38,22 @@ class OpenEpisodeRequest(_message.Message):
     max_actions: int
     def __init__(self, task_set: _Optional[str] = ..., index: _Optional[int] = ..., owner: _Optional[str] = ..., max_actions: _Optional[int] = ...) -> None: ...
 
+class OpenSubtaskRequest(_message.Message):
+    __slots__ = ("parent_episode_id", "role", "instructions", "task", "owner", "max_actions")
+    PARENT_EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTIONS_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    MAX_ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    parent_episode_id: str
+    role: str
+    instructions: str
+    task: str
+    owner: str
+    max_actions: int
+    def __init__(self, parent_episode_id: _Optional[str] = ..., role: _Optional[str] = ..., instructions: _Optional[str] = ..., task: _Optional[str] = ..., owner: _Optional[str] = ..., max_actions: _Optional[int] = ...) -> None: ...
+
 class Message(_message.Message):
     __slots__ = ("role", "content")
     ROLE_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class EnvironmentStub:
                 request_serializer=kiln_dot_v1_dot_env__pb2.OpenEpisodeRequest.SerializeToString,
                 response_deserializer=kiln_dot_v1_dot_env__pb2.Episode.FromString,
                 _registered_method=True)
+        self.OpenSubtask = channel.unary_unary(
+                '/kiln.v1.Environment/OpenSubtask',
+                request_serializer=kiln_dot_v1_dot_env__pb2.OpenSubtaskRequest.SerializeToString,
+                response_deserializer=kiln_dot_v1_dot_env__pb2.Episode.FromString,
+                _registered_method=True)
         self.Step = channel.unary_unary(
                 '/kiln.v1.Environment/Step',
                 request_serializer=kiln_dot_v1_dot_env__pb2.StepRequest.SerializeToString,
@@ -73,6 +78,15 @@ class EnvironmentServicer:
 
     def OpenEpisode(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenSubtask(self, request, context):
+        """A subagent's episode (agent swarms): a sub-task the environment makes from an open
+        episode's task and the text the orchestrator assigned, in a sandbox of its own.
+        INVALID_ARGUMENT when the environment cannot make one of that text.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -108,6 +122,11 @@ def add_EnvironmentServicer_to_server(servicer, server):
             'OpenEpisode': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenEpisode,
                     request_deserializer=kiln_dot_v1_dot_env__pb2.OpenEpisodeRequest.FromString,
+                    response_serializer=kiln_dot_v1_dot_env__pb2.Episode.SerializeToString,
+            ),
+            'OpenSubtask': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenSubtask,
+                    request_deserializer=kiln_dot_v1_dot_env__pb2.OpenSubtaskRequest.FromString,
                     response_serializer=kiln_dot_v1_dot_env__pb2.Episode.SerializeToString,
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
@@ -179,6 +198,33 @@ class Environment:
             target,
             '/kiln.v1.Environment/OpenEpisode',
             kiln_dot_v1_dot_env__pb2.OpenEpisodeRequest.SerializeToString,
+            kiln_dot_v1_dot_env__pb2.Episode.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenSubtask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kiln.v1.Environment/OpenSubtask',
+            kiln_dot_v1_dot_env__pb2.OpenSubtaskRequest.SerializeToString,
             kiln_dot_v1_dot_env__pb2.Episode.FromString,
             options,
             channel_credentials,

@@ -22,10 +22,12 @@ from .lookup import LookupEnvironment
 from .search import SearchEnvironment
 from .swe import SweEnvironment
 from .terminal import TerminalEnvironment
+from .wide import WideEnvironment, WideLookupEnvironment
 
 ENVIRONMENTS: dict[str, type[Environment]] = {
     "chain": ChainEnvironment, "lookup": LookupEnvironment, "terminal": TerminalEnvironment,
     "swe": SweEnvironment, "search": SearchEnvironment, "code": CodeEnvironment,
+    "wide": WideEnvironment, "wide-lookup": WideLookupEnvironment,
 }
 
 

@@ -1,0 +1,63 @@
+"""An RL stage's agent swarm (`spec.stages[].swarm`): the frozen subagents an orchestrator
+delegates to, their limits, and the PARL reward's weights (`kiln.swarm`). Torch-free."""
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from kiln.api.components import Model
+
+
+class SwarmSettings(Model):
+    """The stage trains an orchestrator; its subagents run a frozen checkpoint."""
+
+    subagents: str = Field(min_length=1)
+    """The subagents' weights: an earlier stage's name (its final checkpoint) or a checkpoint
+    directory. Pinned for the whole stage: weight sync never reaches them."""
+    max_subagents: int = Field(8, ge=1, le=64)
+    """Subagents one episode may create; more is refused (the orchestrator is told)."""
+    max_subagent_turns: int = Field(4, ge=1, le=64)
+    """Model calls one subagent may make on its sub-task."""
+    lambda_parallel: float = Field(0.5, ge=0)
+    """lambda1: weight of r_parallel (subagents running side by side) before annealing."""
+    lambda_finish: float = Field(0.5, ge=0)
+    """lambda2: weight of r_finish (assigned sub-tasks really completed) before annealing."""
+    parallel_target: int | None = Field(None, ge=1)
+    """r_parallel is min(peak, target) / target for the most subagents running at once;
+    unset: maxSubagents."""
+    anneal_start: int = Field(0, ge=0)
+    """Step of the stage at which both lambdas start falling linearly..."""
+    anneal_end: int | None = Field(None, ge=1)
+    """...to reach 0 at this step (unset: the stage's maxSteps)."""
+
+    @model_validator(mode="after")
+    def _window(self):  # type: ignore[no-untyped-def]
+        if self.anneal_end is not None and self.anneal_end <= self.anneal_start:
+            raise ValueError(f"annealEnd ({self.anneal_end}) must come after annealStart "
+                             f"({self.anneal_start})")
+        if self.parallel_target is not None and self.parallel_target > self.max_subagents:
+            raise ValueError(f"parallelTarget ({self.parallel_target}) exceeds maxSubagents "
+                             f"({self.max_subagents}): r_parallel could never reach 1")
+        return self
+
+    @property
+    def target(self) -> int:
+        return self.parallel_target or self.max_subagents
+
+
+def swarm_problems(spec) -> list[str]:
+    """Why a job's swarms cannot run: subagents naming a stage that does not come earlier."""
+    names = [s.name for s in spec.stages]
+    problems = []
+    for i, stage in enumerate(spec.stages):
+        swarm = getattr(stage, "swarm", None)
+        if swarm is None:
+            continue
+        ref = swarm.subagents
+        if ref in names and names.index(ref) >= i:
+            problems.append(f"stages[{i}] ({stage.name}).swarm.subagents: stage {ref!r} does not "
+                            "come before this one, so it has no final checkpoint yet")
+        elif ref not in names and "/" not in ref and not ref.startswith("."):
+            problems.append(f"stages[{i}] ({stage.name}).swarm.subagents: {ref!r} is neither an "
+                            f"earlier stage ({', '.join(names[:i]) or 'none'}) nor a checkpoint "
+                            "directory (a path)")
+    return problems

@@ -1,0 +1,140 @@
+"""Agent swarms, the parts every floor shares: the orchestrator's tools, the critical path and
+the PARL reward (Kimi K2.5).
+
+A trainable orchestrator splits its task among subagents that run a frozen checkpoint, each in
+its own context with its own tools; what a subagent returns enters the orchestrator's context as
+an observation (never trained on). The orchestrator's tools:
+
+    create_subagent(role, instructions)  a new idle subagent; returns its name (`s1`, `s2`, ...)
+    assign(task, subagent)               give a subagent a sub-task and return at once; without
+                                         `subagent`, a new one is created for it
+    wait(subagents)                      block until the named subagents (`all`, or empty: every
+                                         one running) finish; returns each one's final output
+
+An environment offers these tools in its tasks' tool lists (so its tokenizer and its scripted
+solutions know them); rollout runs them (`kiln.services.rollout.swarm`), the environment makes
+each sub-task (`Environment.subtask`).
+
+Latency is counted on the critical path: the longest chain of dependent model calls. An
+orchestrator call depends on the one before it and on every subagent output already in its
+context; a subagent's first call depends on the orchestrator call that assigned it. Serial
+use (assign, wait, assign, wait, ...) puts every subagent call on the path; assigning all
+sub-tasks before one wait puts only the longest one on it.
+
+The reward: `r = lambda_parallel * r_parallel + lambda_finish * r_finish + r_perf`, where
+- `r_parallel = min(peak, target) / target`: the most subagents running at once, against a
+  target (the episode's subagent limit unless the job sets one); it pays for instantiating
+  subagents side by side, against collapse into one serial agent;
+- `r_finish`: the fraction of assigned sub-tasks that were really completed (the subagent
+  answered and its sub-task's verifier passed), against spawning many useless subagents; 0
+  when nothing was assigned;
+- `r_perf`: the task's own reward.
+Both lambdas anneal linearly to 0 over the stage (`anneal`), so that late in training only the
+outcome counts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kiln.env import ToolSpec
+
+CREATE, ASSIGN, WAIT = "create_subagent", "assign", "wait"
+
+TOOLS = [
+    ToolSpec(CREATE, "Create a subagent; returns its name.", {
+        "type": "object", "required": ["role"],
+        "properties": {"role": {"type": "string", "description": "what the subagent is for"},
+                       "instructions": {"type": "string", "description": "its standing orders"}}}),
+    ToolSpec(ASSIGN, "Give a sub-task to a subagent (a new one when none is named); returns at "
+             "once with the subagent's name.", {
+                 "type": "object", "required": ["task"],
+                 "properties": {"task": {"type": "string", "description": "the sub-task"},
+                                "subagent": {"type": "string", "description": "its name"}}}),
+    ToolSpec(WAIT, "Wait for subagents to finish; returns what each one answered.", {
+        "type": "object", "required": ["subagents"],
+        "properties": {"subagents": {"type": "string",
+                                     "description": "names, or `all` for every one running"}}}),
+]
+TOOL_NAMES = frozenset(t.name for t in TOOLS)
+
+
+@dataclass
+class CriticalPath:
+    """Counts an episode's model calls and the longest chain of dependent ones."""
+
+    context: int = 0
+    """The depth of the deepest call whose result is in the orchestrator's context."""
+    orchestrator_calls: int = 0
+    subagent_calls: int = 0
+    length: int = 0
+
+    def orchestrator_call(self) -> int:
+        """One orchestrator call; its depth (the depth an assignment starts from)."""
+        self.orchestrator_calls += 1
+        self.context += 1
+        self.length = max(self.length, self.context)
+        return self.context
+
+    def subagent_done(self, assigned_at: int, calls: int) -> int:
+        """A subagent that made `calls` calls after being assigned at depth `assigned_at`: the
+        depth of its output."""
+        self.subagent_calls += calls
+        depth = assigned_at + calls
+        self.length = max(self.length, depth)
+        return depth
+
+    def observed(self, depth: int) -> None:
+        """A result of depth `depth` entered the orchestrator's context."""
+        self.context = max(self.context, depth)
+
+    @property
+    def total(self) -> int:
+        return self.orchestrator_calls + self.subagent_calls
+
+
+@dataclass(frozen=True)
+class Parl:
+    """The PARL reward's weights, already annealed to the current step."""
+
+    lambda_parallel: float
+    lambda_finish: float
+    target: int
+
+    def reward(self, r_perf: float, peak: int, assigned: int, finished: int) -> dict[str, float]:
+        """The reward's parts (`parl/...`) and total (`parl/total`)."""
+        if self.target < 1:
+            raise ValueError(f"the parallelism target is {self.target}; it must be at least 1")
+        r_parallel = min(peak, self.target) / self.target
+        r_finish = finished / assigned if assigned else 0.0
+        total = self.lambda_parallel * r_parallel + self.lambda_finish * r_finish + r_perf
+        return {"parl/parallel": r_parallel, "parl/finish": r_finish, "parl/perf": r_perf,
+                "parl/lambda_parallel": self.lambda_parallel,
+                "parl/lambda_finish": self.lambda_finish, "parl/total": total}
+
+
+def annealed(value: float, step: int, start: int, end: int) -> float:
+    """`value` until `start`, then linearly down to 0 at `end` (steps of the stage)."""
+    if step <= start:
+        return value
+    if step >= end:
+        return 0.0
+    return value * (end - step) / (end - start)
+
+
+@dataclass
+class SwarmStats:
+    """What one swarm episode measured; kept on its trajectory as `swarm/...`."""
+
+    subagents: int = 0
+    assigned: int = 0
+    finished: int = 0
+    peak: int = 0
+    path: CriticalPath = field(default_factory=CriticalPath)
+    wall_seconds: float = 0.0
+
+    def parts(self) -> dict[str, float]:
+        return {"swarm/subagents": float(self.subagents), "swarm/assigned": float(self.assigned),
+                "swarm/finished": float(self.finished), "swarm/peak_parallel": float(self.peak),
+                "swarm/critical_path_steps": float(self.path.length),
+                "swarm/total_steps": float(self.path.total),
+                "swarm/wall_seconds": self.wall_seconds}

@@ -1,0 +1,253 @@
+"""Swarm episodes: the orchestrator's tools run here, its subagents on a frozen engine.
+
+An orchestrator episode is an ordinary `run_episode` on the trained engine whose environment is
+wrapped in `SwarmEnv`: a reply that calls `create_subagent`, `assign` or `wait`
+(`kiln.swarm`) is answered here, every other reply goes to the environment as it would. An
+`assign` opens the sub-task in the environment (`EnvClient.open_subtask`: the environment makes
+it from the orchestrator's task and the text assigned, in a sandbox of its own) and plays it as
+a subagent episode, in the background, on the `Subagents`' engine: a checkpoint pinned for the
+whole job, never updated by weight sync (a subagent token of another version fails the episode:
+the deployment was not frozen). The subagent sees its sub-task and tools alone, never the
+orchestrator's context, and hands back only its final answer, which `wait` puts into the
+orchestrator's context as an observation; the orchestrator's trajectory is the only one
+shipped, so nothing a subagent wrote is trained on. Subagents cannot create subagents (depth 1:
+the swarm tools are taken off their tool lists).
+
+When the orchestrator's episode is closed, subagents still running are cancelled, and the
+reward becomes PARL's (`kiln.swarm.Parl`, `SwarmEnv.rewarded`) with every part, and the
+episode's measurements (subagents, critical-path and total steps, wall time), in
+`reward_parts`.
+
+Not covered: scheduling episodes (`producer.py`), the sub-tasks themselves (the environment).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+from kiln.episode import Action, EpisodeInfo, StepResult, ToolOutput
+from kiln.env import ToolCall
+from kiln.services.rollout.agent import Limits, run_episode
+from kiln.services.rollout.engine import Engine, SamplingOptions
+from kiln.services.rollout.formats import Format
+from kiln.services.sandbox.client import EnvClient
+from kiln.swarm import ASSIGN, CREATE, TOOL_NAMES, Parl, SwarmStats
+from kiln.trajectory import Trajectory
+
+
+class SubagentNotFrozen(RuntimeError):
+    """A subagent's tokens came from another policy version than the pinned one: the subagents'
+    engine received weights it must never receive. Not retryable; fix the deployment."""
+
+
+@dataclass
+class Subagents:
+    """The frozen engine subagents run on, and what bounds them."""
+
+    engine: Engine
+    fmt: Format
+    sampling: SamplingOptions
+    limits: Limits
+    max_per_episode: int = 8
+    version: int = field(init=False)
+    """The pinned policy version; every subagent token must carry it."""
+
+    def __post_init__(self) -> None:
+        self.version = self.engine.policy_version
+
+
+@dataclass
+class _Subagent:
+    name: str
+    role: str
+    instructions: str = ""
+    task: asyncio.Task | None = None
+    assigned_at: int = 0
+    collected: bool = True
+
+
+class _Subtask:
+    """The `EnvClient` a subagent episode sees: `open` opens its sub-task, and each step is one
+    of its model calls (counted) whose final answer is kept."""
+
+    def __init__(self, env: EnvClient, parent: str, agent: _Subagent, task: str) -> None:
+        self.env, self.parent, self.agent, self.task = env, parent, agent, task
+        self.calls, self.answer, self.result = 0, None, StepResult()
+
+    async def open(self, task_set: str, index: int, max_actions: int) -> EpisodeInfo:
+        info = await self.env.open_subtask(self.parent, self.agent.role, self.agent.instructions,
+                                           self.task, max_actions)
+        return dataclasses.replace(info, tools=[t for t in info.tools if t.name not in TOOL_NAMES])
+
+    async def step(self, episode_id: str, action: Action) -> StepResult:
+        self.calls += 1
+        result = await self.env.step(episode_id, action)
+        if result.done:
+            if not action.tool_calls and not action.unparseable:
+                self.answer = action.content
+            self.result = result
+        return result
+
+    async def close(self, episode_id: str) -> None:
+        await self.env.close(episode_id)
+
+
+class SwarmEnv:
+    """One orchestrator episode's environment: the job's, plus the swarm tools. One per episode
+    (it holds the episode's subagents)."""
+
+    def __init__(self, env: EnvClient, subagents: Subagents, parl: Parl) -> None:
+        self.env, self.subagents, self.parl = env, subagents, parl
+        self.stats = SwarmStats()
+        self._agents: dict[str, _Subagent] = {}
+        self._running = 0
+        self._episode = ""
+        self._t0 = 0.0
+
+    async def task_sets(self):
+        return await self.env.task_sets()
+
+    async def open(self, task_set: str, index: int, max_actions: int) -> EpisodeInfo:
+        self._t0 = time.monotonic()
+        info = await self.env.open(task_set, index, max_actions)
+        self._episode = info.episode_id
+        return info
+
+    async def close(self, episode_id: str) -> None:
+        try:
+            await self._cancel_running()
+        finally:
+            await self.env.close(episode_id)
+
+    async def step(self, episode_id: str, action: Action) -> StepResult:
+        depth = self.stats.path.orchestrator_call()
+        swarm = [c for c in action.tool_calls if c.name in TOOL_NAMES]
+        if action.unparseable or not swarm:
+            return self._scored(await self.env.step(episode_id, action))
+        outputs: list[ToolOutput] = []
+        others = [c for c in action.tool_calls if c.name not in TOOL_NAMES]
+        if others:
+            # A reply mixing both kinds (formats with several calls per reply): the
+            # environment's calls run first, as one step.
+            result = await self.env.step(episode_id, Action(others, action.content))
+            if result.done:
+                return self._scored(result)
+            outputs += result.outputs
+        for call in swarm:
+            outputs.append(ToolOutput(call.id, call.name, await self._tool(call, depth)))
+        return StepResult(outputs=outputs)
+
+    # ------------------------------------------------------------------ tools
+    async def _tool(self, call: ToolCall, depth: int) -> str:
+        args = {k: str(v).strip() for k, v in call.arguments.items()}
+        if call.name == CREATE:
+            return self._create(args.get("role", ""), args.get("instructions", ""))
+        if call.name == ASSIGN:
+            return self._assign(args.get("task", ""), args.get("subagent", ""), depth)
+        return await self._wait(args.get("subagents", ""))
+
+    def _create(self, role: str, instructions: str) -> str:
+        if len(self._agents) >= self.subagents.max_per_episode:
+            return (f"error: this episode may create at most {self.subagents.max_per_episode} "
+                    "subagents")
+        name = f"s{len(self._agents) + 1}"
+        self._agents[name] = _Subagent(name, role or "worker", instructions)
+        self.stats.subagents += 1
+        return name
+
+    def _assign(self, task: str, name: str, depth: int) -> str:
+        if not task:
+            return "error: assign needs a non-empty `task`"
+        if not name:
+            name = self._create("worker", "")
+            if name.startswith("error:"):
+                return name
+        agent = self._agents.get(name)
+        if agent is None:
+            return f"error: no subagent {name!r} (created: {', '.join(self._agents) or 'none'})"
+        if agent.task is not None and not agent.collected:
+            return f"error: {name} is still on its last task; wait for it first"
+        agent.assigned_at, agent.collected = depth, False
+        agent.task = asyncio.ensure_future(self._play(agent, task))
+        self.stats.assigned += 1
+        self._running += 1
+        self.stats.peak = max(self.stats.peak, self._running)
+        return name
+
+    async def _play(self, agent: _Subagent, task: str) -> tuple[str, int, bool]:
+        """(what the subagent hands back, its model calls, whether it completed its sub-task)."""
+        sub = _Subtask(self.env, self._episode, agent, task)
+        s = self.subagents
+        try:
+            trajs = await run_episode(s.engine, sub, s.fmt, task_set="", index=0,
+                                      sampling=s.sampling, limits=s.limits)
+            versions = {span.policy_version for t in trajs for span in t.version_spans}
+            if versions - {s.version}:
+                raise SubagentNotFrozen(
+                    f"subagent tokens of versions {sorted(versions)}; the subagents' engine is "
+                    f"pinned to version {s.version} and must never be updated")
+            if sub.answer is None:
+                return "no answer", sub.calls, False
+            return sub.answer, sub.calls, sub.result.reward >= 0.5
+        except SubagentNotFrozen:
+            raise
+        except Exception as exc:  # the subagent's failure is the orchestrator's observation
+            return f"error: {type(exc).__name__}: {exc}", sub.calls, False
+        finally:
+            self._running -= 1
+
+    async def _wait(self, names: str) -> str:
+        pending = [a for a in self._agents.values() if a.task is not None and not a.collected]
+        if names and names != "all":
+            wanted = [n for n in names.replace(",", " ").split()]
+            unknown = [n for n in wanted if n not in self._agents]
+            if unknown:
+                return f"error: no subagent {', '.join(unknown)}"
+            idle = [n for n in wanted if n not in {a.name for a in pending}]
+            if idle:
+                return f"error: {', '.join(idle)} has no task to wait for"
+            pending = [self._agents[n] for n in wanted]
+        if not pending:
+            return "error: no subagent is working"
+        lines = []
+        for agent in pending:
+            output, calls, finished = await agent.task
+            agent.collected = True
+            self.stats.path.observed(self.stats.path.subagent_done(agent.assigned_at, calls))
+            self.stats.finished += finished
+            lines.append(f"{agent.name}: {output}")
+        return "\n".join(lines)
+
+    async def _cancel_running(self) -> None:
+        tasks = [a.task for a in self._agents.values() if a.task is not None and not a.task.done()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ----------------------------------------------------------------- reward
+    def _scored(self, result: StepResult) -> StepResult:
+        if result.done:
+            self.stats.wall_seconds = time.monotonic() - self._t0
+        return result
+
+    def rewarded(self, trajs: list[Trajectory]) -> list[Trajectory]:
+        """The episode's trajectories with PARL's reward, its parts and the measurements. An
+        episode that ran out of turns has the environment's "no answer" reward (0) as r_perf."""
+        if not self.stats.wall_seconds:
+            self.stats.wall_seconds = time.monotonic() - self._t0
+        for t in trajs:
+            parts = self.parl.reward(t.reward, self.stats.peak, self.stats.assigned,
+                                     self.stats.finished)
+            t.reward = parts["parl/total"]
+            t.reward_parts = {**t.reward_parts, **parts, **self.stats.parts()}
+        return trajs
+
+
+async def run_swarm_episode(engine: Engine, env: EnvClient, fmt: Format, subagents: Subagents,
+                            parl: Parl, **kwargs) -> list[Trajectory]:
+    """`run_episode` (same arguments) of an orchestrator: the swarm tools answered, subagents
+    played on `subagents`' engine, the reward PARL's."""
+    swarm = SwarmEnv(env, subagents, parl)
+    return swarm.rewarded(await run_episode(engine, swarm, fmt, **kwargs))

@@ -1,0 +1,159 @@
+"""`wide` and `wide-lookup`: wide search for agent swarms, built on `lookup`'s files.
+
+A `wide` task: the files under notes/ hold a permutation of 10..99, as in `lookup`; the task
+names K start numbers, and the answer is where each one's chain ends after `hops` lookups, in
+the order given. The orchestrator has no shell: it can only hand each chain to a subagent
+(`kiln.swarm`'s tools), wait for the ends and answer with them.
+
+    <task>ends of 37 52 18, 2 hops</task>
+    <call>assign 37</call>  <obs>s1</obs>  <call>wait all</call>  <obs>s1: 10</obs>  ...
+    <answer>10 64 33</answer>
+
+A sub-task (`subtask`, the text assigned must be one of the task's starts) is a `wide-lookup`
+task: one chain, in the same files, followed with the shell and answered in a reply.
+
+    <task>end of 37, 2 hops</task>
+    <call>bash cat notes/37</call>  <obs>82</obs>  <call>bash cat notes/82</call>  <obs>10</obs>
+    <answer>10</answer>
+
+`wide-lookup` task sets train the subagents' checkpoint; `wide` ones the orchestrator. The
+scripted orchestrator is serial (assign one chain, wait, assign the next): parallelism has to
+come from RL. The scripted subagent makes no mistakes. Both are graded on the answer alone:
+1 when every end is right, with the fraction right in `ends_correct`.
+
+Train and held-out tasks are told apart as `lookup`'s are, by a hash of the map and starts.
+"""
+from __future__ import annotations
+
+import random
+from typing import Literal
+
+from pydantic import Field
+
+from kiln import swarm
+from kiln.env import AssistantTurn, Grade, SandboxHandle, ToolCall, ToolResult, ToolSpec
+from .lookup import KEYS, TOOLS as SHELL, LookupEnvironment, follow, split_of
+
+HOPS = 2
+
+
+class WideTask(LookupEnvironment.task_model):
+    type: Literal["wide"] = "wide"  # type: ignore[assignment]
+    starts: list[int] = Field(min_length=1, max_length=8)
+    ends: list[int]
+    start: int = 0  # type: ignore[assignment]
+    answer: int = 0
+
+
+class WideLookupTask(WideTask):
+    type: Literal["wide-lookup"] = "wide-lookup"  # type: ignore[assignment]
+    starts: list[int] = Field(min_length=1, max_length=1)
+
+
+def _ends(task: WideTask) -> str:
+    return " ".join(str(e) for e in task.ends)
+
+
+def make_task(rng: random.Random, task_id: str, width: int, hops: int = HOPS,
+              cls: type[WideTask] = WideTask) -> WideTask:
+    values = list(KEYS)
+    rng.shuffle(values)
+    mapping = dict(zip(KEYS, values))
+    starts = rng.sample(list(KEYS), width)
+    ends = [follow(mapping, s, hops)[-1] for s in starts]
+    if cls is WideLookupTask:
+        text = f"end of {starts[0]}, {hops} hops"
+    else:
+        text = f"ends of {' '.join(map(str, starts))}, {hops} hops"
+    return cls(id=task_id, description=text, files={f"notes/{k}": f"{v}\n" for k, v in mapping.items()},
+               test_script="true", starts=starts, ends=ends, hops=hops, mapping=mapping,
+               command_timeout_seconds=10, timeout_seconds=10)
+
+
+class WideEnvironment(LookupEnvironment):
+    type = "wide"
+    task_model = WideTask
+    #: The width (chains per task) is the task generator's `numSteps`.
+    width_from_steps = True
+
+    def generate_tasks(self, gen) -> list[WideTask]:
+        width = gen.num_steps if self.width_from_steps else 1
+        if not 1 <= width <= 8:
+            raise ValueError(f"num_steps: a wide task has 1..8 chains, got {width}")
+        cls = WideTask if self.width_from_steps else WideLookupTask
+        rng = random.Random(f"{self.type}/{gen.seed}/{width}")
+        tasks: list[WideTask] = []
+        while len(tasks) < gen.count:
+            task = make_task(rng, f"{self.type}-{gen.split}-{gen.seed}-{len(tasks)}", width, cls=cls)
+            if split_of(sum(task.starts), task.mapping) == gen.split:
+                tasks.append(task)
+        return tasks
+
+    def load_tasks(self, records):
+        return [(WideLookupTask if r.get("type") == "wide-lookup" else WideTask).model_validate(r)
+                for r in records]
+
+    def tools(self, task: WideTask) -> list[ToolSpec]:
+        return SHELL if isinstance(task, WideLookupTask) else swarm.TOOLS
+
+    def subtask(self, task: WideTask, role: str, instructions: str, assigned: str) -> WideTask:
+        try:
+            start = int(assigned.strip())
+        except ValueError:
+            start = None
+        if start not in task.starts:
+            raise ValueError(f"{assigned.strip()!r} is not one of this task's starts "
+                             f"({' '.join(map(str, task.starts))})")
+        end = task.ends[task.starts.index(start)]
+        return WideLookupTask(
+            id=f"{task.id}/{start}", description=f"end of {start}, {task.hops} hops",
+            files=task.files, test_script="true", starts=[start], ends=[end], hops=task.hops,
+            mapping=task.mapping, command_timeout_seconds=task.command_timeout_seconds,
+            timeout_seconds=task.timeout_seconds)
+
+    async def call_tool(self, sandbox: SandboxHandle, task: WideTask, call: ToolCall) -> ToolResult:
+        if not isinstance(task, WideLookupTask):
+            # The swarm tools run in rollout; anything reaching here is not one of them.
+            return ToolResult(f"error: {call.name!r} is not run by this environment "
+                              f"(tools: {', '.join(swarm.TOOL_NAMES)}, answered by rollout)")
+        return await super().call_tool(sandbox, task, call)
+
+    async def grade(self, sandbox: SandboxHandle | None, task: WideTask, answer: str | None) -> Grade:
+        return self._grade(task, answer)
+
+    def _grade(self, task: WideTask, answer: str | None) -> Grade:
+        got = (answer or "").split()
+        right = sum(1 for i, e in enumerate(task.ends) if i < len(got) and got[i] == str(e))
+        ok = right == len(task.ends) and len(got) == len(task.ends)
+        return Grade(float(ok), {"ends_correct": right / len(task.ends)},
+                     f"answered {answer!r}, expected {_ends(task)!r}")
+
+    def demonstrate(self, task: WideTask, rng: random.Random) -> list[AssistantTurn]:
+        if isinstance(task, WideLookupTask):
+            turns, key = [], task.starts[0]
+            for value in follow(task.mapping, key, task.hops):
+                turns.append(AssistantTurn(tool_calls=[ToolCall("bash", {"command": f"cat notes/{key}"})],
+                                           outputs=[str(value)]))
+                key = value
+            return turns + [AssistantTurn(content=str(key))]
+        turns = []
+        for i, (start, end) in enumerate(zip(task.starts, task.ends), 1):
+            turns.append(AssistantTurn(tool_calls=[ToolCall(swarm.ASSIGN, {"task": str(start)})],
+                                       outputs=[f"s{i}"]))
+            turns.append(AssistantTurn(tool_calls=[ToolCall(swarm.WAIT, {"subagents": "all"})],
+                                       outputs=[f"s{i}: {end}"]))
+        return turns + [AssistantTurn(content=_ends(task))]
+
+    def grade_demonstration(self, task: WideTask, turns: list[AssistantTurn]) -> Grade:
+        return self._grade(task, turns[-1].content)
+
+    def tokenizer_words(self, tasks) -> list[str]:
+        return super().tokenizer_words(tasks) + [f"s{i}" for i in range(1, 9)] + ["all"]
+
+
+class WideLookupEnvironment(WideEnvironment):
+    """Single chains answered in a reply: what a `wide` task's subagents play."""
+
+    type = "wide-lookup"
+    task_model = WideLookupTask
+    width_from_steps = False

@@ -1,0 +1,244 @@
+"""Agent swarms: the orchestrator's tools, subagents on a frozen engine, the critical path and
+the PARL reward.
+
+The environment is real (`wide`: its sub-tasks' shell calls run in bubblewrap sandboxes, through
+the sandbox service's episode manager) and so are the tags format and a trained tokenizer; the
+two policies are scripted (a function of the decoded context), so that each test knows which
+calls were made and in which order."""
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+from transformers import AutoTokenizer
+
+from kiln.api.spec import RLJob
+from kiln.models.tiny import train_tokenizer
+from kiln.services.rollout.agent import Limits
+from kiln.services.rollout.engine import Generation, SamplingOptions
+from kiln.services.rollout.formats import make_format
+from kiln.services.rollout.swarm import SubagentNotFrozen, Subagents, run_swarm_episode
+from kiln.services.sandbox.client import LocalEnvClient
+from kiln.services.sandbox.environments.chain import SPECIAL_TOKENS as TAGS
+from kiln.services.sandbox.environments.wide import WideEnvironment, WideLookupEnvironment
+from kiln.services.sandbox.episodes import EpisodeManager
+from kiln.swarm import Parl, annealed
+
+WIDTH = 3
+
+
+def job_doc(**swarm) -> dict:
+    stage = {"name": "swarm", "type": "rl", "tasks": ["wide"]}
+    if swarm:
+        stage["swarm"] = swarm
+    return {"apiVersion": "kiln.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "swarm"},
+            "spec": {"model": {"path": "m"},
+                     "tasks": [{"name": "wide", "env": "wide", "generate": {"count": 4, "numSteps": WIDTH}},
+                               {"name": "parts", "env": "wide-lookup", "generate": {"count": 4}}],
+                     "stages": [{"name": "subagents", "type": "sft", "tasks": ["parts"]}, stage]}}
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    job = RLJob.model_validate(job_doc())
+    envs = [(WideEnvironment(), None), (WideLookupEnvironment(), None)]
+    texts, words = [], []
+    for (env, _), spec in zip(envs, job.spec.tasks):
+        tasks = env.generate_tasks(spec.generate)
+        texts += env.tokenizer_corpus(tasks)
+        words += env.tokenizer_words(tasks)
+    path = train_tokenizer(texts, tmp_path_factory.mktemp("tok"), vocab_size=400,
+                           special_tokens=list(TAGS) + sorted(set(words)), split_digits=True)
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+@pytest.fixture()
+def manager(tmp_path):
+    return EpisodeManager(RLJob.model_validate(job_doc()), base_dir=tmp_path, owner="swarm-test")
+
+
+class Scripted:
+    """An engine whose reply is `policy(context text)`; counts generations running at once."""
+
+    fingerprint = "scripted"
+
+    def __init__(self, tok, policy, delay: float = 0.0, version: int = 0) -> None:
+        self.tok, self.policy, self.delay, self.policy_version = tok, policy, delay, version
+        self.running = self.peak = self.calls = 0
+
+    async def generate(self, prompt, sampling):
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+        self.calls += 1
+        try:
+            await asyncio.sleep(self.delay)
+            reply = self.policy(self.tok.decode(prompt, skip_special_tokens=False))
+        finally:
+            self.running -= 1
+        ids = self.tok.encode(reply, add_special_tokens=False)
+        return Generation(ids, [-0.1] * len(ids), [self.policy_version] * len(ids), "stop")
+
+
+def subagent_policy(text: str) -> str:
+    """Follow the chain: cat the start, then each value read, then answer the last."""
+    start, hops = map(int, re.search(r"end of (\d+), (\d+) hops", text).groups())
+    seen = re.findall(r"<obs>(\d+)</obs>", text)
+    if len(seen) < hops:
+        return f"<call>bash cat notes/{seen[-1] if seen else start}</call>"
+    return f"<answer>{seen[-1]}</answer>"
+
+
+def orchestrator(script: list[str]):
+    """Replies in order; `ANSWER` becomes the ends read from the waits, in s1, s2, ... order."""
+    def policy(text: str) -> str:
+        reply = script[len(re.findall(r"</call>", text))]
+        if reply == "ANSWER":
+            ends = dict(re.findall(r"(s\d+): (\d+)", text))
+            return f"<answer>{' '.join(ends[k] for k in sorted(ends))}</answer>"
+        return reply
+    return policy
+
+
+def starts(manager) -> list[int]:
+    return manager.task("wide", 0).starts
+
+
+def play(manager, tok, script, *, parl=Parl(0.5, 0.5, WIDTH), sub_engine=None, engine=None,
+         max_subagents=8, delay=0.05):
+    fmt = make_format("tags", tok)
+    sub_engine = sub_engine or Scripted(tok, subagent_policy, delay)
+    subagents = Subagents(sub_engine, fmt, SamplingOptions(), Limits(max_turns=4, max_tokens_per_turn=16),
+                          max_per_episode=max_subagents)
+    engine = engine or Scripted(tok, orchestrator(script))
+    trajs = asyncio.run(run_swarm_episode(
+        engine, LocalEnvClient(manager), fmt, subagents, parl, task_set="wide", index=0,
+        sampling=SamplingOptions(), limits=Limits(max_turns=12, max_tokens_per_turn=16,
+                                                  max_total_tokens=512)))
+    return trajs[0], sub_engine
+
+
+def serial(manager) -> list[str]:
+    return [r for s in starts(manager) for r in (f"<call>assign {s}</call>", "<call>wait all</call>")
+            ] + ["ANSWER"]
+
+
+def parallel(manager) -> list[str]:
+    return [f"<call>assign {s}</call>" for s in starts(manager)] + ["<call>wait all</call>", "ANSWER"]
+
+
+def test_assigning_before_waiting_runs_subagents_at_once_and_shortens_the_critical_path(manager, tok):
+    one, sub_one = play(manager, tok, serial(manager))
+    many, sub_many = play(manager, tok, parallel(manager))
+    for t in (one, many):
+        assert t.reward_parts["parl/perf"] == 1.0, t.verifier_output
+        assert t.reward_parts["parl/finish"] == 1.0
+        assert t.reward_parts["swarm/subagents"] == WIDTH
+        # 3 subagents x (2 reads + 1 answer) calls, plus the orchestrator's own.
+        assert t.reward_parts["swarm/total_steps"] == 3 * WIDTH + (2 * WIDTH + 1 if t is one else WIDTH + 2)
+    # Serial: assign (1), the subagent's 3 calls (2..4) before the wait's result is seen, for
+    # each start in turn, then the answer: 4 * 3 + 1. Parallel: the last assign at depth 3, its
+    # subagent done at 6, the answer at 7.
+    assert one.reward_parts["swarm/critical_path_steps"] == 4 * WIDTH + 1
+    assert many.reward_parts["swarm/critical_path_steps"] == WIDTH + 4
+    assert (sub_one.peak, sub_many.peak) == (1, WIDTH)
+    assert (one.reward_parts["swarm/peak_parallel"], many.reward_parts["swarm/peak_parallel"]) == (1, WIDTH)
+    assert one.reward == pytest.approx(0.5 / WIDTH + 0.5 + 1.0)
+    assert many.reward == pytest.approx(0.5 + 0.5 + 1.0)
+
+
+def test_only_the_orchestrators_replies_are_trained_on(manager, tok):
+    t, _ = play(manager, tok, parallel(manager))
+    trained = tok.decode([x for x, m in zip(t.tokens, t.loss_mask) if m], skip_special_tokens=False)
+    ends = manager.task("wide", 0).ends
+    assert trained == "".join(parallel(manager)[:-1]) + f"<answer>{' '.join(map(str, ends))}</answer>"
+    context = tok.decode([x for x, m in zip(t.tokens, t.loss_mask) if not m], skip_special_tokens=False)
+    # The subagents' answers reached the orchestrator as one observation; their reads did not.
+    assert "<obs>" + "\n".join(f"s{i}: {e}" for i, e in enumerate(ends, 1)) + "</obs>" in context
+    assert "cat notes" not in tok.decode(t.tokens, skip_special_tokens=False)
+
+
+def test_limits_and_a_subagents_failure_become_observations(manager, tok):
+    first, second, third = starts(manager)
+    script = ["<call>wait all</call>", f"<call>assign {first}</call>", "<call>assign 5</call>",
+              f"<call>assign {third}</call>", "<call>wait s9</call>", "<call>wait all</call>", "ANSWER"]
+    t, _ = play(manager, tok, script, max_subagents=2)
+    context = tok.decode(t.tokens, skip_special_tokens=False)
+    obs = re.findall(r"<obs>(.*?)</obs>", context, re.S)
+    assert obs[0] == "error: no subagent is working"
+    assert obs[1:3] == ["s1", "s2"]
+    assert obs[3] == "error: this episode may create at most 2 subagents"
+    assert obs[4] == "error: no subagent s9"
+    assert obs[5].splitlines()[0] == f"s1: {manager.task('wide', 0).ends[0]}"
+    assert obs[5].splitlines()[1].startswith("s2: error: ") and "'5' is not one of this task's starts" in obs[5]
+    assert t.reward_parts["parl/finish"] == pytest.approx(1 / 2)
+    assert t.reward_parts["parl/perf"] == 0.0  # two ends of three
+
+
+def test_subagents_stay_on_their_pinned_version(manager, tok):
+    # The orchestrator's weights change during the episode; the subagents' never do.
+    script = parallel(manager)
+    engine = Scripted(tok, orchestrator(script))
+    policy = engine.policy
+
+    def moving(text: str) -> str:
+        engine.policy_version += 1
+        return policy(text)
+    engine.policy = moving
+    t, sub = play(manager, tok, script, engine=engine)
+    assert t.newest_version > t.oldest_version and sub.policy_version == 0
+    assert t.reward_parts["parl/perf"] == 1.0
+
+    # A subagents' engine that got new weights is a broken deployment: the episode fails.
+    drifting = Scripted(tok, subagent_policy)
+    sub_policy = drifting.policy
+
+    def drift(text: str) -> str:
+        drifting.policy_version = 3
+        return sub_policy(text)
+    drifting.policy = drift
+    with pytest.raises(SubagentNotFrozen, match="pinned to version 0"):
+        play(manager, tok, parallel(manager), sub_engine=drifting)
+
+
+def test_parl_reward_and_annealing_by_hand():
+    parl = Parl(lambda_parallel=0.4, lambda_finish=0.2, target=4)
+    parts = parl.reward(r_perf=1.0, peak=2, assigned=4, finished=3)
+    assert (parts["parl/parallel"], parts["parl/finish"]) == (0.5, 0.75)
+    assert parts["parl/total"] == pytest.approx(0.4 * 0.5 + 0.2 * 0.75 + 1.0)
+    assert parl.reward(0.0, peak=9, assigned=0, finished=0)["parl/parallel"] == 1.0
+    assert parl.reward(0.0, peak=0, assigned=0, finished=0)["parl/total"] == 0.0
+    assert [annealed(0.4, s, 10, 30) for s in (0, 10, 20, 25, 30, 99)] == pytest.approx(
+        [0.4, 0.4, 0.2, 0.1, 0.0, 0.0])
+
+
+@pytest.mark.parametrize("swarm, message", [
+    ({"subagents": "swarm"}, "does not come before this one"),
+    ({"subagents": "nowhere"}, "neither an earlier stage"),
+    ({"subagents": "subagents", "annealStart": 5, "annealEnd": 5}, "annealEnd (5) must come after"),
+    ({"subagents": "subagents", "maxSubagents": 2, "parallelTarget": 3}, "parallelTarget (3) exceeds"),
+])
+def test_bad_swarm_settings_are_named(swarm, message):
+    with pytest.raises(ValidationError, match=re.escape(message)):
+        RLJob.model_validate(job_doc(**swarm))
+    assert RLJob.model_validate(job_doc(subagents="subagents")).spec.stages[1].swarm.target == 8
+
+
+def test_wide_demonstrations_solve_their_tasks_and_splits_never_meet():
+    import random
+    env = WideEnvironment()
+    spec = RLJob.model_validate(job_doc()).spec.tasks[0].generate
+    train = env.generate_tasks(spec)
+    held = env.generate_tasks(spec.model_copy(update={"split": "heldout"}))
+    assert not {tuple(t.starts) for t in train} & {tuple(t.starts) for t in held}
+    for task in train:
+        turns = env.demonstrate(task, random.Random(0))
+        assert env.grade_demonstration(task, turns).reward == 1.0
+        assert len(turns) == 2 * WIDTH + 1  # serial: assign, wait, for each start
+        sub = env.subtask(task, "worker", "", str(task.starts[1]))
+        assert (sub.starts, sub.ends) == ([task.starts[1]], [task.ends[1]])
+        assert WideLookupEnvironment().grade_demonstration(sub, env.demonstrate(sub, random.Random(0))).reward == 1.0
+        with pytest.raises(ValueError, match="not one of this task's starts"):
+            env.subtask(task, "worker", "", "x")
