@@ -97,6 +97,8 @@ class Evaluation:
     greedy_success: float
     sampled_success: float
     seconds: float
+    critical_path_steps: float = 0.0
+    """Swarm task sets: mean critical-path steps per episode (greedy ones, when run)."""
 
 
 @dataclass

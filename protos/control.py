@@ -41,12 +41,13 @@ def rollout_status_from_proto(msg: rpb.RolloutStatus) -> RolloutStatus:
 def evaluation_to_proto(e: Evaluation) -> rpb.EvaluateResponse:
     return rpb.EvaluateResponse(policy_version=e.policy_version, tasks=e.tasks,
                                greedy_success=e.greedy_success,
-                               sampled_success=e.sampled_success, seconds=e.seconds)
+                               sampled_success=e.sampled_success, seconds=e.seconds,
+                               critical_path_steps=e.critical_path_steps)
 
 
 def evaluation_from_proto(msg: rpb.EvaluateResponse) -> Evaluation:
     return Evaluation(msg.policy_version, msg.tasks, msg.greedy_success, msg.sampled_success,
-                      msg.seconds)
+                      msg.seconds, msg.critical_path_steps)
 
 
 def trainer_status_to_proto(s: TrainerStatus) -> tpb.TrainerStatus:

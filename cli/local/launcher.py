@@ -52,6 +52,10 @@ def _resolve(job: RLJob, job_file: Path) -> RLJob:
             st = st.model_copy(update={"rl": rl.model_copy(update={
                 "teacher": checkpoint(rl.teacher),
                 "teachers": [t.model_copy(update={"teacher": checkpoint(t.teacher)}) for t in rl.teachers]})})
+        swarm = getattr(st, "swarm", None)
+        if swarm is not None:
+            st = st.model_copy(update={"swarm": swarm.model_copy(
+                update={"subagents": checkpoint(swarm.subagents)})})
         stages.append(st)
     return job.model_copy(update={"spec": spec.model_copy(
         update={"model": model, "tasks": tasks, "stages": stages})})

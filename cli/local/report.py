@@ -57,6 +57,12 @@ def write_summary(job: RLJob, run_dir: Path, state, *, wall_seconds: float) -> d
                 summary.setdefault("heldout_success_after_rl", after["greedy_success"])
                 summary.setdefault("heldout_sampled_success_before_rl", before["sampled_success"])
                 summary.setdefault("heldout_sampled_success_after_rl", after["sampled_success"])
+                if getattr(stage, "swarm", None) is not None:
+                    # Agent swarms: mean critical-path steps of the held-out episodes.
+                    summary.setdefault("critical_path_steps_before_rl",
+                                       before.get("critical_path_steps", 0.0))
+                    summary.setdefault("critical_path_steps_after_rl",
+                                       after.get("critical_path_steps", 0.0))
     scoring = teacher_scoring(job, recs)
     if scoring:
         summary["teacher_scoring"] = scoring

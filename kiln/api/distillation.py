@@ -21,8 +21,11 @@ def stage_teachers(stage) -> list[tuple[str, list[str]]]:
 
 
 def teacher_refs(spec) -> list[str]:
-    """The job's distinct teachers, in order of first mention."""
-    return list(dict.fromkeys(ref for stage in spec.stages for ref, _ in stage_teachers(stage)))
+    """The job's distinct frozen deployments: its teachers, in order of first mention, then its
+    swarm stages' subagents (served the same way, answering Generate rather than Score)."""
+    refs = [ref for stage in spec.stages for ref, _ in stage_teachers(stage)]
+    refs += [stage.swarm.subagents for stage in spec.stages if getattr(stage, "swarm", None)]
+    return list(dict.fromkeys(refs))
 
 
 def teacher_process(index: int) -> str:

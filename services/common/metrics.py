@@ -68,6 +68,13 @@ TEACHER_SCORE_SECONDS = Histogram(
     "(on-policy distillation)", buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30))
 TEACHER_SCORED_TOKENS = Counter("kiln_teacher_scored_tokens_total",
                                 "Tokens scored by the teacher (on-policy distillation)")
+_STEPS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+SWARM_SUBAGENTS = Histogram("kiln_swarm_subagents", "Subagents created per orchestrator episode "
+                            "(agent swarm stages)", buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32, 64))
+SWARM_CRITICAL_PATH = Histogram("kiln_swarm_critical_path_steps", "Longest chain of dependent "
+                                "model calls per orchestrator episode", buckets=_STEPS)
+SWARM_TOTAL_STEPS = Histogram("kiln_swarm_total_steps", "Model calls per orchestrator episode, "
+                              "its subagents' included", buckets=_STEPS)
 BUFFER_WRITE_ERRORS = Counter("kiln_buffer_write_errors_total",
                               "Writes of the buffer's log that failed (the call was refused, "
                               "nothing stored)", ["errno"])

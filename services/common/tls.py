@@ -42,6 +42,8 @@ CALLERS: dict[str, frozenset[str]] = {
     **{f"/kiln.v1.Rollout/{m}": frozenset({"operator"}) for m in ("SetMode", "Evaluate", "GetStatus")},
     # A student's rollout asks a teacher's (a rollout deployment of its own) to score.
     "/kiln.v1.Rollout/Score": frozenset({"rollout", "operator"}),
+    # A swarm's orchestrator (on the rollout service) samples its frozen subagents' turns.
+    "/kiln.v1.Rollout/Generate": frozenset({"rollout", "operator"}),
     **{f"/kiln.v1.Trainer/{m}": frozenset({"operator"}) for m in ("RunStage", "GetTrainerStatus")},
     "/kiln.v1.WeightSync/Publish": frozenset({"trainer"}),
     "/kiln.v1.WeightSync/Subscribe": frozenset({"rollout"}),

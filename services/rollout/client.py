@@ -40,3 +40,45 @@ class RolloutClient:
 
     def close(self) -> None:
         self._channel.close()
+
+
+class FrozenEngine:
+    """The agent loop's `Engine` over a frozen deployment's Generate (a swarm's subagents: a
+    rollout pinned to a checkpoint, `kiln-rollout --teacher DIR`), asynchronous, over mutual
+    TLS, retried while the deployment starts or restarts (it may wait for an earlier stage to
+    make its checkpoint). `policy_version` is the version its last answer came from."""
+
+    fingerprint = "frozen"
+
+    def __init__(self, address: str, *, attempts: int = 120) -> None:
+        import grpc
+
+        self._channel = tls.aio_channel(address, "rollout", CHANNEL_OPTIONS)
+        self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
+        self._retry = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED,
+                       grpc.StatusCode.DEADLINE_EXCEEDED}
+        self.attempts = attempts
+        self.policy_version = 0
+
+    async def generate(self, prompt, sampling):
+        import asyncio
+
+        import grpc
+
+        from kiln.services.rollout.engine import Generation
+
+        for attempt in range(self.attempts):
+            try:
+                resp = await self._stub.Generate(wire.generate_request(prompt, sampling), timeout=300)
+                break
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in self._retry or attempt == self.attempts - 1:
+                    raise
+                await asyncio.sleep(min(0.5 * (attempt + 1), 5.0))
+        self.policy_version = resp.policy_version
+        ids = list(resp.token_ids)
+        return Generation(ids, list(resp.logprobs), [resp.policy_version] * len(ids),
+                          resp.finish_reason)
+
+    async def close(self) -> None:
+        await self._channel.close()

@@ -13,11 +13,14 @@ Every tenth finished trajectory is also kept in `<run-dir>/trajectories.jsonl` f
 
     kiln-rollout --job job.yaml --teacher DIR ...
 
-serves a teacher instead: the checkpoint in DIR, never updated, answering `Score` only. A job
+serves a frozen deployment instead: the checkpoint in DIR, never updated, answering `Score`
+(a teacher's) and `Generate` (a swarm's subagents'). A job
 with on-policy distillation stages (`rl.advantage: opd`) has its rollout send each group of
 trajectories of those stages to the teacher of their task set and ship them with the
 teacher's per-token log-probs; the job's teachers, in `kiln.api.distillation.teacher_refs`
-order, are at `KILN_TEACHER_ADDR`, `KILN_TEACHER_1_ADDR`, ...
+order, are at `KILN_TEACHER_ADDR`, `KILN_TEACHER_1_ADDR`, ...; a swarm stage's subagents
+(`spec.stages[].swarm.subagents`) are one of those deployments, which its orchestrators'
+subagent episodes generate on (`swarm.py`).
 """
 from __future__ import annotations
 
@@ -60,6 +63,29 @@ def teachers_by_task(job: RLJob, scorers: list) -> dict[tuple[str, str], object]
     refs = teacher_refs(job.spec)
     return {(stage.name, task): scorers[refs.index(ref)]
             for stage in job.spec.stages for ref, tasks in stage_teachers(stage) for task in tasks}
+
+
+def swarm_runs(job: RLJob, fmt, sampling) -> dict[str, object]:
+    """Stage -> `SwarmRun` of the job's swarm stages, each one's subagents on the frozen
+    deployment of its checkpoint (`kiln.api.distillation.teacher_refs` numbers them)."""
+    from kiln.services.rollout.agent import Limits
+    from kiln.services.rollout.client import FrozenEngine
+    from kiln.services.rollout.swarm import Subagents, SwarmRun
+
+    refs, spec, out = teacher_refs(job.spec), job.spec, {}
+    s = spec.rollout.sampling
+    for stage in spec.stages:
+        swarm = getattr(stage, "swarm", None)
+        if swarm is None:
+            continue
+        engine = FrozenEngine(_addr(teacher_process(refs.index(swarm.subagents)).upper()))
+        limits = Limits(swarm.max_subagent_turns, s.max_tokens_per_turn, s.max_total_tokens,
+                        thinking=spec.rollout.thinking)
+        evaluated = stage.eval.tasks if stage.eval else []
+        out[stage.name] = SwarmRun(swarm, Subagents(engine, fmt, sampling, limits,
+                                                    max_per_episode=swarm.max_subagents),
+                                   stage.max_steps, frozenset(stage.tasks + evaluated))
+    return out
 
 
 async def build_teacher(job: RLJob, args: argparse.Namespace):
@@ -154,6 +180,8 @@ async def build(job: RLJob | None, args: argparse.Namespace):
     distilled = opd_stages(job)
     clients = [teacher_client(_addr(teacher_process(i).upper())) for i in range(len(teacher_refs(spec)))]
     teachers = teachers_by_task(job, [score for score, _ in clients])
+    swarms = swarm_runs(job, fmt, SamplingOptions(temperature=s.temperature, top_p=s.top_p,
+                                                  max_tokens=s.max_tokens_per_turn, seed=None))
     producer = Producer(
         engine, env, fmt, buffer,
         sampling=SamplingOptions(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens_per_turn,
@@ -163,7 +191,7 @@ async def build(job: RLJob | None, args: argparse.Namespace):
         max_concurrent=spec.rollout.max_concurrent_episodes,
         target_occupancy=spec.rollout.target_engine_occupancy,
         samples_path=args.run_dir / "trajectories.jsonl", sample_every=spec.rollout.sample_every,
-        teachers=teachers, opd_stages=distilled,
+        teachers=teachers, opd_stages=distilled, swarms=swarms,
         # Set per replica (kiln run's worker index, the pod's name on a cluster).
         stream=os.environ.get("KILN_ROLLOUT_REPLICA", ""))
     producer.start()
@@ -211,6 +239,8 @@ async def build(job: RLJob | None, args: argparse.Namespace):
         await sync_channel.close()
         for _, channel in clients:
             await channel.close()
+        for run in swarms.values():
+            await run.subagents.engine.close()
         await buffer.aclose()
 
     return [Registration(rollout_pb2_grpc.add_RolloutServicer_to_server, servicer, "kiln.v1.Rollout")], on_stop

@@ -42,6 +42,7 @@ from kiln.services.rollout.agent import EpisodeStale, Limits, demonstration_traj
 from kiln.services.rollout.engine import Engine, SamplingOptions
 from kiln.services.rollout.formats import Format
 from kiln.services.rollout.occupancy import EngineTimer, EnvTimer, Occupancy
+from kiln.services.rollout.swarm import SwarmRun, run_swarm_episode
 from kiln.services.rollout.wire import ModeRequest, RolloutMode
 from kiln.services.sandbox.client import EnvClient
 from kiln.trajectory import Trajectory
@@ -82,7 +83,8 @@ class Producer:
                  target_occupancy: int | None = None, samples_path: Path | None = None,
                  sample_every: int = 10,
                  teachers: dict[tuple[str, str], Scorer] | None = None,
-                 opd_stages: frozenset[str] = frozenset(), stream: str = "") -> None:
+                 opd_stages: frozenset[str] = frozenset(), stream: str = "",
+                 swarms: dict[str, SwarmRun] | None = None) -> None:
         self.occupancy = Occupancy()
         self.engine, self.env = EngineTimer(engine), EnvTimer(env, self.occupancy)
         self.fmt, self.buffer = fmt, buffer
@@ -92,6 +94,9 @@ class Producer:
         (on-policy distillation): its per-token log-probs go on each trajectory, for the
         trainer's advantage."""
         self.opd_stages = opd_stages
+        self.swarms = swarms or {}
+        """Stage -> its swarm: those stages' episodes are orchestrators' (`swarm.py`)."""
+        self._stage_start: dict[str, int] = {}
         self.stream = stream
         """Which replica's task stream this is ("" for the first): replicas of one job draw
         different tasks from the same seed."""
@@ -132,6 +137,7 @@ class Producer:
     def set_mode(self, mode: Mode) -> None:
         if mode.stage != self.mode.stage and mode.mode != IDLE:
             self.recent_rewards.clear()  # the pass rate shown is this stage's, not the last one's
+            self._stage_start.setdefault(mode.stage, self.engine.policy_version)
         self.mode = mode
         self._changed.set()
 
@@ -225,7 +231,7 @@ class Producer:
 
         async def member(**kwargs):
             try:
-                return await run_episode(self.engine, self.env, self.fmt, **kwargs)
+                return await self._episode(mode.stage, **kwargs)
             finally:
                 playing[0] -= 1
                 self.occupancy.finish(1)
@@ -282,6 +288,18 @@ class Producer:
             for _ in range(group):
                 self._slots.release()
 
+    async def _episode(self, stage: str, **kwargs) -> list[Trajectory]:
+        """One episode of the stage: an orchestrator's in a swarm stage, else the agent's."""
+        swarm = self.swarms.get(stage)
+        if swarm is None:
+            return await run_episode(self.engine, self.env, self.fmt, **kwargs)
+        step = self.engine.policy_version - self._stage_start.get(stage, self.engine.policy_version)
+        trajs = await run_swarm_episode(
+            self.engine, self.env.env, self.fmt, swarm.subagents, swarm.parl(step),
+            wrap=lambda env: EnvTimer(env, self.occupancy), **kwargs)
+        swarm.observe(trajs)
+        return trajs
+
     def _staleness_check(self, mode: Mode):
         """The group's `stale` test for run_episode: a group is as old as its oldest member
         (the buffer judges it so), so the members share one oldest version and all stop once
@@ -330,22 +348,31 @@ class Producer:
 
     # ---------------------------------------------------------------- evaluation
     async def evaluate(self, task_set: str, size: int, *, max_tasks: int, samples: int,
-                       greedy: bool) -> tuple[int, float, float]:
-        """(tasks, greedy success, sampled success) at the current policy version."""
+                       greedy: bool) -> tuple[int, float, float, float]:
+        """(tasks, greedy success, sampled success, mean critical-path steps of a swarm task
+        set's episodes or 0) at the current policy version."""
         n = min(size, max_tasks) if max_tasks else size
         sem = asyncio.Semaphore(self.max_concurrent)
 
-        async def one(index: int, temperature: float) -> float:
+        # A task set a swarm stage trains or evaluates on is played by orchestrators.
+        stage = next((name for name, run in self.swarms.items() if task_set in run.task_sets), "")
+
+        async def one(index: int, temperature: float) -> tuple[float, float]:
             async with sem:
-                trajs = await run_episode(
-                    self.engine, self.env, self.fmt, task_set=task_set, index=index,
+                trajs = await self._episode(
+                    stage, task_set=task_set, index=index,
                     sampling=dataclasses.replace(self.sampling, temperature=temperature, seed=None),
                     limits=self.limits)
-                return trajs[0].reward
+                parts = trajs[0].reward_parts
+                # Success is the task's own outcome, not PARL's shaped total.
+                return (parts.get("parl/perf", trajs[0].reward),
+                        parts.get("swarm/critical_path_steps", 0.0))
 
-        greedy_rewards = await asyncio.gather(*[one(i, 0.0) for i in range(n)]) if greedy else []
+        greedy_runs = await asyncio.gather(*[one(i, 0.0) for i in range(n)]) if greedy else []
         sampled = await asyncio.gather(*[one(i, self.sampling.temperature)
                                          for i in range(n) for _ in range(samples)])
-        g = sum(r >= 1.0 for r in greedy_rewards) / len(greedy_rewards) if greedy_rewards else 0.0
-        s = sum(r >= 1.0 for r in sampled) / len(sampled) if sampled else 0.0
-        return n, g, s
+        g = sum(r >= 1.0 for r, _ in greedy_runs) / len(greedy_runs) if greedy_runs else 0.0
+        s = sum(r >= 1.0 for r, _ in sampled) / len(sampled) if sampled else 0.0
+        runs = greedy_runs or sampled
+        path = sum(p for _, p in runs) / len(runs) if runs else 0.0
+        return n, g, s, path

@@ -1,13 +1,14 @@
 """gRPC servicers of `kiln.v1.Rollout`: `RolloutServicer` translates protobuf <-> `Producer`
-calls; `TeacherServicer` is a teacher's (a rollout pinned to a checkpoint that only scores:
-Score and GetStatus, everything else UNIMPLEMENTED)."""
+calls; `TeacherServicer` is a frozen deployment's (a rollout pinned to a checkpoint: a
+teacher's Score, a swarm's subagents' Generate, and GetStatus; everything else
+UNIMPLEMENTED)."""
 from __future__ import annotations
 
 import time
 
 import grpc
 
-from kiln.protos.kiln.v1 import rollout_pb2_grpc
+from kiln.protos.kiln.v1 import rollout_pb2, rollout_pb2_grpc
 from kiln.services.rollout import wire
 from kiln.services.rollout.engine import Engine
 from kiln.services.rollout.producer import Mode, Producer
@@ -53,11 +54,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                                 f"task_set: {request.task_set!r} not served (known: {sorted(self.task_sets)})")
         start = time.monotonic()
         version = self.producer.engine.policy_version
-        n, greedy, sampled = await self.producer.evaluate(
+        n, greedy, sampled, path = await self.producer.evaluate(
             request.task_set, self.task_sets[request.task_set][1], max_tasks=request.max_tasks,
             samples=request.samples, greedy=request.greedy)
         return wire.evaluation_to_proto(wire.Evaluation(version, n, greedy, sampled,
-                                                        time.monotonic() - start))
+                                                        time.monotonic() - start, path))
 
 
 class TeacherServicer(rollout_pb2_grpc.RolloutServicer):
@@ -68,6 +69,17 @@ class TeacherServicer(rollout_pb2_grpc.RolloutServicer):
 
     async def Score(self, request, context):
         return await _score(self.engine, request, context)
+
+    async def Generate(self, request, context):
+        """A frozen deployment's completion (a swarm's subagents)."""
+        try:
+            sampling = wire.sampling_from_proto(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        gen = await self.engine.generate(list(request.token_ids), sampling)
+        return rollout_pb2.GenerateResponse(
+            token_ids=gen.token_ids, logprobs=gen.logprobs, finish_reason=gen.finish_reason,
+            policy_version=max(gen.versions, default=self.engine.policy_version))
 
     async def GetStatus(self, request, context):
         return wire.status_to_proto(wire.RolloutStatus(

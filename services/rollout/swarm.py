@@ -33,7 +33,9 @@ from kiln.services.rollout.agent import Limits, run_episode
 from kiln.services.rollout.engine import Engine, SamplingOptions
 from kiln.services.rollout.formats import Format
 from kiln.services.sandbox.client import EnvClient
-from kiln.swarm import ASSIGN, CREATE, TOOL_NAMES, Parl, SwarmStats
+from kiln.api.swarm import SwarmSettings
+from kiln.services.common import metrics
+from kiln.swarm import ASSIGN, CREATE, TOOL_NAMES, Parl, SwarmStats, annealed
 from kiln.trajectory import Trajectory
 
 
@@ -246,8 +248,37 @@ class SwarmEnv:
 
 
 async def run_swarm_episode(engine: Engine, env: EnvClient, fmt: Format, subagents: Subagents,
-                            parl: Parl, **kwargs) -> list[Trajectory]:
+                            parl: Parl, *, wrap=None, **kwargs) -> list[Trajectory]:
     """`run_episode` (same arguments) of an orchestrator: the swarm tools answered, subagents
-    played on `subagents`' engine, the reward PARL's."""
+    played on `subagents`' engine (on `env` itself), the reward PARL's. `wrap` wraps the
+    orchestrator's environment (the producer's occupancy timer: an orchestrator waiting on its
+    subagents is stepping, not occupying the engine)."""
     swarm = SwarmEnv(env, subagents, parl)
-    return swarm.rewarded(await run_episode(engine, swarm, fmt, **kwargs))
+    played = await run_episode(engine, wrap(swarm) if wrap else swarm, fmt, **kwargs)
+    return swarm.rewarded(played)
+
+
+@dataclass
+class SwarmRun:
+    """A swarm stage as rollout runs it: its subagents, PARL's weights and their schedule."""
+
+    settings: SwarmSettings
+    subagents: Subagents
+    max_steps: int
+    task_sets: frozenset[str] = frozenset()
+    """The stage's training and evaluation task sets (played by orchestrators)."""
+
+    def parl(self, step: int) -> Parl:
+        s = self.settings
+        end = s.anneal_end or self.max_steps
+        return Parl(annealed(s.lambda_parallel, step, s.anneal_start, end),
+                    annealed(s.lambda_finish, step, s.anneal_start, end), s.target)
+
+    def observe(self, trajs: list[Trajectory]) -> None:
+        """The episode's measurements into Prometheus."""
+        if not trajs:
+            return
+        parts = trajs[-1].reward_parts
+        metrics.SWARM_SUBAGENTS.observe(parts.get("swarm/subagents", 0.0))
+        metrics.SWARM_CRITICAL_PATH.observe(parts.get("swarm/critical_path_steps", 0.0))
+        metrics.SWARM_TOTAL_STEPS.observe(parts.get("swarm/total_steps", 0.0))

@@ -41,3 +41,20 @@ def score_response(logprobs: list[list[float]], version: int) -> rollout_pb2.Sco
     return rollout_pb2.ScoreResponse(
         sequences=[rollout_pb2.TokenLogprobs(logprobs=row) for row in logprobs],
         policy_version=version)
+
+
+def generate_request(prompt: Sequence[int], sampling) -> rollout_pb2.GenerateRequest:
+    return rollout_pb2.GenerateRequest(
+        token_ids=list(prompt), max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+        top_p=sampling.top_p, stop_token_ids=list(sampling.stop_token_ids))
+
+
+def sampling_from_proto(msg: rollout_pb2.GenerateRequest):
+    """The request's sampling options; ValueError naming a bad field."""
+    from kiln.services.rollout.engine import SamplingOptions
+
+    if not msg.token_ids:
+        raise ValueError("token_ids: an empty context")
+    return SamplingOptions(temperature=msg.temperature, top_p=msg.top_p or 1.0,
+                           max_tokens=msg.max_tokens or 1, stop_token_ids=tuple(msg.stop_token_ids))
+

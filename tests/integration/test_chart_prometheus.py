@@ -187,7 +187,8 @@ def test_dashboard_covers_the_drift_metrics() -> None:
                    metrics.ICEPOP_MASK_FRACTION, metrics.MISMATCH_ABS, metrics.MISMATCH_KL,
                    metrics.SYNC_SECONDS, metrics.BUFFER_DEPTH, metrics.ROLLOUT_TOKENS,
                    metrics.SANDBOX_START_SECONDS, metrics.SANDBOX_FAILURES, metrics.REWARD_MEAN,
-                   metrics.ROUTING_FLIP_FRACTION):
+                   metrics.ROUTING_FLIP_FRACTION, metrics.SWARM_SUBAGENTS,
+                   metrics.SWARM_CRITICAL_PATH, metrics.SWARM_TOTAL_STEPS):
         assert metric._name in exprs, metric._name
     known = {m._name for m in vars(metrics).values() if hasattr(m, "_name")}
     used = set(re.findall(r"\bkiln_[a-z_]+", exprs))
@@ -237,6 +238,9 @@ EXPORTER = textwrap.dedent("""
         m.SANDBOX_START_SECONDS.labels("bubblewrap").observe(0.01)
         m.SANDBOX_FAILURES.labels("bubblewrap", "timeout").inc()
         m.SANDBOX_ACTIVE.labels("bubblewrap").set(3)
+        m.SWARM_SUBAGENTS.observe(i % 5)
+        m.SWARM_CRITICAL_PATH.observe(9)
+        m.SWARM_TOTAL_STEPS.observe(17)
 
     server, _ = start_http_server(0, addr="127.0.0.1")
     print(server.server_port, flush=True)

@@ -238,3 +238,66 @@ def test_kiln_run_distils_from_two_served_teachers(tmp_path):
     assert "waiting for" not in (run / "logs" / "teacher_1.log").read_text()
     steps = [r for r in _records(run) if r.get("stage") == "distil"]
     assert steps and max(r.get("step", 0) for r in steps) >= 3
+
+
+def test_kiln_run_trains_a_swarm_orchestrator_with_frozen_subagents(tmp_path):
+    """The swarm example cut down: a subagent SFT stage, an orchestrator SFT stage, two RL steps
+    with PARL. kiln run serves the subagents' stage as a teacher process (pinned to that stage's
+    final weights); the orchestrator's trajectories carry PARL's parts and the swarm
+    measurements, their loss masks cover no subagent output, and the summary holds critical-path
+    steps and success before and after RL."""
+    doc = yaml.safe_load((REPO / "deploy" / "examples" / "swarm.yaml").read_text())
+    spec = doc["spec"]
+    doc["metadata"]["name"] = "swarm-e2e"
+    spec["model"]["path"] = str(tmp_path / "model")
+    spec["model"]["init"].update(hiddenSize=64, numLayers=1, numHeads=2, numKvHeads=1,
+                                 intermediateSize=128)
+    for t in spec["tasks"]:
+        t["generate"]["count"] = 8 if "heldout" in t["name"] else 200
+    subagents, orchestrator, rl = spec["stages"]
+    for sft in (subagents, orchestrator):
+        sft.update(maxSteps=4, batchSize=8, microBatchSize=8, warmupSteps=0)
+    rl.update(maxSteps=2, batchSize=8, microBatchSize=8)
+    rl["rl"]["groupSize"] = 4
+    spec["rollout"]["sampleEvery"] = 1
+    spec["sandbox"]["maxConcurrent"] = 32
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(doc, sort_keys=False))
+    run = tmp_path / "run"
+    out = kiln_run(job, run)
+    assert "starting services: buffer, sandbox, weight_sync, trainer, teacher, rollout" in out
+    assert "waiting for" in (run / "logs" / "teacher.log").read_text()
+    samples = [json.loads(line) for line in (run / "rollout" / "trajectories.jsonl").read_text().splitlines()]
+    swarm = [t for t in samples if t["stage"] == "swarm"]
+    assert swarm, "no trajectory of the swarm stage was kept"
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "model"))
+    for t in swarm:
+        parts = t["reward_parts"]
+        assert {"parl/parallel", "parl/finish", "parl/perf", "parl/total", "swarm/subagents",
+                "swarm/critical_path_steps", "swarm/total_steps"} <= set(parts)
+        assert t["reward"] == pytest.approx(parts["parl/total"])
+        assert parts["swarm/critical_path_steps"] <= parts["swarm/total_steps"]
+        # Subagent answers come back in `wait`'s observation: the orchestrator trains on its own
+        # replies only (at most maxTurns x maxTokensPerTurn tokens), and every untrained stretch
+        # after the prompt is one whole observation.
+        traj = Trajectory.from_dict(t)
+        traj.check()
+        assert sum(traj.loss_mask) <= 10 * 16
+        masked, stretch = [], []
+        for token, mask in zip(traj.tokens[traj.prompt_len:], traj.loss_mask[traj.prompt_len:]):
+            if mask:
+                if stretch:
+                    masked.append(stretch)
+                stretch = []
+            else:
+                stretch.append(token)
+        for stretch in masked:
+            text = tok.decode(stretch, skip_special_tokens=False)
+            assert text.startswith("<obs>") and text.endswith("</obs>"), text
+    summary = json.loads((run / "summary.json").read_text())
+    for key in ("heldout_success_before_rl", "heldout_success_after_rl",
+                "critical_path_steps_before_rl", "critical_path_steps_after_rl"):
+        assert isinstance(summary[key], (int, float)), key
+    assert summary["critical_path_steps_before_rl"] >= 1

@@ -395,6 +395,10 @@ def test_operator_admits_sandboxes_only_where_the_admin_allows() -> None:
         "groupSize": 8, "advantage": "opd", "teacher": "/models/teacher"}}]})
     (why,) = OperatorConfig().refusals(opd)
     assert why.startswith("spec.stages[0].rl.advantage: opd") and "kiln run" in why
+    swarm = spec({**SMALL, "sandbox": {"replicas": 0}, "stages": [{**SMALL["stages"][0], "swarm": {
+        "subagents": "/models/subagents"}}]})
+    (why,) = OperatorConfig().refusals(swarm)
+    assert why.startswith("spec.stages[0].swarm: the subagents") and "kiln run" in why
 
 
 def test_sandbox_pod_privileges_and_runtime_class() -> None:

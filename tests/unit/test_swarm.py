@@ -121,12 +121,14 @@ def play(manager, tok, script, *, parl=Parl(0.5, 0.5, WIDTH), sub_engine=None, e
 
 
 def serial(manager) -> list[str]:
-    return [r for s in starts(manager) for r in (f"<call>assign {s}</call>", "<call>wait all</call>")
+    return [r for k in range(1, len(starts(manager)) + 1)
+            for r in (f"<call>assign {k}</call>", "<call>wait all</call>")
             ] + ["ANSWER"]
 
 
 def parallel(manager) -> list[str]:
-    return [f"<call>assign {s}</call>" for s in starts(manager)] + ["<call>wait all</call>", "ANSWER"]
+    return ([f"<call>assign {k}</call>" for k in range(1, len(starts(manager)) + 1)]
+            + ["<call>wait all</call>", "ANSWER"])
 
 
 def test_assigning_before_waiting_runs_subagents_at_once_and_shortens_the_critical_path(manager, tok):
@@ -161,9 +163,8 @@ def test_only_the_orchestrators_replies_are_trained_on(manager, tok):
 
 
 def test_limits_and_a_subagents_failure_become_observations(manager, tok):
-    first, second, third = starts(manager)
-    script = ["<call>wait all</call>", f"<call>assign {first}</call>", "<call>assign 5</call>",
-              f"<call>assign {third}</call>", "<call>wait s9</call>", "<call>wait all</call>", "ANSWER"]
+    script = ["<call>wait all</call>", "<call>assign 1</call>", "<call>assign 5</call>",
+              "<call>assign 3</call>", "<call>wait s9</call>", "<call>wait all</call>", "ANSWER"]
     t, _ = play(manager, tok, script, max_subagents=2)
     context = tok.decode(t.tokens, skip_special_tokens=False)
     obs = re.findall(r"<obs>(.*?)</obs>", context, re.S)
@@ -172,7 +173,7 @@ def test_limits_and_a_subagents_failure_become_observations(manager, tok):
     assert obs[3] == "error: this episode may create at most 2 subagents"
     assert obs[4] == "error: no subagent s9"
     assert obs[5].splitlines()[0] == f"s1: {manager.task('wide', 0).ends[0]}"
-    assert obs[5].splitlines()[1].startswith("s2: error: ") and "'5' is not one of this task's starts" in obs[5]
+    assert obs[5].splitlines()[1].startswith("s2: error: ") and "'5' is not one of this task's chains (1..3)" in obs[5]
     assert t.reward_parts["parl/finish"] == pytest.approx(1 / 2)
     assert t.reward_parts["parl/perf"] == 0.0  # two ends of three
 
@@ -237,8 +238,9 @@ def test_wide_demonstrations_solve_their_tasks_and_splits_never_meet():
         turns = env.demonstrate(task, random.Random(0))
         assert env.grade_demonstration(task, turns).reward == 1.0
         assert len(turns) == 2 * WIDTH + 1  # serial: assign, wait, for each start
-        sub = env.subtask(task, "worker", "", str(task.starts[1]))
+        sub = env.subtask(task, "worker", "", "2")
         assert (sub.starts, sub.ends) == ([task.starts[1]], [task.ends[1]])
         assert WideLookupEnvironment().grade_demonstration(sub, env.demonstrate(sub, random.Random(0))).reward == 1.0
-        with pytest.raises(ValueError, match="not one of this task's starts"):
-            env.subtask(task, "worker", "", "x")
+        for bad in ("x", "0", str(WIDTH + 1), str(task.starts[0])):
+            with pytest.raises(ValueError, match="not one of this task's chains"):
+                env.subtask(task, "worker", "", bad)

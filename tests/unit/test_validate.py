@@ -82,6 +82,22 @@ def test_forgetting_example_has_the_stages_and_evaluations_it_reports():
     assert taught == {"skill-a": stages[0].tasks, "skill-b": stages[1].tasks}
 
 
+def test_swarm_example_pins_its_subagents_to_an_earlier_stage():
+    """The swarm example: subagents from their own SFT stage, an orchestrator SFT stage whose
+    environment has the swarm tools, and an RL stage with PARL evaluated before and after on
+    held-out tasks (what summary.json's before/after figures come from)."""
+    (job,), problems = validate_file(REPO / "deploy" / "examples" / "swarm.yaml")
+    assert problems == []
+    subagents, orchestrator, rl = job.spec.stages
+    assert [s.type for s in job.spec.stages] == ["sft", "sft", "rl"]
+    assert rl.swarm is not None and rl.swarm.subagents == subagents.name
+    assert rl.swarm.lambda_parallel > 0 and rl.swarm.anneal_start < rl.max_steps
+    assert rl.eval.tasks == ["wide-heldout"] and rl.eval.before
+    envs = {t.name: t.env for t in job.spec.tasks}
+    assert [envs[t] for t in subagents.tasks] == ["wide-lookup"]
+    assert [envs[t] for t in orchestrator.tasks + rl.tasks] == ["wide", "wide"]
+
+
 CASES = {
     # name: (manifest text, expected field path, substring of the message)
     "yaml-syntax": (GOOD.replace("  name: demo", "  name: [demo"), "", "YAML syntax error"),
@@ -231,7 +247,7 @@ def test_env_takes_a_builtin_name_or_a_plugin_mapping() -> None:
                                 file="job.yaml")
     assert [str(p) for p in problems] == [
         "job.yaml:14: spec.tasks[1].env: expected one of 'chain', 'lookup', 'terminal', 'swe', "
-        "'search', 'code' or a {plugin: \"module:Name\"} mapping, found 'gvisor'"]
+        "'search', 'code', 'wide', 'wide-lookup' or a {plugin: \"module:Name\"} mapping, found 'gvisor'"]
 
 
 def test_validate_command_checks_the_plugin_example_job() -> None:

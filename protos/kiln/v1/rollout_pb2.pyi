@@ -100,6 +100,32 @@ class ScoreResponse(_message.Message):
     policy_version: int
     def __init__(self, sequences: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
+class GenerateRequest(_message.Message):
+    __slots__ = ("token_ids", "max_tokens", "temperature", "top_p", "stop_token_ids")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("token_ids", "logprobs", "policy_version", "finish_reason")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    policy_version: int
+    finish_reason: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., policy_version: _Optional[int] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+
 class EvaluateRequest(_message.Message):
     __slots__ = ("task_set", "max_tasks", "samples", "greedy")
     TASK_SET_FIELD_NUMBER: _ClassVar[int]
@@ -113,15 +139,17 @@ class EvaluateRequest(_message.Message):
     def __init__(self, task_set: _Optional[str] = ..., max_tasks: _Optional[int] = ..., samples: _Optional[int] = ..., greedy: _Optional[bool] = ...) -> None: ...
 
 class EvaluateResponse(_message.Message):
-    __slots__ = ("policy_version", "tasks", "greedy_success", "sampled_success", "seconds")
+    __slots__ = ("policy_version", "tasks", "greedy_success", "sampled_success", "seconds", "critical_path_steps")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     GREEDY_SUCCESS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_SUCCESS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CRITICAL_PATH_STEPS_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     tasks: int
     greedy_success: float
     sampled_success: float
     seconds: float
-    def __init__(self, policy_version: _Optional[int] = ..., tasks: _Optional[int] = ..., greedy_success: _Optional[float] = ..., sampled_success: _Optional[float] = ..., seconds: _Optional[float] = ...) -> None: ...
+    critical_path_steps: float
+    def __init__(self, policy_version: _Optional[int] = ..., tasks: _Optional[int] = ..., greedy_success: _Optional[float] = ..., sampled_success: _Optional[float] = ..., seconds: _Optional[float] = ..., critical_path_steps: _Optional[float] = ...) -> None: ...

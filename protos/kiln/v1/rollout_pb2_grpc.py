@@ -54,6 +54,11 @@ class RolloutStub:
                 request_serializer=kiln_dot_v1_dot_rollout__pb2.ScoreRequest.SerializeToString,
                 response_deserializer=kiln_dot_v1_dot_rollout__pb2.ScoreResponse.FromString,
                 _registered_method=True)
+        self.Generate = channel.unary_unary(
+                '/kiln.v1.Rollout/Generate',
+                request_serializer=kiln_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=kiln_dot_v1_dot_rollout__pb2.GenerateResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServicer:
@@ -87,6 +92,14 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Generate(self, request, context):
+        """One completion of a token sequence, served by a frozen deployment (a swarm's subagents:
+        a checkpoint pinned for the job). The trained rollout answers UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +122,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.Score,
                     request_deserializer=kiln_dot_v1_dot_rollout__pb2.ScoreRequest.FromString,
                     response_serializer=kiln_dot_v1_dot_rollout__pb2.ScoreResponse.SerializeToString,
+            ),
+            'Generate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=kiln_dot_v1_dot_rollout__pb2.GenerateRequest.FromString,
+                    response_serializer=kiln_dot_v1_dot_rollout__pb2.GenerateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +237,33 @@ class Rollout:
             '/kiln.v1.Rollout/Score',
             kiln_dot_v1_dot_rollout__pb2.ScoreRequest.SerializeToString,
             kiln_dot_v1_dot_rollout__pb2.ScoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kiln.v1.Rollout/Generate',
+            kiln_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
+            kiln_dot_v1_dot_rollout__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

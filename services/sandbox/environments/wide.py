@@ -3,14 +3,15 @@
 A `wide` task: the files under notes/ hold a permutation of 10..99, as in `lookup`; the task
 names K start numbers, and the answer is where each one's chain ends after `hops` lookups, in
 the order given. The orchestrator has no shell: it can only hand each chain to a subagent
-(`kiln.swarm`'s tools), wait for the ends and answer with them.
+(`kiln.swarm`'s tools; `assign 2` hands over the second start's chain), wait for the ends and
+answer with them.
 
     <task>ends of 37 52 18, 2 hops</task>
-    <call>assign 37</call>  <obs>s1</obs>  <call>wait all</call>  <obs>s1: 10</obs>  ...
+    <call>assign 1</call>  <obs>s1</obs>  <call>wait all</call>  <obs>s1: 10</obs>  ...
     <answer>10 64 33</answer>
 
-A sub-task (`subtask`, the text assigned must be one of the task's starts) is a `wide-lookup`
-task: one chain, in the same files, followed with the shell and answered in a reply.
+A sub-task (`subtask`: the text assigned is a chain's place, 1..K) is a `wide-lookup` task: one
+chain, in the same files, followed with the shell and answered in a reply.
 
     <task>end of 37, 2 hops</task>
     <call>bash cat notes/37</call>  <obs>82</obs>  <call>bash cat notes/82</call>  <obs>10</obs>
@@ -97,14 +98,17 @@ class WideEnvironment(LookupEnvironment):
         return SHELL if isinstance(task, WideLookupTask) else swarm.TOOLS
 
     def subtask(self, task: WideTask, role: str, instructions: str, assigned: str) -> WideTask:
+        # A sub-task is named by its place in the task (`assign 2`: the second start's chain);
+        # what the subagent sees is that chain alone.
         try:
-            start = int(assigned.strip())
+            k = int(assigned.strip())
         except ValueError:
-            start = None
-        if start not in task.starts:
-            raise ValueError(f"{assigned.strip()!r} is not one of this task's starts "
-                             f"({' '.join(map(str, task.starts))})")
-        end = task.ends[task.starts.index(start)]
+            k = 0
+        if not 1 <= k <= len(task.starts):
+            raise ValueError(f"{assigned.strip()!r} is not one of this task's chains "
+                             f"(1..{len(task.starts)})")
+        start = task.starts[k - 1]
+        end = task.ends[k - 1]
         return WideLookupTask(
             id=f"{task.id}/{start}", description=f"end of {start}, {task.hops} hops",
             files=task.files, test_script="true", starts=[start], ends=[end], hops=task.hops,
@@ -138,7 +142,7 @@ class WideEnvironment(LookupEnvironment):
             return turns + [AssistantTurn(content=str(key))]
         turns = []
         for i, (start, end) in enumerate(zip(task.starts, task.ends), 1):
-            turns.append(AssistantTurn(tool_calls=[ToolCall(swarm.ASSIGN, {"task": str(start)})],
+            turns.append(AssistantTurn(tool_calls=[ToolCall(swarm.ASSIGN, {"task": str(i)})],
                                        outputs=[f"s{i}"]))
             turns.append(AssistantTurn(tool_calls=[ToolCall(swarm.WAIT, {"subagents": "all"})],
                                        outputs=[f"s{i}: {end}"]))
