@@ -40,6 +40,8 @@ class EvaluationResult(Model):
     """Fraction solved with the stage's sampling temperature."""
     seconds: float = 0.0
     """How long the evaluation took."""
+    critical_path_steps: float = 0.0
+    """Agent swarm task sets: mean critical-path steps per episode (0 for others)."""
 
 
 class RLJobStatus(Model):

@@ -37,13 +37,18 @@ def test_run_state_round_trips_through_the_status_in_camel_case() -> None:
     state = RunState.load(store)
     assert state.finished_stages == [] and state.evaluations == {}
     state.finished_stages.append("sft")
-    state.evaluations["rl/before/h"] = {"policy_version": 3, "tasks": 8, "greedy_success": 0.25,
-                                        "sampled_success": 0.5, "seconds": 1.5}
+    # What the stage driver stores: the control plane's record as a dict, every field of it
+    # (a field the status model lacks would fail the save and stall the job).
+    import dataclasses
+
+    from kiln.control import Evaluation
+
+    state.evaluations["rl/before/h"] = dataclasses.asdict(Evaluation(3, 8, 0.25, 0.5, 1.5, 17.0))
     state.save()
     assert kube.status["finishedStages"] == ["sft"]
     assert kube.status["evaluations"]["rl/before/h"] == {
         "policyVersion": 3, "tasks": 8, "greedySuccess": 0.25, "sampledSuccess": 0.5,
-        "seconds": 1.5}
+        "seconds": 1.5, "criticalPathSteps": 17.0}
     again = RunState.load(StatusStore(kube, JOB, lambda: kube.status))
     assert again.finished_stages == ["sft"]
     assert again.evaluations["rl/before/h"]["greedy_success"] == 0.25
