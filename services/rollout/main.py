@@ -180,12 +180,12 @@ async def build(job: RLJob | None, args: argparse.Namespace):
     distilled = opd_stages(job)
     clients = [teacher_client(_addr(teacher_process(i).upper())) for i in range(len(teacher_refs(spec)))]
     teachers = teachers_by_task(job, [score for score, _ in clients])
-    swarms = swarm_runs(job, fmt, SamplingOptions(temperature=s.temperature, top_p=s.top_p,
-                                                  max_tokens=s.max_tokens_per_turn, seed=None))
+    sampling = SamplingOptions(temperature=s.temperature, top_p=s.top_p,
+                               max_tokens=s.max_tokens_per_turn, seed=None)
+    swarms = swarm_runs(job, fmt, sampling)  # subagents sample as the orchestrator does
     producer = Producer(
         engine, env, fmt, buffer,
-        sampling=SamplingOptions(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens_per_turn,
-                                 seed=None),
+        sampling=sampling,
         limits=Limits(spec.rollout.max_turns, s.max_tokens_per_turn, s.max_total_tokens,
                       thinking=spec.rollout.thinking),
         max_concurrent=spec.rollout.max_concurrent_episodes,
