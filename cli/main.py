@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prepare-model": ("kiln.cli.prepare_model", "create the job's model (spec.model.init) if missing"),
     "buffer": ("kiln.cli.buffer", "check or repair a buffer directory"),
     "simulate": ("kiln.cli.simulate", "simulate an RL stage's throughput and staleness"),
+    "synth": ("kiln.cli.synth.command", "build verified agentic task sets (swe, terminal, search)"),
     "dev-cluster": ("kiln.cli.devcluster.command",
                     "a local stand-in cluster: fake API, the operator, pods as processes"),
 }

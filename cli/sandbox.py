@@ -2,7 +2,7 @@
 
     kiln sandbox exec [--backend bubblewrap|docker] [--timeout S] [--memory SIZE] [--pids N]
                       [--disk SIZE] [--network] [--workdir DIR] [--output-limit SIZE] -- COMMAND...
-    kiln sandbox verify TASKSET.jsonl --solutions DIR [--backend ...]
+    kiln sandbox verify TASKSET.jsonl --solutions DIR [--null-fails] [--backend ...]
     kiln sandbox image                 (build the docker backend's image from the host's /usr)
     kiln sandbox reap [--owner NAME]   (remove sandboxes a killed process left behind)
 
@@ -59,6 +59,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     backend_args(p)
     p.add_argument("taskset", help="TaskSet JSONL file")
     p.add_argument("--solutions", required=True, help="folder of reference solutions")
+    p.add_argument("--null-fails", action="store_true",
+                   help="also play each task with no solution; a task that passes that way "
+                        "fails the check")
     p.set_defaults(func=_run_verify)
 
     p = sub.add_parser(
@@ -135,7 +138,8 @@ def _run_verify(args: argparse.Namespace) -> int:
     from kiln.services.sandbox.runner import verify_taskset
     config = _config(args)
     with _engine(config) as cfg:
-        outcomes = asyncio.run(verify_taskset(cfg, Path(args.taskset), Path(args.solutions)))
+        outcomes = asyncio.run(verify_taskset(cfg, Path(args.taskset), Path(args.solutions),
+                                              null_fails=args.null_fails))
     failed = 0
     for o in outcomes:
         if o.passed:

@@ -26,6 +26,9 @@ command -v git >/dev/null || need_apt+=(git)
 command -v mkfs.ext4 >/dev/null || [ -x /usr/sbin/mkfs.ext4 ] || need_apt+=(e2fsprogs)
 command -v iptables >/dev/null || [ -x /usr/sbin/iptables ] || need_apt+=(iptables)
 command -v ip >/dev/null || [ -x /usr/sbin/ip ] || need_apt+=(iproute2)
+# The sandboxes run the system python; `kiln synth swe` and SWE tasks run their tests with its
+# pytest (a task's repository is imported from its checkout, never installed into it).
+/usr/bin/python3 -I -c "import pytest" 2>/dev/null || need_apt+=(python3-pytest)
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "apt-get install ${need_apt[*]}"
   export DEBIAN_FRONTEND=noninteractive

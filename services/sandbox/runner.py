@@ -22,7 +22,7 @@ class TaskOutcome:
 
     @property
     def passed(self) -> bool:
-        return self.result is not None and self.result.reward == 1.0
+        return self.result is not None and self.result.reward == 1.0 and self.error is None
 
 
 async def run_solution(config: BubblewrapConfig | DockerConfig, task: Task, base_dir: Path,
@@ -41,7 +41,9 @@ async def run_solution(config: BubblewrapConfig | DockerConfig, task: Task, base
 
 
 async def verify_taskset(config: BubblewrapConfig | DockerConfig, taskset: Path,
-                         solutions: Path) -> list[TaskOutcome]:
+                         solutions: Path, null_fails: bool = False) -> list[TaskOutcome]:
+    """Each task's reference solution graded; with `null_fails` the task is also played with no
+    solution at all, which must not pass (else the verifier checks nothing the agent does)."""
     tasks = load_taskset(taskset)
     outcomes = []
     for task in tasks:
@@ -55,5 +57,14 @@ async def verify_taskset(config: BubblewrapConfig | DockerConfig, taskset: Path,
         except (RuntimeError, OSError, ValueError) as exc:
             outcomes.append(TaskOutcome(task.id, None, str(exc)))
             continue
+        if null_fails and result.reward == 1.0:
+            try:
+                null = await run_solution(config, task, taskset.parent.resolve(), None)
+            except (RuntimeError, OSError, ValueError) as exc:
+                outcomes.append(TaskOutcome(task.id, result, f"the null run failed: {exc}"))
+                continue
+            if null.reward == 1.0:
+                outcomes.append(TaskOutcome(task.id, result, "passes with no solution applied"))
+                continue
         outcomes.append(TaskOutcome(task.id, result))
     return outcomes

@@ -12,6 +12,12 @@ TaskSet record:
      "test_command": "python3 -m unittest {test}",   # {test} is one test id, shell-quoted
      "test_files": ["tests/**"]}          # optional; protected files besides the defaults
 
+SWE-bench's field names are read too (`instance_id`, `base_commit`, `patch`, `FAIL_TO_PASS`,
+`PASS_TO_PASS`, lists or JSON strings), so `kiln synth swe` output and imported SWE-bench-style
+files load as they are; SWE-bench's `repo` ("owner/name") goes in `repo_name` and `repo` is the
+local repository. With `"test_runner": "pytest"` the graded tests run in one pytest process
+(`pytest_outcomes.py`), ids as `python -m pytest` takes them, `pythonpath` put in front.
+
 The repository is checked out on the host and copied into /workspace (with its .git).
 
 Tools: `bash`, `view` (a file with line numbers, or a folder's listing), `str_replace` (replace
@@ -36,6 +42,7 @@ import asyncio
 import fnmatch
 import hashlib
 import io
+import json
 import os
 import shlex
 import subprocess
@@ -44,10 +51,11 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kiln.env import AssistantTurn, Grade, SandboxHandle, ToolCall, ToolResult, ToolSpec, string_tool
 from .base import BASH, SUBMIT, TOOL_OUTPUT_CHARS, Environment, Task, kill_leftovers, truncate, unknown_tool
+from .pytest_outcomes import run_pytest
 
 VIEW = ToolSpec("view", "Show a file with line numbers (optionally lines start..end), or list a "
                 "folder.", {"type": "object", "properties": {
@@ -86,6 +94,44 @@ class SweTask(Task):
     """The reference fix (a diff), for demonstrations."""
     command_timeout_seconds: float = Field(60.0, gt=0)
     """Wall-clock limit of one `bash` call of the agent."""
+    test_runner: Literal["command", "pytest"] = "command"
+    """`command`: `test_command` once per test; `pytest`: every test in one pytest process."""
+    pythonpath: list[str] = Field(default_factory=list)
+    """Folders (relative to the repository) put on PYTHONPATH for the `pytest` runner."""
+    repo_name: str = ""
+    """Where the repository came from (SWE-bench's `repo`, e.g. "owner/name")."""
+    environment: dict = Field(default_factory=dict)
+    """How the repository's tests were found to run (`kiln synth swe` records it)."""
+    created_at: str = ""
+    hints_text: str = ""
+    meta: dict = Field(default_factory=dict)
+    """Provenance a producer keeps beside the task (source commit, statement source...)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _swe_bench_names(cls, data):
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for theirs, ours in (("instance_id", "id"), ("base_commit", "commit"),
+                             ("patch", "gold_patch"), ("FAIL_TO_PASS", "fail_to_pass"),
+                             ("PASS_TO_PASS", "pass_to_pass")):
+            if theirs in data:
+                value = data.pop(theirs)
+                if ours in data and data[ours] != value:
+                    raise ValueError(f"fields {theirs!r} and {ours!r} disagree")
+                if ours.endswith("_pass") and isinstance(value, str):
+                    try:  # SWE-bench's published files store these lists as JSON strings
+                        value = json.loads(value)
+                    except json.JSONDecodeError:
+                        raise ValueError(f"field {theirs!r}: expected a list of test ids or a "
+                                         "JSON string of one") from None
+                data[ours] = value
+        for extra in ("version", "environment_setup_commit"):
+            if extra in data:
+                data.setdefault("meta", {})
+                data["meta"] = {**data["meta"], extra: data.pop(extra)}
+        return data
 
 
 def _checkout(repo: Path, commit: str, dest: Path) -> None:
@@ -258,6 +304,8 @@ class SweEnvironment(Environment):
             if not res.ok:
                 return Grade(0.0, parts={"f2p": 0.0, "p2p": 0.0}, flags=["verifier_error"],
                              output=f"the test patch does not apply: {res.stderr[-2000:]}")
+        if task.test_runner == "pytest":
+            return await self._grade_pytest(sandbox, task)
         logs, f2p_ok, p2p_ok = [], 0, 0
         for test in task.fail_to_pass:
             ok, log = await self._run_test(sandbox, task, test)
@@ -271,6 +319,19 @@ class SweEnvironment(Environment):
         p2p = p2p_ok / len(task.pass_to_pass) if task.pass_to_pass else 1.0
         reward = 1.0 if f2p == 1.0 and p2p == 1.0 else 0.0
         return Grade(reward, parts={"f2p": f2p, "p2p": p2p}, output="\n".join(logs)[-8000:])
+
+    async def _grade_pytest(self, sandbox: SandboxHandle, task: SweTask) -> Grade:
+        tests = list(dict.fromkeys(task.fail_to_pass + task.pass_to_pass))
+        run = await run_pytest(sandbox, tests, pythonpath=task.pythonpath,
+                               timeout=task.timeout_seconds)
+        f2p = sum(map(run.passed, task.fail_to_pass)) / len(task.fail_to_pass)
+        p2p = (sum(map(run.passed, task.pass_to_pass)) / len(task.pass_to_pass)
+               if task.pass_to_pass else 1.0)
+        failing = [t for t in tests if not run.passed(t)]
+        output = (f"not passed: {' '.join(failing[:50])}\n" if failing else "") + run.log
+        flags = ["verifier_timeout"] if run.timed_out else []
+        reward = 1.0 if f2p == 1.0 and p2p == 1.0 else 0.0
+        return Grade(reward, parts={"f2p": f2p, "p2p": p2p}, output=output[-8000:], flags=flags)
 
     async def apply_solution(self, sandbox: SandboxHandle, task: SweTask, solution: bytes
                              ) -> str | None:

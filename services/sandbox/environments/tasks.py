@@ -6,7 +6,7 @@ is rejected with the file, line, task id and field named (`TaskSetError`, a Valu
 file, retrying will not help). The job's task sets name their environment in the job instead
 (`episodes.load_task_set`).
 
-Not covered: task synthesis, sampling and difficulty filters.
+Task sets are built by `kiln synth` (`cli/synth/`). Not covered: sampling and difficulty filters.
 """
 from __future__ import annotations
 
