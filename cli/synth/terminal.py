@@ -130,7 +130,11 @@ class TerminalPipeline:
                         self.kept_texts.append(rec["text"])
                     continue
                 self.report.count("seeds")
-                kept += await self._seed(seed)
+                try:
+                    kept += await self._seed(seed)
+                except Exception as exc:  # noqa: BLE001  one broken seed must not end the run
+                    self.ledger.rejected(seed.id, "built", f"error: {type(exc).__name__}: "
+                                                           f"{exc}"[:500], ["seeds"])
             self.report.progress("draft+verify", len(seeds), len(seeds))
         finally:
             if engine is not None:
@@ -223,7 +227,7 @@ class TerminalPipeline:
         for run_ in range(self.args.runs):
             try:
                 gold = await run_solution(self.config, task, base, solution.encode())
-            except RuntimeError as exc:
+            except (RuntimeError, OSError, ValueError) as exc:
                 raise Failed("built", str(exc)[-1500:]) from None
             if run_ == 0:
                 reached.append("built")
