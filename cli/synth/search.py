@@ -152,7 +152,7 @@ class SearchPipeline:
                 return self._reject(item, "needs more than one search",
                                     f"one BM25 search answers it: the hit {hit.id} "
                                     f"holds the answer")
-        if near_duplicates(self.kept_texts + [text]):
+        if len(self.kept_texts) in near_duplicates(self.kept_texts + [text]):
             return self._reject(item, "distinct", "a near-duplicate of a kept question")
         record = {"id": item, "type": "search", "question": text,
                   "answer": aliases if len(aliases) > 1 else aliases[0], "corpus": "corpus"}

@@ -161,7 +161,7 @@ class TerminalPipeline:
                              {"role": "user", "content": self._feedback(exc)}]
                 continue
             text = record["description"] + "\n" + record["test_script"]
-            if near_duplicates(self.kept_texts + [text]):
+            if len(self.kept_texts) in near_duplicates(self.kept_texts + [text]):
                 for step in reached[1:]:
                     self.report.count(step)
                 self.ledger.rejected(seed.id, "distinct", "a near-duplicate of a kept task",
