@@ -12,7 +12,6 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
-from html.parser import HTMLParser
 from pathlib import Path
 
 from .imports import safe_id
@@ -63,54 +62,16 @@ def load_seeds(path: Path) -> list[Seed]:
     return seeds
 
 
-class _Text(HTMLParser):
-    def __init__(self):
-        super().__init__()
-        self.parts: list[str] = []
-        self.title = ""
-        self._skip = 0
-        self._in_title = False
-        self._h1 = ""
-        self._in_h1 = False
-
-    def handle_starttag(self, tag, attrs):
-        if tag in ("script", "style", "nav", "footer"):
-            self._skip += 1
-        self._in_title |= tag == "title"
-        self._in_h1 |= tag == "h1"
-        if tag in ("p", "div", "br", "li", "pre", "h1", "h2", "h3", "tr"):
-            self.parts.append("\n")
-
-    def handle_endtag(self, tag):
-        if tag in ("script", "style", "nav", "footer") and self._skip:
-            self._skip -= 1
-        if tag == "title":
-            self._in_title = False
-        if tag == "h1":
-            self._in_h1 = False
-
-    def handle_data(self, data):
-        if self._in_title:
-            self.title += data
-        elif not self._skip:
-            if self._in_h1:
-                self._h1 += data
-            self.parts.append(data)
-
-
 def read_page(path: Path) -> tuple[str, str]:
-    """(title, visible text) of a page."""
-    raw = path.read_text(errors="replace")
+    """(title, visible text) of a page, read as the search environment reads its corpus."""
+    from kiln.services.sandbox.environments.bm25 import load_document
     if path.suffix in (".html", ".htm"):
-        parser = _Text()
-        parser.feed(raw)
-        text = re.sub(r"\n\s*\n+", "\n\n", "".join(parser.parts)).strip()
-        title = (parser.title or parser._h1).strip()
-    else:
-        text = raw.strip()
-        heading = re.search(r"^#\s+(.+)$", raw, re.M)
-        title = heading.group(1).strip() if heading else ""
-    return title or path.stem.replace("-", " ").replace("_", " "), text
+        doc = load_document(path, path.name)
+        return (doc.title if doc.title != path.name else path.stem), doc.text
+    raw = path.read_text(errors="replace")
+    heading = re.search(r"^#\s+(.+)$", raw, re.M)
+    title = heading.group(1).strip() if heading else ""
+    return title or path.stem.replace("-", " ").replace("_", " "), raw.strip()
 
 
 def load_pages(folder: Path) -> list[Seed]:
