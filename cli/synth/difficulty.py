@@ -13,10 +13,8 @@ always-solved tasks).
 Out: `OUT/tasks.jsonl` (the kept records, unchanged), `OUT/difficulty.jsonl` (every task's pass
 rate; a re-run skips tasks listed there), `OUT/sft.jsonl` (with `--sft`: one passing episode per
 line in the chat fine-tuning format, `messages` + `tools`; an assistant message whose tool call
-failed, an `error:` reply or a non-zero exit code, carries `"weight": 0` so it is loss-masked),
-and the report.
-
-Not covered: detecting edits the agent later reverted (only failed calls are masked).
+failed, an `error:` reply or a non-zero exit code, or made an edit the agent later undid, or
+undid one (`reverts.py`), carries `"weight": 0` so it is loss-masked), and the report.
 """
 from __future__ import annotations
 
@@ -29,6 +27,7 @@ import sys
 from pathlib import Path
 
 from .report import Report
+from .reverts import mask_reverted
 from .swe import write_json_line
 
 STEPS = ["tasks", "played", "not never-solved", "not always-solved", "kept"]
@@ -166,4 +165,5 @@ async def play(config, base_dir: Path, task, model, args) -> dict:
             if ended:
                 break
         grade = await env.grade(sandbox, task, answer)
+    mask_reverted(messages)
     return {"reward": grade.reward, "parts": grade.parts, "messages": messages, "tools": tools}
