@@ -181,6 +181,17 @@ class Environment(abc.ABC):
     async def grade(self, sandbox: SandboxHandle | None, task: Task, answer: str | None) -> Grade:
         """Score the episode's final state (and `answer`: the submitted or final text)."""
 
+    def reference(self, task: Task) -> str | None:
+        """A human-written reference answer to show a judge (`rewardRules.judge`) as an anchor,
+        or None. The default: the task's `answer` field where it is a string (the first, where
+        it is a list of accepted answers, the number where it is one)."""
+        answer = getattr(task, "answer", None)
+        if isinstance(answer, list):
+            answer = answer[0] if answer else None
+        if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+            return str(answer)
+        return answer if isinstance(answer, str) else None
+
     def subtask(self, task: Task, role: str, instructions: str, assigned: str) -> Task:
         """Agent swarms: the sub-task a subagent plays when an orchestrator working on `task`
         assigns it `assigned` (with the `role` and `instructions` it created the subagent

@@ -66,6 +66,10 @@ class StepResult:
     flags: list[str] = field(default_factory=list)
     """E.g. `invalid_action`, `max_actions`, `tests_modified`."""
     sandbox_image_digest: str = ""
+    answer: str = ""
+    """Set when `done`: the final answer the episode was graded on ("" when none)."""
+    reference: str = ""
+    """Set when `done`: the task's reference answer for a judge (`Environment.reference`), or ""."""
 
 
 @dataclass

@@ -59,6 +59,9 @@ class OperatorConfig(BaseModel):
         out += [f"spec.stages[{i}].swarm: the subagents need a rollout deployment of their own, "
                 "pinned to their checkpoint, which the operator does not make yet; `kiln run` does"
                 for i, s in enumerate(spec.stages) if getattr(s, "swarm", None) is not None]
+        out += [f"spec.tasks[{i}].rewardRules: the outcome model and the judge need rollout "
+                "deployments of their own, which the operator does not make yet; `kiln run` does"
+                for i, t in enumerate(spec.tasks) if t.reward_rules and t.reward_rules.models()]
         return out + self._sandbox_refusals(spec)
 
     def _sandbox_refusals(self, spec) -> list[str]:

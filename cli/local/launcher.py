@@ -45,6 +45,14 @@ def _resolve(job: RLJob, job_file: Path) -> RLJob:
             return ref
         return str((Path.cwd() / ref).resolve())
 
+    def reward_models(rules):
+        if rules is None:
+            return None
+        return rules.model_copy(update={
+            key: m.model_copy(update={"model": checkpoint(m.model)})
+            for key in ("outcome_model", "judge") if (m := getattr(rules, key)) is not None})
+    tasks = [t.model_copy(update={"reward_rules": reward_models(t.reward_rules)}) for t in tasks]
+
     stages = []
     for st in spec.stages:
         rl = getattr(st, "rl", None)

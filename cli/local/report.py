@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.api.spec import RLJob, RLStage
+from kiln.cli.local.reward_report import plot_reward_parts, reward_parts
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
@@ -31,6 +32,8 @@ def write_summary(job: RLJob, run_dir: Path, state, *, wall_seconds: float) -> d
         "wall_seconds": round(wall_seconds, 1),
         "steps": sum(steps.values()),
         "steps_per_stage": steps,
+        "stages": [{"name": s.name, "type": s.type, **({"kind": s.kind} if getattr(s, "kind", None) else {})}
+                   for s in job.spec.stages],
         "final_policy_version": last.get("policy_version", 0),
         "max_staleness": max((r["buffer"].get("max_staleness", 0) for r in recs), default=0),
         "dropped_stale": max((r["buffer"].get("dropped_stale", 0) for r in recs), default=0),
@@ -63,6 +66,10 @@ def write_summary(job: RLJob, run_dir: Path, state, *, wall_seconds: float) -> d
                                        before.get("critical_path_steps", 0.0))
                     summary.setdefault("critical_path_steps_after_rl",
                                        after.get("critical_path_steps", 0.0))
+    _, parts = reward_parts(run_dir, {s.name for s in job.spec.stages if isinstance(s, RLStage)})
+    if parts:
+        # Each reward component's mean per RL stage (verifier, rules, outcome model, judge).
+        summary["reward_parts"] = parts
     scoring = teacher_scoring(job, recs)
     if scoring:
         summary["teacher_scoring"] = scoring
@@ -135,7 +142,8 @@ def write_report(run_dir: Path, rl_stages: set[str] | None = None,
     staleness histogram. With `rl_stages` the per-step plots show those stages' steps only (an
     SFT stage's "reward" is its demonstrations', and it has no masks or mismatch). With
     `evaluations` ({stage: {task set: success}}, the summary's) also `evaluations.png`: each held-out
-    set's greedy success after each stage, the table of a chain of stages at a glance."""
+    set's greedy success after each stage, the table of a chain of stages at a glance. And
+    `reward_parts.png` where the RL stages' kept trajectories carry reward components."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -204,7 +212,9 @@ def write_report(run_dir: Path, rl_stages: set[str] | None = None,
     written.append(out_dir / "staleness.png")
     if evaluations:
         written.append(_plot_evaluations(plt, out_dir / "evaluations.png", evaluations))
-    return written
+    per_version, _ = reward_parts(run_dir, rl_stages or set())
+    parts_png = plot_reward_parts(plt, out_dir / "reward_parts.png", per_version)
+    return written + ([parts_png] if parts_png else [])
 
 
 def _plot_evaluations(plt, path: Path, evaluations: dict[str, dict[str, float]]) -> Path:

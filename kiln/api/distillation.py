@@ -22,9 +22,12 @@ def stage_teachers(stage) -> list[tuple[str, list[str]]]:
 
 def teacher_refs(spec) -> list[str]:
     """The job's distinct frozen deployments: its teachers, in order of first mention, then its
-    swarm stages' subagents (served the same way, answering Generate rather than Score)."""
+    swarm stages' subagents (served the same way, answering Generate rather than Score), then
+    its task sets' reward models (`rewardRules.outcomeModel` scores, `rewardRules.judge`
+    generates)."""
     refs = [ref for stage in spec.stages for ref, _ in stage_teachers(stage)]
     refs += [stage.swarm.subagents for stage in spec.stages if getattr(stage, "swarm", None)]
+    refs += [ref for ts in spec.tasks if ts.reward_rules for ref in ts.reward_rules.models()]
     return list(dict.fromkeys(refs))
 
 
@@ -38,6 +41,16 @@ def teacher_problems(spec) -> list[str]:
     an opd stage's task sets not taught exactly once."""
     names = [s.name for s in spec.stages]
     problems = []
+    for ts in spec.tasks:
+        # A reward model made by a stage must be done before any RL stage samples the task set
+        # (SFT and evaluation do not ask reward models).
+        for ref in ts.reward_rules.models() if ts.reward_rules else []:
+            users = [i for i, s in enumerate(spec.stages)
+                     if ts.name in s.tasks and getattr(s, "rl", None) is not None]
+            if ref in names and users and names.index(ref) >= users[0]:
+                problems.append(f"tasks {ts.name}: rewardRules model {ref!r} names a stage that "
+                                f"does not come before stages[{users[0]}] "
+                                f"({spec.stages[users[0]].name}), the first to sample the task set")
     for i, stage in enumerate(spec.stages):
         taught: list[str] = []
         for ref, tasks in stage_teachers(stage):

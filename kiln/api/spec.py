@@ -251,6 +251,9 @@ class RLStage(_StageBase):
 
     type: Literal["rl"]
     """`rl`."""
+    kind: Literal["reasoning", "agentic", "general"] | None = None
+    """What the stage trains, in a staged pipeline's terms (GLM-5's reasoning, agentic and
+    general RL): a label the run's summary shows (`stages`); the settings say how it trains."""
     rl: RLSettings = Field(default_factory=RLSettings)
     """Group size, masks, freshness, weight sync and advantage settings."""
     swarm: SwarmSettings | None = None

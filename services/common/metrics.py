@@ -66,6 +66,9 @@ BUFFER_DEPTH = Gauge("kiln_buffer_depth", "Trajectories waiting to be trained on
 TEACHER_SCORE_SECONDS = Histogram(
     "kiln_teacher_score_seconds", "Time to have a group of trajectories scored by the teacher "
     "(on-policy distillation)", buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30))
+REWARD_MODEL_SECONDS = Histogram(
+    "kiln_reward_model_seconds", "Time to have one episode scored by its task set's outcome "
+    "model and judge (rewardRules)", buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30))
 TEACHER_SCORED_TOKENS = Counter("kiln_teacher_scored_tokens_total",
                                 "Tokens scored by the teacher (on-policy distillation)")
 _STEPS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)

@@ -29,9 +29,9 @@ import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Awaitable, Callable
 
-from kiln.episode import Demonstration, StepResult
+from kiln.episode import Demonstration, EpisodeInfo, StepResult
 from kiln.routing import RoutedExperts, merge_routing
 from kiln.services.rollout.engine import Engine, SamplingOptions
 from kiln.services.rollout.formats import THINKING_MODES, Format, demonstration_tokens
@@ -85,13 +85,17 @@ class _Segment:
 
 async def run_episode(engine: Engine, env: EnvClient, fmt: Format, *, task_set: str,
                       index: int, sampling: SamplingOptions, limits: Limits, group_id: str = "",
-                      stale: Callable[[int], bool] | None = None) -> list[Trajectory]:
+                      stale: Callable[[int], bool] | None = None,
+                      score: Callable[[EpisodeInfo, StepResult], Awaitable[StepResult]] | None = None,
+                      ) -> list[Trajectory]:
     """Play one episode: its trajectories, one per segment (one, unless turn-level thinking
     dropped a thought from the context), all with the episode's reward. Always closes the
     environment's episode, even on error.
 
     `stale(oldest)`, asked before every generation after the first with the oldest policy
-    version among the episode's tokens, stops the episode (EpisodeStale) when it says True."""
+    version among the episode's tokens, stops the episode (EpisodeStale) when it says True.
+    `score(episode, result)`, when given, rescores the result of an episode that ended (the
+    task set's reward models, `reward_models.py`)."""
     ep = await env.open(task_set, index, limits.max_turns)
     try:
         conv = fmt.conversation(ep)
@@ -138,6 +142,8 @@ async def run_episode(engine: Engine, env: EnvClient, fmt: Format, *, task_set: 
             # Out of budget before the episode ended: reward 0, as the verifier gives for "no
             # answer"; the flag says why.
             result = StepResult(reward=0.0, reward_parts={"answered": 0.0}, verifier_output="no answer")
+        elif score is not None:
+            result = await score(ep, result)
         group = group_id or uuid.uuid4().hex
         many = len(segments) > 1
         return [Trajectory(

@@ -20,7 +20,8 @@ trajectories of those stages to the teacher of their task set and ship them with
 teacher's per-token log-probs; the job's teachers, in `kiln.api.distillation.teacher_refs`
 order, are at `KILN_TEACHER_ADDR`, `KILN_TEACHER_1_ADDR`, ...; a swarm stage's subagents
 (`spec.stages[].swarm.subagents`) are one of those deployments, which its orchestrators'
-subagent episodes generate on (`swarm.py`).
+subagent episodes generate on (`swarm.py`), and so are a task set's reward models
+(`rewardRules.outcomeModel` scores, `rewardRules.judge` generates: `reward_models.py`).
 """
 from __future__ import annotations
 
@@ -85,6 +86,25 @@ def swarm_runs(job: RLJob, fmt, sampling) -> dict[str, object]:
         out[stage.name] = SwarmRun(swarm, Subagents(engine, fmt, sampling, limits,
                                                     max_per_episode=swarm.max_subagents),
                                    stage.max_steps, frozenset(stage.tasks + evaluated))
+    return out
+
+
+def reward_models(job: RLJob, fmt, scorers: list) -> dict[str, object]:
+    """Task set -> `RewardModels` of the task sets whose `rewardRules` name an outcome model or
+    a judge: the outcome model scores through its deployment's Score (`scorers`, in
+    `teacher_refs` order), the judge generates through its deployment's Generate."""
+    from kiln.services.rollout.client import FrozenEngine
+    from kiln.services.rollout.reward_models import RewardModels
+
+    refs, out = teacher_refs(job.spec), {}
+    for ts in job.spec.tasks:
+        rules = ts.reward_rules
+        if rules is None or not rules.models():
+            continue
+        orm, judge = rules.outcome_model, rules.judge
+        out[ts.name] = RewardModels(
+            fmt, orm, scorers[refs.index(orm.model)] if orm else None, judge,
+            FrozenEngine(_addr(teacher_process(refs.index(judge.model)).upper())) if judge else None)
     return out
 
 
@@ -192,6 +212,7 @@ async def build(job: RLJob | None, args: argparse.Namespace):
         target_occupancy=spec.rollout.target_engine_occupancy,
         samples_path=args.run_dir / "trajectories.jsonl", sample_every=spec.rollout.sample_every,
         teachers=teachers, opd_stages=distilled, swarms=swarms,
+        reward_models=reward_models(job, fmt, [score for score, _ in clients]),
         # Set per replica (kiln run's worker index, the pod's name on a cluster).
         stream=os.environ.get("KILN_ROLLOUT_REPLICA", ""))
     producer.start()

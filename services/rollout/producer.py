@@ -41,6 +41,7 @@ from kiln.services.common import metrics
 from kiln.services.rollout.agent import EpisodeStale, Limits, demonstration_trajectory, run_episode
 from kiln.services.rollout.engine import Engine, SamplingOptions
 from kiln.services.rollout.formats import Format
+from kiln.services.rollout.reward_models import RewardModels
 from kiln.services.rollout.occupancy import EngineTimer, EnvTimer, Occupancy
 from kiln.services.rollout.swarm import SwarmRun, run_swarm_episode
 from kiln.services.rollout.wire import ModeRequest, RolloutMode
@@ -84,7 +85,8 @@ class Producer:
                  sample_every: int = 10,
                  teachers: dict[tuple[str, str], Scorer] | None = None,
                  opd_stages: frozenset[str] = frozenset(), stream: str = "",
-                 swarms: dict[str, SwarmRun] | None = None) -> None:
+                 swarms: dict[str, SwarmRun] | None = None,
+                 reward_models: dict[str, RewardModels] | None = None) -> None:
         self.occupancy = Occupancy()
         self.engine, self.env = EngineTimer(engine), EnvTimer(env, self.occupancy)
         self.fmt, self.buffer = fmt, buffer
@@ -95,6 +97,8 @@ class Producer:
         trainer's advantage."""
         self.opd_stages = opd_stages
         self.swarms = swarms or {}
+        self.reward_models = reward_models or {}
+        """Task set -> its outcome model and judge: they rescore its RL episodes."""
         """Stage -> its swarm: those stages' episodes are orchestrators' (`swarm.py`)."""
         self._stage_start: dict[str, int] = {}
         self.stream = stream
@@ -231,7 +235,7 @@ class Producer:
 
         async def member(**kwargs):
             try:
-                return await self._episode(mode.stage, **kwargs)
+                return await self._episode(mode.stage, rescore=True, **kwargs)
             finally:
                 playing[0] -= 1
                 self.occupancy.finish(1)
@@ -288,11 +292,13 @@ class Producer:
             for _ in range(group):
                 self._slots.release()
 
-    async def _episode(self, stage: str, **kwargs) -> list[Trajectory]:
-        """One episode of the stage: an orchestrator's in a swarm stage, else the agent's."""
+    async def _episode(self, stage: str, rescore: bool = False, **kwargs) -> list[Trajectory]:
+        """One episode of the stage: an orchestrator's in a swarm stage, else the agent's,
+        rescored by its task set's reward models when `rescore` (RL, not evaluation)."""
         swarm = self.swarms.get(stage)
         if swarm is None:
-            return await run_episode(self.engine, self.env, self.fmt, **kwargs)
+            score = self.reward_models.get(kwargs["task_set"]) if rescore else None
+            return await run_episode(self.engine, self.env, self.fmt, score=score, **kwargs)
         step = self.engine.policy_version - self._stage_start.get(stage, self.engine.policy_version)
         trajs = await run_swarm_episode(
             self.engine, self.env.env, self.fmt, swarm.subagents, swarm.parl(step),
@@ -364,7 +370,8 @@ class Producer:
                     sampling=dataclasses.replace(self.sampling, temperature=temperature, seed=None),
                     limits=self.limits)
                 parts = trajs[0].reward_parts
-                # Success is the task's own outcome, not PARL's shaped total.
+                # Success is the task's own outcome, not PARL's shaped total (evaluation asks no
+                # reward model either).
                 return (parts.get("parl/perf", trajs[0].reward),
                         parts.get("swarm/critical_path_steps", 0.0))
 

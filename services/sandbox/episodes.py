@@ -280,8 +280,10 @@ class EpisodeManager:
             well_formed = answer is not None and not ep.invalid_replies and "max_actions" not in flags
             grade = apply_rules(ep.task_set.rules, grade, answer, well_formed)
         output = f"{note}; {grade.output}" if note else grade.output
+        reference = ep.task_set.environment.reference(ep.task) or ""
         return StepResult(done=True, reward=grade.reward, reward_parts=grade.parts,
-                          verifier_output=output, flags=flags + grade.flags)
+                          verifier_output=output, flags=flags + grade.flags,
+                          answer=answer or "", reference=reference)
 
     async def _grade(self, ts: TaskSet, task: Task, sandbox, answer: str | None,
                      transcript: list[Turn]) -> Grade:

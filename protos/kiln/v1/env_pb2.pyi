@@ -121,7 +121,7 @@ class ToolOutput(_message.Message):
     def __init__(self, tool_call_id: _Optional[str] = ..., name: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("outputs", "done", "reward", "reward_parts", "verifier_output", "flags", "sandbox_image_digest")
+    __slots__ = ("outputs", "done", "reward", "reward_parts", "verifier_output", "flags", "sandbox_image_digest", "answer", "reference")
     class RewardPartsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,8 @@ class StepResult(_message.Message):
     VERIFIER_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     FLAGS_FIELD_NUMBER: _ClassVar[int]
     SANDBOX_IMAGE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[ToolOutput]
     done: bool
     reward: float
@@ -143,7 +145,9 @@ class StepResult(_message.Message):
     verifier_output: str
     flags: _containers.RepeatedScalarFieldContainer[str]
     sandbox_image_digest: str
-    def __init__(self, outputs: _Optional[_Iterable[_Union[ToolOutput, _Mapping]]] = ..., done: _Optional[bool] = ..., reward: _Optional[float] = ..., reward_parts: _Optional[_Mapping[str, float]] = ..., verifier_output: _Optional[str] = ..., flags: _Optional[_Iterable[str]] = ..., sandbox_image_digest: _Optional[str] = ...) -> None: ...
+    answer: str
+    reference: str
+    def __init__(self, outputs: _Optional[_Iterable[_Union[ToolOutput, _Mapping]]] = ..., done: _Optional[bool] = ..., reward: _Optional[float] = ..., reward_parts: _Optional[_Mapping[str, float]] = ..., verifier_output: _Optional[str] = ..., flags: _Optional[_Iterable[str]] = ..., sandbox_image_digest: _Optional[str] = ..., answer: _Optional[str] = ..., reference: _Optional[str] = ...) -> None: ...
 
 class CloseEpisodeRequest(_message.Message):
     __slots__ = ("episode_id",)
