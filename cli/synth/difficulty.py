@@ -28,6 +28,7 @@ from pathlib import Path
 
 from .report import Report
 from .reverts import mask_reverted
+from .sandboxes import synth_sandboxes
 from .swe import write_json_line
 
 STEPS = ["tasks", "played", "not never-solved", "not always-solved", "kept"]
@@ -78,14 +79,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _play_all(args, taskset: Path, tasks, records: dict, out: Path, report: Report) -> None:
-    from kiln.services.sandbox.config import parse_config
-    from .drafter import Drafter
     done = {}
     path = out / "difficulty.jsonl"
     if path.is_file():
         done = {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}
-    config = parse_config({"type": args.backend, "owner": "synth-difficulty",
-                           "limits": {"memory_bytes": "2g", "disk_bytes": "2g"}})
+    with synth_sandboxes(args.backend, "synth-difficulty", memory_bytes="2g", disk_bytes="2g") as config:
+        await _play_tasks(args, config, taskset, tasks, records, done, out, report)
+
+
+async def _play_tasks(args, config, taskset: Path, tasks, records: dict, done: dict, out: Path,
+                      report: Report) -> None:
+    from .drafter import Drafter
+    path = out / "difficulty.jsonl"
     model = Drafter(args.model_url, args.model)
     report.count("tasks", len(tasks))
     for n, task in enumerate(tasks, 1):

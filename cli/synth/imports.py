@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from .report import Report
+from .sandboxes import synth_sandboxes
 from .swe import write_json_line
 
 STEPS = ["records", "well-formed", "environment", "reference passes", "null fails", "kept"]
@@ -77,18 +78,10 @@ def _written_ids(path: Path) -> set[str]:
 
 async def _verify_all(args, out: Path, report: Report, items, done: set[str]) -> None:
     """`items`: (record, solution name, solution bytes) of well-formed tasks, converted."""
-    from kiln.services.sandbox.config import parse_config
     from kiln.services.sandbox.environments.tasks import TaskSetError, parse_task
     from kiln.services.sandbox.runner import run_solution
-    config = parse_config({"type": args.backend, "owner": "synth-import",
-                           "limits": {"memory_bytes": "2g", "disk_bytes": "2g", "pids": 512,
-                                      "timeout_seconds": args.timeout}})
-    engine = None
-    if config.type == "docker":
-        from kiln.services.sandbox.podman_service import LocalEngine
-        engine = LocalEngine(config)
-        config = engine.__enter__()
-    try:
+    with synth_sandboxes(args.backend, "synth-import", memory_bytes="2g", disk_bytes="2g",
+                         pids=512, timeout_seconds=args.timeout) as config:
         for n, (record, solution_name, solution) in enumerate(items, 1):
             report.progress("verify", n, len(items))
             rid = record["id"]
@@ -121,9 +114,6 @@ async def _verify_all(args, out: Path, report: Report, items, done: set[str]) ->
             (out / "solutions" / solution_name).write_bytes(solution)
             write_json_line(out / "tasks.jsonl", record)
             report.count("kept")
-    finally:
-        if engine is not None:
-            engine.__exit__(None, None, None)
 
 
 def safe_id(text: str) -> str:

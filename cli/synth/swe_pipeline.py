@@ -11,6 +11,7 @@ from pathlib import Path
 
 from . import gitmine, pyenv
 from .report import Report
+from .sandboxes import synth_sandboxes
 from .swe import STEPS, leaks_patch, statement_describes, write_json_line
 
 
@@ -25,7 +26,7 @@ class SwePipeline:
         self.commits = gitmine.list_commits(self.repo, args.rev_range)
         self.report = Report(self.out, "swe", STEPS)
         self.env_cache = pyenv.EnvCache(self.out / ".cache" / "env", not args.no_env_cache)
-        self.config = self._sandbox_config()
+        self.config = None  # the run's sandboxes (`run`)
         self.python = pyenv.sandbox_python()
         self.decided: dict[str, dict] = {}
         state = self.out / "state.jsonl"
@@ -51,12 +52,6 @@ class SwePipeline:
             from .drafter import Drafter
             self.drafter = Drafter(args.statement_model, args.statement_model_name)
 
-    def _sandbox_config(self):
-        from kiln.services.sandbox.config import parse_config
-        limits = {"memory_bytes": "2g", "disk_bytes": "2g", "pids": 512, "cpu": 1.0,
-                  "timeout_seconds": self.args.test_timeout}
-        return parse_config({"type": self.args.backend, "owner": "synth", "limits": limits})
-
     # -- the run ---------------------------------------------------------------------------
     async def run(self) -> dict:
         bundle = self.out / "repos" / f"{self.slug}.bundle"
@@ -66,16 +61,10 @@ class SwePipeline:
         self.report.count("commits", len(self.commits))
         self.report.extra.update({"repo": self.name, "rev_range": self.args.rev_range,
                                   "runs": self.args.runs, "env_cache": not self.args.no_env_cache})
-        engine = None
-        if self.config.type == "docker":
-            from kiln.services.sandbox.podman_service import LocalEngine
-            engine = LocalEngine(self.config)
-            self.config = engine.__enter__()
-        try:
+        with synth_sandboxes(self.args.backend, "synth", memory_bytes="2g", disk_bytes="2g",
+                             pids=512, cpu=1.0, timeout_seconds=self.args.test_timeout) as config:
+            self.config = config
             await self._run_candidates()
-        finally:
-            if engine is not None:
-                engine.__exit__(None, None, None)
         self.report.extra.update({"env_probes": self.env_cache.misses,
                                   "env_cache_hits": self.env_cache.hits,
                                   "candidates_verified": self.verified})

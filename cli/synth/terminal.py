@@ -31,6 +31,7 @@ from pathlib import Path
 from .filters import near_duplicates
 from .ledger import Ledger
 from .report import Report
+from .sandboxes import synth_sandboxes
 from .swe import write_json_line
 from .terminal_export import check_draft, exploit, write_folder
 
@@ -97,27 +98,21 @@ class Failed(Exception):
 class TerminalPipeline:
     def __init__(self, args):
         from .drafter import Drafter
-        from kiln.services.sandbox.config import parse_config
         self.args = args
         self.out = Path(args.out)
         self.report = Report(self.out, "terminal", STEPS)
         self.ledger = Ledger(self.out, self.report)
         self.drafter = Drafter(args.model_url, args.model)
-        self.config = parse_config({"type": args.backend, "owner": "synth-terminal",
-                                    "limits": {"memory_bytes": "1g", "disk_bytes": "1g",
-                                               "pids": 256, "timeout_seconds": args.timeout}})
+        self.config = None  # the run's sandboxes (`run`)
         self.kept_texts: list[str] = []
         self.report.extra["rounds_to_keep"] = {}
         self.report.extra["model"] = args.model_url
 
     async def run(self, seeds) -> dict:
         (self.out / "solutions").mkdir(parents=True, exist_ok=True)
-        engine = None
-        if self.config.type == "docker":
-            from kiln.services.sandbox.podman_service import LocalEngine
-            engine = LocalEngine(self.config)
-            self.config = engine.__enter__()
-        try:
+        with synth_sandboxes(self.args.backend, "synth-terminal", memory_bytes="1g",
+                             disk_bytes="1g", pids=256, timeout_seconds=self.args.timeout) as config:
+            self.config = config
             kept = 0
             for n, seed in enumerate(seeds, 1):
                 self.report.progress("draft+verify", n - 1, len(seeds))
@@ -136,9 +131,6 @@ class TerminalPipeline:
                     self.ledger.rejected(seed.id, "built", f"error: {type(exc).__name__}: "
                                                            f"{exc}"[:500], ["seeds"])
             self.report.progress("draft+verify", len(seeds), len(seeds))
-        finally:
-            if engine is not None:
-                engine.__exit__(None, None, None)
         return self.report.write()
 
     async def _seed(self, seed) -> int:
