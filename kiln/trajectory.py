@@ -54,7 +54,8 @@ class Trajectory:
     """MoE models: the experts the inference engine routed each token to, for routing replay
     in the trainer (see `kiln.routing`)."""
     teacher_logp: list[float] = field(default_factory=list)
-    """Optional per-token teacher log-probs (on-policy distillation)."""
+    """Optional per-token log-probs of a frozen model: the teacher's (on-policy distillation)
+    or the reference's (a stage with a KL penalty, `rl.klCoef`)."""
     advantage: float = 0.0
     """Group-relative advantage, filled in by the buffer when the group is complete."""
     created_at: float = 0.0

@@ -56,6 +56,10 @@ class OperatorConfig(BaseModel):
                "deployment of its own, which the operator does not make yet; `kiln run` does"
                for i, s in enumerate(spec.stages)
                if getattr(s, "rl", None) is not None and s.rl.advantage == "opd"]
+        out += [f"spec.stages[{i}].rl.reference: the KL penalty's reference needs a rollout "
+                "deployment of its own, which the operator does not make yet; `kiln run` does"
+                for i, s in enumerate(spec.stages)
+                if getattr(s, "rl", None) is not None and s.rl.reference]
         out += [f"spec.stages[{i}].swarm: the subagents need a rollout deployment of their own, "
                 "pinned to their checkpoint, which the operator does not make yet; `kiln run` does"
                 for i, s in enumerate(spec.stages) if getattr(s, "swarm", None) is not None]

@@ -58,7 +58,7 @@ def _resolve(job: RLJob, job_file: Path) -> RLJob:
         rl = getattr(st, "rl", None)
         if rl is not None:
             st = st.model_copy(update={"rl": rl.model_copy(update={
-                "teacher": checkpoint(rl.teacher),
+                "teacher": checkpoint(rl.teacher), "reference": checkpoint(rl.reference),
                 "teachers": [t.model_copy(update={"teacher": checkpoint(t.teacher)}) for t in rl.teachers]})})
         swarm = getattr(st, "swarm", None)
         if swarm is not None:

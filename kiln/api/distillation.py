@@ -11,8 +11,12 @@ from __future__ import annotations
 
 
 def stage_teachers(stage) -> list[tuple[str, list[str]]]:
-    """(teacher, task sets it scores) of an opd stage; [] for any other stage."""
+    """(teacher, task sets it scores) of an opd stage, or (reference, all its task sets) of an
+    RL stage with a KL penalty (`rl.klCoef`, `rl.reference`: scored the same way); [] for any
+    other stage."""
     rl = getattr(stage, "rl", None)
+    if rl is not None and rl.reference:
+        return [(rl.reference, list(stage.tasks))]
     if rl is None or rl.advantage != "opd":
         return []
     if rl.teacher:
@@ -55,8 +59,8 @@ def teacher_problems(spec) -> list[str]:
         taught: list[str] = []
         for ref, tasks in stage_teachers(stage):
             if ref in names and names.index(ref) >= i:
-                problems.append(f"stages[{i}] ({stage.name}): rl.teacher {ref!r} names a stage that does "
-                                "not come before this one")
+                problems.append(f"stages[{i}] ({stage.name}): rl.{'reference' if stage.rl.reference else 'teacher'} "
+                                f"{ref!r} names a stage that does not come before this one")
             taught += tasks
         if not stage_teachers(stage):
             continue

@@ -58,6 +58,15 @@ class RLSettings(Model):
     task_reward_weight: float = Field(0.0, ge=0.0)
     """opd: weight of the group-relative task advantage added to every token's distillation
     advantage (teacher minus student log-prob); 0 distils only."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """Weight of a KL penalty to `reference`: every trained token's loss gets
+    `klCoef * KL(pi_theta || pi_ref)`, the k3 estimate `exp(d) - d - 1` with
+    `d = log pi_ref - log pi_theta` (GRPO's), from the reference's log-probs of the sampled
+    tokens; 0 (the default) has no reference and no penalty."""
+    reference: str | None = None
+    """The frozen reference of `klCoef` (advantage group only): an earlier stage's name, whose
+    final weights it is, or a Hugging Face checkpoint directory; served like a distillation
+    teacher, scoring every trajectory of the stage."""
     asynchronous: bool = Field(True, alias="async")
     """Rollout keeps generating while the trainer steps; false pauses rollout during training."""
 
@@ -71,4 +80,10 @@ class RLSettings(Model):
             raise ValueError("taskRewardWeight applies to advantage 'opd' only")
         if self.dual_clip is not None and self.loss_mode != "ppo":
             raise ValueError("dualClip applies to lossMode ppo only")
+        if bool(self.kl_coef) != bool(self.reference):
+            raise ValueError("klCoef and reference go together: a KL penalty needs the reference "
+                             "it is measured to, and a reference is only used by the penalty")
+        if self.reference and self.advantage != "group":
+            raise ValueError("reference (a KL penalty) applies to advantage 'group' only; an opd "
+                             "stage's teacher already pulls the policy towards it")
         return self

@@ -54,9 +54,9 @@ def _addr(name: str) -> str:
 
 
 def opd_stages(job: RLJob) -> frozenset[str]:
-    """Names of the job's on-policy distillation stages."""
-    return frozenset(s.name for s in job.spec.stages
-                     if getattr(s, "rl", None) is not None and s.rl.advantage == "opd")
+    """Names of the job's stages whose trajectories a frozen model scores: on-policy
+    distillation (the teacher's log-probs) and KL-penalised stages (the reference's)."""
+    return frozenset(s.name for s in job.spec.stages if stage_teachers(s))
 
 
 def teachers_by_task(job: RLJob, scorers: list) -> dict[tuple[str, str], object]:

@@ -92,9 +92,9 @@ class Producer:
         self.fmt, self.buffer = fmt, buffer
         self.target_occupancy = target_occupancy
         self.teachers = teachers or {}
-        """(stage, task set) -> the teacher that scores trajectories of the `opd_stages`
-        (on-policy distillation): its per-token log-probs go on each trajectory, for the
-        trainer's advantage."""
+        """(stage, task set) -> the frozen model that scores trajectories of the `opd_stages`
+        (on-policy distillation's teacher, or a KL-penalised stage's reference): its per-token
+        log-probs go on each trajectory, for the trainer's advantage or penalty."""
         self.opd_stages = opd_stages
         self.swarms = swarms or {}
         self.reward_models = reward_models or {}
@@ -322,8 +322,9 @@ class Producer:
     async def _add_teacher_logprobs(self, trajs: list[Trajectory], teacher: Scorer | None) -> None:
         """Each trajectory's tokens scored by its task set's teacher; kept on the trained tokens."""
         if teacher is None:
-            raise RuntimeError("an on-policy distillation stage needs a teacher for each task set, "
-                               "and this rollout was started without one for it")
+            raise RuntimeError("an on-policy distillation stage needs a teacher (a KL-penalised "
+                               "stage its reference) for each task set, and this rollout was "
+                               "started without one for it")
         t0 = time.perf_counter()
         rows = await teacher([t.tokens for t in trajs])
         for t, row in zip(trajs, rows):

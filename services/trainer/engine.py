@@ -136,6 +136,12 @@ class TrainerEngine:
             batch = std_normalized(batch)
 
         def loss_fn(logp, mb, train_old, normalizer):
+            if cfg.kl_coef:
+                # A KL-penalised stage: the frozen log-probs are the reference's; the advantage
+                # is the sequence's.
+                return policy_loss(logp, mb.logp_infer, mb.loss_mask, mb.advantages, cfg,
+                                   logp_train_old=train_old, normalizer=normalizer,
+                                   logp_ref=mb.teacher_logp, has_ref=mb.has_teacher)
             # On-policy distillation: per-token advantage from the teacher, else the sequence's.
             adv = token_advantages(mb.advantages, logp, mb.teacher_logp, mb.has_teacher, cfg.task_reward_weight)
             return policy_loss(

@@ -35,7 +35,14 @@ constant (the longest a sequence may be), so no sequence's tokens weigh less for
 `normalizer` to divide by a count over the whole batch instead, when a batch is split into
 micro-batches whose gradients are accumulated.
 
-Not covered: KL-to-reference penalties, entropy bonuses, value functions.
+KL penalty (`kl_coef` > 0, with `logp_ref`: a frozen reference's log-probs of the sampled
+tokens): every trainable token's loss gets `kl_coef * (exp(d) - 1 - d)`, `d = logp_ref - logp`,
+the k3 estimate of KL(pi_theta || pi_ref) (non-negative, unbiased on tokens sampled from
+pi_theta), whatever the masks did to its policy term (GRPO applies it so); `d` is clamped to
++-`LOG_RATIO_CLAMP` so a token the reference finds impossible does not overflow. Rows without
+reference log-probs get no penalty. Reported as `kl_ref`, the mean estimate per trained token.
+
+Not covered: entropy bonuses, value functions.
 """
 from __future__ import annotations
 
@@ -76,6 +83,9 @@ class PolicyLossConfig(BaseModel):
     task_reward_weight: float = Field(0.0, ge=0.0)
     """On-policy distillation: weight of the sequence's task advantage added to each token's
     teacher advantage."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """Weight of the KL penalty to a reference (see the module doc); the trajectories' frozen
+    log-probs are then the reference's, not a teacher's."""
 
     @model_validator(mode="after")
     def _dual_clip_is_ppo(self) -> "PolicyLossConfig":
@@ -110,6 +120,9 @@ class LossStats:
     """Sum of the k3 estimate of KL(pi_infer || pi_train_old): (rho - 1) - log(rho)."""
     ratio_sum: float = 0.0
     """Sum of `r_t` over the kept tokens."""
+    kl_ref_sum: float = 0.0
+    """Sum of the k3 estimate of KL(pi_theta || pi_ref) over the trainable tokens with a
+    reference."""
     sequences: float = 0.0
     routing_flips: float = 0.0
     """MoE with routing recorded: token-layer pairs where the trainer's own top-k differed from
@@ -160,6 +173,7 @@ class LossStats:
             "mismatch_abs": self.mismatch_abs,
             "mismatch_kl": self.mismatch_kl,
             "ratio_mean": self.ratio_mean,
+            "kl_ref": self._frac(self.kl_ref_sum),
             **({"routing_flip_frac": self.routing_flips / self.routing_compared}
                if self.routing_compared else {}),
         }
@@ -233,13 +247,16 @@ def policy_loss(
     *,
     logp_train_old: torch.Tensor | None = None,
     normalizer: float | None = None,
+    logp_ref: torch.Tensor | None = None,
+    has_ref: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """The policy-gradient loss of one (micro-)batch in `config.mode`, and its stats.
 
     Shapes: `logp`, `logp_infer`, `loss_mask`, `logp_train_old`: `[B, T]`; `advantages`: `[B]`
     (one per sequence, broadcast to its tokens) or `[B, T]` (per token, e.g. OPD).
     `logp_train_old` is needed in ppo mode (with one minibatch per step, `logp.detach()`).
-    `normalizer`: see the module doc.
+    `normalizer`: see the module doc. `logp_ref` `[B, T]` and `has_ref` `[B]` (rows that have
+    them): the reference's log-probs for the KL penalty, used when `config.kl_coef` > 0.
     """
     shape = logp.shape
     mask = loss_mask.to(logp.dtype)
@@ -275,8 +292,22 @@ def policy_loss(
     stats.both_masked = float((ratio_drop & ice_drop).sum())
     stats.kept = float(keep.sum())
     stats.ratio_sum = float((ratio.detach() * keep).sum())
+    if config.kl_coef and logp_ref is not None:
+        _check_shapes({"logp_ref": logp_ref}, shape)
+        rows = has_ref if has_ref is not None else torch.ones(shape[0], dtype=torch.bool)
+        kl = kl_to_reference(logp, logp_ref.detach().to(logp.dtype), on & rows.to(on.device)[:, None])
+        stats.kl_ref_sum = float(kl.detach().sum())
+        per_token = per_token + config.kl_coef * kl
     loss = _aggregate(per_token, mask, config.aggregation, normalizer, config.seq_sum_tokens)
     return loss, stats
+
+
+def kl_to_reference(logp: torch.Tensor, logp_ref: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi_theta || pi_ref), `exp(d) - 1 - d` with
+    `d = logp_ref - logp` clamped to +-LOG_RATIO_CLAMP; 0 where `on` is False. Differentiable
+    in `logp`."""
+    d = torch.where(on, (logp_ref - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), torch.zeros_like(logp))
+    return torch.where(on, torch.expm1(d) - d, torch.zeros_like(logp))
 
 
 def _mismatch(stats: LossStats, log_rho: torch.Tensor, on: torch.Tensor) -> None:

@@ -1,7 +1,7 @@
 """The general-RL example cut down: an SFT stage, then two RL steps whose reward adds the
-verifier, three rules, an outcome model and a judge. `kiln run` serves the SFT stage's final
+verifier, three rules, an outcome model and a judge, with a KL penalty to the SFT weights. `kiln run` serves the SFT stage's final
 weights as one frozen deployment (a rollout pinned to that checkpoint, loaded once the stage is
-done) that both scores (the outcome model) and generates (the judge).
+done) that scores (the outcome model, the KL reference) and generates (the judge).
 
 Checked on the kept RL trajectories: every component is on the trajectory and the reward is
 their weighted sum; the outcome model's score is what the SFT checkpoint itself gives (P(yes)
@@ -16,7 +16,7 @@ import re
 import pytest
 import yaml
 
-from tests.integration.test_kiln_run import REPO, kiln_run
+from tests.integration.test_kiln_run import REPO, _records, kiln_run
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def test_general_rl_asks_a_served_outcome_model_and_judge(tmp_path):
     # Long enough for the tiny model to end episodes with answers the outcome model is asked about.
     sft.update(maxSteps=60, batchSize=16, microBatchSize=16, warmupSteps=0)
     rl.update(maxSteps=2, batchSize=16, microBatchSize=16)
-    rl["rl"]["groupSize"] = 4
+    rl["rl"].update(groupSize=4, klCoef=0.05, reference="sft")  # a KL penalty to the same frozen weights
     spec["rollout"].update(maxConcurrentEpisodes=32, sampleEvery=1)
     spec["sandbox"]["maxConcurrent"] = 32
     job = tmp_path / "job.yaml"
@@ -95,6 +95,20 @@ def test_general_rl_asks_a_served_outcome_model_and_judge(tmp_path):
         assert t["reward_parts"]["orm"] == pytest.approx(expected, rel=1e-3, abs=1e-9), answer
         checked += 1
     assert checked, "no kept RL episode ended with an answer (the SFT stage is too short)"
+
+    # The KL penalty's reference is the same deployment: it scored every RL trajectory (its
+    # log-probs of the trained tokens, vLLM vs transformers ~1e-5), and the trainer reports
+    # the penalty's estimate.
+    for t in trained[:4]:
+        seq = t["tokens"]
+        with torch.no_grad():
+            logits = teacher(torch.tensor([seq])).logits[0, :-1].float()
+        ref = [0.0, *torch.log_softmax(logits, -1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0].tolist()]
+        assert len(t["teacher_logp"]) == len(seq)
+        assert max(abs(a - b) for a, b, m in zip(t["teacher_logp"], ref, t["loss_mask"]) if m) < 1e-3
+    kl = [r["trainer"].get("kl_ref") for r in _records(run)
+          if r.get("event") == "progress" and r.get("stage") == "rl"]
+    assert any(v is not None for v in kl) and all(v is None or 0.0 <= v < 1.0 for v in kl)
 
     summary = json.loads((run / "summary.json").read_text())
     parts = summary["reward_parts"]["rl"]
