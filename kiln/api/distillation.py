@@ -59,8 +59,9 @@ def teacher_problems(spec) -> list[str]:
         taught: list[str] = []
         for ref, tasks in stage_teachers(stage):
             if ref in names and names.index(ref) >= i:
-                problems.append(f"stages[{i}] ({stage.name}): rl.{'reference' if stage.rl.reference else 'teacher'} "
-                                f"{ref!r} names a stage that does not come before this one")
+                field = "reference" if stage.rl.reference else "teacher"
+                problems.append(f"stages[{i}] ({stage.name}): rl.{field} {ref!r} names a stage "
+                                "that does not come before this one")
             taught += tasks
         if not stage_teachers(stage):
             continue

@@ -203,6 +203,7 @@ async def build(job: RLJob | None, args: argparse.Namespace):
     sampling = SamplingOptions(temperature=s.temperature, top_p=s.top_p,
                                max_tokens=s.max_tokens_per_turn, seed=None)
     swarms = swarm_runs(job, fmt, sampling)  # subagents sample as the orchestrator does
+    judged = reward_models(job, fmt, [score for score, _ in clients])
     producer = Producer(
         engine, env, fmt, buffer,
         sampling=sampling,
@@ -212,7 +213,7 @@ async def build(job: RLJob | None, args: argparse.Namespace):
         target_occupancy=spec.rollout.target_engine_occupancy,
         samples_path=args.run_dir / "trajectories.jsonl", sample_every=spec.rollout.sample_every,
         teachers=teachers, opd_stages=distilled, swarms=swarms,
-        reward_models=reward_models(job, fmt, [score for score, _ in clients]),
+        reward_models=judged,
         # Set per replica (kiln run's worker index, the pod's name on a cluster).
         stream=os.environ.get("KILN_ROLLOUT_REPLICA", ""))
     producer.start()
@@ -262,6 +263,9 @@ async def build(job: RLJob | None, args: argparse.Namespace):
             await channel.close()
         for run in swarms.values():
             await run.subagents.engine.close()
+        for models in judged.values():
+            if models.judge_engine is not None:
+                await models.judge_engine.close()
         await buffer.aclose()
 
     return [Registration(rollout_pb2_grpc.add_RolloutServicer_to_server, servicer, "kiln.v1.Rollout")], on_stop

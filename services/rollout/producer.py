@@ -41,8 +41,8 @@ from kiln.services.common import metrics
 from kiln.services.rollout.agent import EpisodeStale, Limits, demonstration_trajectory, run_episode
 from kiln.services.rollout.engine import Engine, SamplingOptions
 from kiln.services.rollout.formats import Format
-from kiln.services.rollout.reward_models import RewardModels
 from kiln.services.rollout.occupancy import EngineTimer, EnvTimer, Occupancy
+from kiln.services.rollout.reward_models import RewardModels
 from kiln.services.rollout.swarm import SwarmRun, run_swarm_episode
 from kiln.services.rollout.wire import ModeRequest, RolloutMode
 from kiln.services.sandbox.client import EnvClient
@@ -97,9 +97,9 @@ class Producer:
         log-probs go on each trajectory, for the trainer's advantage or penalty."""
         self.opd_stages = opd_stages
         self.swarms = swarms or {}
+        """Stage -> its swarm: those stages' episodes are orchestrators' (`swarm.py`)."""
         self.reward_models = reward_models or {}
         """Task set -> its outcome model and judge: they rescore its RL episodes."""
-        """Stage -> its swarm: those stages' episodes are orchestrators' (`swarm.py`)."""
         self._stage_start: dict[str, int] = {}
         self.stream = stream
         """Which replica's task stream this is ("" for the first): replicas of one job draw

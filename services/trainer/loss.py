@@ -37,8 +37,9 @@ micro-batches whose gradients are accumulated.
 
 KL penalty (`kl_coef` > 0, with `logp_ref`: a frozen reference's log-probs of the sampled
 tokens): every trainable token's loss gets `kl_coef * (exp(d) - 1 - d)`, `d = logp_ref - logp`,
-the k3 estimate of KL(pi_theta || pi_ref) (non-negative, unbiased on tokens sampled from
-pi_theta), whatever the masks did to its policy term (GRPO applies it so); `d` is clamped to
+the k3 estimate of KL(pi_theta || pi_ref) (non-negative; unbiased for tokens sampled from
+pi_theta itself, nearly so for the slightly stale samples of asynchronous RL), whatever the
+masks did to its policy term (GRPO applies it so); `d` is clamped to
 +-`LOG_RATIO_CLAMP` so a token the reference finds impossible does not overflow. Rows without
 reference log-probs get no penalty. Reported as `kl_ref`, the mean estimate per trained token.
 
