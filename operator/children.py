@@ -2,8 +2,9 @@
 
 `desired_children(job, spec)` returns every manifest the operator applies, in apply order: the
 ConfigMap holding the resolved job file the services read (`--job /etc/kiln/job.yaml`), the
-checkpoints and buffer PersistentVolumeClaims, one Service per component, and the workloads
-(built in `kiln.operator.workloads`). Nothing here talks to a cluster, so the unit tests
+checkpoints and buffer PersistentVolumeClaims, one Service per component, the workloads
+(built in `kiln.operator.workloads`), the job's frozen deployments (`kiln.operator.frozen`) and
+a NetworkPolicy per component. Nothing here talks to a cluster, so the unit tests
 validate these manifests against the Kubernetes schemas directly.
 
 Which spec changes restart which component is decided here too: each component's pod template
@@ -19,7 +20,7 @@ from typing import Any
 import yaml
 
 from kiln.api.spec import API_GROUP, API_VERSION, KIND, RLJobSpec, StorageSpec
-from kiln.operator import naming
+from kiln.operator import frozen, naming
 from kiln.operator.naming import GRPC_PORT, METRICS_PORT, JobRef
 from kiln.operator.workloads import HEALTH_PORT, TRAINER_REPLICAS, SandboxHosting, workloads
 
@@ -160,7 +161,8 @@ def service(job: JobRef, component: str, image: str, openai_port: int | None = N
 # kiln.services.common.tls.CALLERS, checks each RPC on top; a test keeps the two in step).
 # "operator" is the Kiln operator's pod, in whatever namespace the chart put it.
 GRPC_CLIENTS: dict[str, tuple[str, ...]] = {
-    "trainer": ("operator",),
+    # rollout: a frozen deployment (its certificate is a rollout's) fetching a stage's weights.
+    "trainer": ("operator", "rollout"),
     "rollout": ("operator", "rollout"),  # rollout: a teacher's Score
     "sandbox": ("rollout",),
     "weight-sync": ("trainer", "rollout", "operator"),
@@ -180,12 +182,16 @@ def network_policy(job: JobRef, spec: RLJobSpec, component: str) -> dict[str, An
     anywhere (kubelet probes, Prometheus); the rollout's OpenAI port, when asked for, from
     anywhere (outside agents); between the trainer's ranks (replica 0 and the data-parallel
     replicas), every port: gloo and NCCL connect each rank to every other on ports of their own."""
-    clients = GRPC_CLIENTS[component]
+    clients = frozen.CLIENTS if component in frozen.components(spec) else GRPC_CLIENTS[component]
+    pods = [c for c in clients if c != "operator"]
+    if component == "trainer":
+        # Its rollout callers are the frozen deployments' pods (`frozen.py`), if any.
+        pods = [c for c in pods if c != "rollout"] + frozen.fetching(spec)
     peers: list[dict[str, Any]] = []
     if "operator" in clients:
         peers.append({"namespaceSelector": {}, "podSelector": {"matchLabels": OPERATOR_PODS}})
-    if [c for c in clients if c != "operator"]:
-        peers.append(_job_pods(job, [c for c in clients if c != "operator"]))
+    if pods:
+        peers.append(_job_pods(job, pods))
     rules: list[dict[str, Any]] = [
         {"from": peers, "ports": [{"port": GRPC_PORT, "protocol": "TCP"}]},
         {"ports": [{"port": HEALTH_PORT, "protocol": "TCP"}, {"port": METRICS_PORT, "protocol": "TCP"}]},
@@ -222,18 +228,23 @@ def retained_pvc_names(job: JobRef, spec: RLJobSpec) -> dict[str, bool]:
 
 def desired_children(job: JobRef, spec: RLJobSpec, *, active: bool = True,
                      hosting: SandboxHosting = SandboxHosting(),
-                     ca_fingerprint: str = "") -> list[dict[str, Any]]:
+                     ca_fingerprint: str = "", finished_stages: list[str] = ()) -> list[dict[str, Any]]:
     """Every child manifest, in apply order. `active=False` scales all workloads to zero.
     `ca_fingerprint` (of the job's CA, `tls.py`) joins every pod's config hash: pods restart
-    onto a new CA."""
+    onto a new CA. `finished_stages` (the status's): which stages' frozen deployments can run."""
     hashes = component_hashes(spec)
     if ca_fingerprint:
         hashes = {c: naming.config_hash({"spec": h, "ca": ca_fingerprint}) for c, h in hashes.items()}
+    frozen_services, frozen_rest = frozen.children(job, spec, hashes["rollout"], active=active,
+                                                   finished_stages=finished_stages)
     return [
         config_map(job, spec),
         *pvcs(job, spec),
         *(service(job, c, spec.image, spec.rollout.openai_port if c == "rollout" else None)
           for c in naming.COMPONENTS),
-        *workloads(job, spec, hashes, active=active, hosting=hosting),
-        *(network_policy(job, spec, c) for c in naming.COMPONENTS),
+        *frozen_services,
+        *workloads(job, spec, hashes, active=active, hosting=hosting,
+                   frozen_addresses=frozen.addresses(job, spec)),
+        *frozen_rest,
+        *(network_policy(job, spec, c) for c in (*naming.COMPONENTS, *frozen.components(spec))),
     ]

@@ -52,21 +52,7 @@ class OperatorConfig(BaseModel):
 
     def refusals(self, spec) -> list[str]:
         """What this operator will not run of an accepted spec (kiln.api.spec.RLJobSpec)."""
-        out = [f"spec.stages[{i}].rl.advantage: opd needs its teacher served by a rollout "
-               "deployment of its own, which the operator does not make yet; `kiln run` does"
-               for i, s in enumerate(spec.stages)
-               if getattr(s, "rl", None) is not None and s.rl.advantage == "opd"]
-        out += [f"spec.stages[{i}].rl.reference: the KL penalty's reference needs a rollout "
-                "deployment of its own, which the operator does not make yet; `kiln run` does"
-                for i, s in enumerate(spec.stages)
-                if getattr(s, "rl", None) is not None and s.rl.reference]
-        out += [f"spec.stages[{i}].swarm: the subagents need a rollout deployment of their own, "
-                "pinned to their checkpoint, which the operator does not make yet; `kiln run` does"
-                for i, s in enumerate(spec.stages) if getattr(s, "swarm", None) is not None]
-        out += [f"spec.tasks[{i}].rewardRules: the outcome model and the judge need rollout "
-                "deployments of their own, which the operator does not make yet; `kiln run` does"
-                for i, t in enumerate(spec.tasks) if t.reward_rules and t.reward_rules.models()]
-        return out + self._sandbox_refusals(spec)
+        return self._sandbox_refusals(spec)
 
     def _sandbox_refusals(self, spec) -> list[str]:
         if spec.sandbox.replicas == 0 or self.allow_privileged_sandboxes or self.sandbox_runtime_class:

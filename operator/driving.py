@@ -34,8 +34,11 @@ log = logging.getLogger("kiln.operator")
 class StatusStore:
     """`RunState` kept in the RLJob's status (merge-patched; the driver is its only writer)."""
 
-    def __init__(self, kube: Kube, job: JobRef, current: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, kube: Kube, job: JobRef, current: Callable[[], dict[str, Any]],
+                 on_finished: Callable[[list[str]], None] = lambda finished: None) -> None:
         self.kube, self.job, self.current = kube, job, current
+        self.on_finished = on_finished
+        self._finished: list[str] = []
 
     def ref(self) -> dict[str, Any]:
         return {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
@@ -45,14 +48,17 @@ class StatusStore:
         status = self.current()
         evaluations = {key: EvaluationResult.model_validate(value).model_dump()
                        for key, value in (status.get("evaluations") or {}).items()}
-        return {"finished_stages": list(status.get("finishedStages") or []),
-                "evaluations": evaluations}
+        self._finished = list(status.get("finishedStages") or [])
+        return {"finished_stages": list(self._finished), "evaluations": evaluations}
 
     def save(self, data: dict[str, Any]) -> None:
         # The CRD's schema names fields in camelCase (a real API server prunes others).
         evaluations = {key: EvaluationResult.model_validate(value).model_dump(by_alias=True)
                        for key, value in data["evaluations"].items()}
         self.patch({"finishedStages": data["finished_stages"], "evaluations": evaluations})
+        if data["finished_stages"] != self._finished:
+            self.on_finished(list(data["finished_stages"]))
+        self._finished = list(data["finished_stages"])
 
     def patch(self, status: dict[str, Any]) -> None:
         self.kube.merge_patch_status(self.ref(), status)
@@ -86,10 +92,13 @@ def drive(job: RLJob, ref: JobRef, kube: Kube, address: Callable[[str], str],
           suspended: Callable[[], bool], *, poll_seconds: float = 2.0,
           unavailable_seconds: float = 900.0,
           credentials: Callable[[], Any] = lambda: None,
-          rollout_replicas: Callable[[], int] | None = None) -> str:
+          rollout_replicas: Callable[[], int] | None = None,
+          on_stage_finished: Callable[[list[str]], None] = lambda finished: None) -> str:
     """Run the job's remaining stages; returns the outcome: succeeded, failed or stopped.
-    `rollout_replicas()`: the live spec's rollout replica count (autoscaling changes it)."""
-    store = StatusStore(kube, ref, current_status)
+    `rollout_replicas()`: the live spec's rollout replica count (autoscaling changes it).
+    `on_stage_finished(finished)`: called once a stage is recorded done (frozen deployments
+    made by that stage can start now, without waiting for the next drift repair)."""
+    store = StatusStore(kube, ref, current_status, on_stage_finished)
     state = RunState.load(store)
     names = [s.name for s in job.spec.stages]
     if all(n in state.finished_stages for n in names):

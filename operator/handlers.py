@@ -30,7 +30,7 @@ from typing import Any
 import kopf
 
 from kiln.api.spec import API_GROUP, API_VERSION, KIND, PLURAL, RLJob
-from kiln.operator import driving, metrics
+from kiln.operator import driving, frozen, metrics
 from kiln.operator.config import OperatorConfig
 from kiln.operator.kube import Kube, load_credentials
 from kiln.operator.naming import FINALIZER, JobRef, selector_labels
@@ -152,7 +152,8 @@ def reconcile_job(body: kopf.Body, name: str, namespace: str, uid: str, patch: k
         return
     job = JobRef(name=name, namespace=namespace, uid=uid)
     result = reconcile(memo.kube, job, spec, hosting=memo.config.hosting,
-                       active=_active(spec, status))
+                       active=_active(spec, status),
+                       finished_stages=list(status.get("finishedStages") or []))
     if result.refused:
         # The job keeps running on the spec it was accepted with.
         _refuse(body, patch, status, "ImmutableFieldChanged", result.refused, None)
@@ -254,7 +255,8 @@ def _repair(body: kopf.Body, name: str, job: JobRef, status: dict[str, Any],
     if spec is None or memo.config.refusals(spec):
         return
     result = reconcile(memo.kube, job, spec, hosting=memo.config.hosting,
-                       active=_active(spec, status))
+                       active=_active(spec, status),
+                       finished_stages=list(status.get("finishedStages") or []))
     repaired = {k: v for k, v in result.actions.items() if v != "unchanged"}
     if repaired:
         logging.getLogger("kiln.operator").info(
@@ -313,6 +315,15 @@ def _drive_until_stopped(stopped: kopf.DaemonStopped, body: kopf.Body, job: JobR
             continue
         rljob = RLJob.model_validate({"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
                                       "metadata": {"name": job.name}, "spec": dict(body.spec)})
+
+        def stage_finished(finished: list[str], spec=spec) -> None:
+            # Frozen deployments made by the stage just done start now (`frozen.py`).
+            if frozen.fetching(spec):
+                result = reconcile(memo.kube, job, spec, hosting=memo.config.hosting,
+                                   active=True, finished_stages=finished)
+                started = sorted(k for k, v in result.actions.items() if v != "unchanged")
+                logger.info("stage done (%s); re-applied %s", finished[-1],
+                            ", ".join(started) or "nothing (no change)")
         try:
             outcome = driving.drive(
                 rljob, job, memo.kube, lambda component: memo.addresses(job, component),
@@ -320,7 +331,8 @@ def _drive_until_stopped(stopped: kopf.DaemonStopped, body: kopf.Body, job: JobR
                 lambda: bool(body.spec.get("suspend")) or bool(body.meta.get("deletionTimestamp")),
                 poll_seconds=_DRIVE_POLL, unavailable_seconds=memo.config.unavailable_seconds,
                 credentials=lambda: memo.credentials(job),
-                rollout_replicas=lambda: int((body.spec.get("rollout") or {}).get("replicas", 1)))
+                rollout_replicas=lambda: int((body.spec.get("rollout") or {}).get("replicas", 1)),
+                on_stage_finished=stage_finished)
         except Exception:  # noqa: BLE001 - an API error must not end this job's driving for good
             logger.exception("driver stopped on an error; starting again")
             _pause(stopped, 10 * _DRIVE_POLL)

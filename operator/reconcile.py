@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from kiln.api.spec import API_GROUP, API_VERSION, KIND, RLJobSpec
 from kiln.api.validate import validate_document
-from kiln.operator import children
+from kiln.operator import children, frozen
 from kiln.operator.kube import Kube
 from kiln.operator.naming import RETAINED_FROM, JobRef
 from kiln.operator.tls import ensure_certificates
@@ -64,8 +64,10 @@ def accepted_spec(kube: Kube, job: JobRef) -> RLJobSpec | None:
 
 
 def reconcile(kube: Kube, job: JobRef, spec: RLJobSpec, *,
-              hosting: SandboxHosting = SandboxHosting(), active: bool | None = None) -> Result:
-    """`active`: whether the services run (default: unless suspended)."""
+              hosting: SandboxHosting = SandboxHosting(), active: bool | None = None,
+              finished_stages: list[str] = ()) -> Result:
+    """`active`: whether the services run (default: unless suspended). `finished_stages` (the
+    status's) decides which frozen deployments made by a stage can start."""
     result = Result()
     previous = accepted_spec(kube, job)
     if previous is not None:
@@ -75,9 +77,14 @@ def reconcile(kube: Kube, job: JobRef, spec: RLJobSpec, *,
     # Certificates first: the pods mount them, and the CA is part of their config hash.
     ca = ensure_certificates(kube, job, spec.image)
     for manifest in children.desired_children(job, spec, active=not spec.suspend if active is None else active,
-                                              hosting=hosting, ca_fingerprint=ca):
+                                              hosting=hosting, ca_fingerprint=ca,
+                                              finished_stages=finished_stages):
         key = f"{manifest['kind']}/{manifest['metadata']['name']}"
         result.actions[key] = kube.apply(manifest)
+    # An edit that names fewer frozen checkpoints leaves deployments nothing uses any more.
+    for ref in frozen.stale(job, previous, spec) if previous is not None else []:
+        if kube.delete(ref):
+            result.actions[f"{ref['kind']}/{ref['metadata']['name']}"] = "deleted"
     return result
 
 

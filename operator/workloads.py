@@ -284,12 +284,14 @@ def trainer_replicas(job: JobRef, spec: RLJobSpec, config_hash: str, active: boo
                                 _scratch(spec.trainer.resources), rendezvous)
 
 
-def rollout(job: JobRef, spec: RLJobSpec, config_hash: str, active: bool) -> dict[str, Any]:
+def rollout(job: JobRef, spec: RLJobSpec, config_hash: str, active: bool,
+            frozen_addresses: list[dict[str, Any]] = ()) -> dict[str, Any]:
+    """`frozen_addresses`: where its teachers, subagents and reward models are (`frozen.py`)."""
     volumes, mounts, env = _model_volume(spec)
     # Each replica its own task stream (the producer salts the job's seed with it); a pod scaled
     # away first lets its episodes finish (within the grace period below).
     env = [*env, {"name": "KILN_ROLLOUT_REPLICA", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-           {"name": "KILN_ROLLOUT_DRAIN_SECONDS", "value": "50"}]
+           {"name": "KILN_ROLLOUT_DRAIN_SECONDS", "value": "50"}, *frozen_addresses]
     container = service_container(job, spec, "rollout", spec.rollout.resources, env, mounts)
     if spec.rollout.openai_port:
         container["ports"].append({"name": "openai", "containerPort": spec.rollout.openai_port,
@@ -385,12 +387,13 @@ def buffer(job: JobRef, spec: RLJobSpec, config_hash: str, active: bool) -> dict
 
 
 def workloads(job: JobRef, spec: RLJobSpec, hashes: dict[str, str], *, active: bool,
-              hosting: SandboxHosting = SandboxHosting()) -> list[dict[str, Any]]:
+              hosting: SandboxHosting = SandboxHosting(),
+              frozen_addresses: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
     replicas = trainer_replicas(job, spec, hashes["trainer"], active)
     return [
         trainer(job, spec, hashes["trainer"], active),
         *([replicas] if replicas is not None else []),
-        rollout(job, spec, hashes["rollout"], active),
+        rollout(job, spec, hashes["rollout"], active, frozen_addresses),
         sandbox(job, spec, hashes["sandbox"], active, hosting),
         weight_sync(job, spec, hashes["weight-sync"], active),
         buffer(job, spec, hashes["buffer"], active),

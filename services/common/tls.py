@@ -45,6 +45,8 @@ CALLERS: dict[str, frozenset[str]] = {
     # A swarm's orchestrator (on the rollout service) samples its frozen subagents' turns.
     "/kiln.v1.Rollout/Generate": frozenset({"rollout", "operator"}),
     **{f"/kiln.v1.Trainer/{m}": frozenset({"operator"}) for m in ("RunStage", "GetTrainerStatus")},
+    # A frozen deployment (its certificate is a rollout's) loads an earlier stage's weights.
+    "/kiln.v1.Trainer/FetchStageExport": frozenset({"rollout"}),
     "/kiln.v1.WeightSync/Publish": frozenset({"trainer"}),
     "/kiln.v1.WeightSync/Subscribe": frozenset({"rollout"}),
     "/kiln.v1.WeightSync/Ack": frozenset({"rollout"}),

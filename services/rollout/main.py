@@ -14,7 +14,9 @@ Every tenth finished trajectory is also kept in `<run-dir>/trajectories.jsonl` f
     kiln-rollout --job job.yaml --teacher DIR ...
 
 serves a frozen deployment instead: the checkpoint in DIR, never updated, answering `Score`
-(a teacher's) and `Generate` (a swarm's subagents'). A job
+(a teacher's) and `Generate` (a swarm's subagents'); with `--teacher-stage STAGE` it first
+fetches that stage's final weights from the trainer into DIR (the operator's frozen
+deployments: `kiln.operator.frozen`). A job
 with on-policy distillation stages (`rl.advantage: opd`) has its rollout send each group of
 trajectories of those stages to the teacher of their task set and ship them with the
 teacher's per-token log-probs; the job's teachers, in `kiln.api.distillation.teacher_refs`
@@ -43,6 +45,7 @@ from kiln.services.common import metrics
 from kiln.services.common.server import CHANNEL_OPTIONS, Registration, run_service, service_argparser
 
 log = logging.getLogger("kiln.rollout")
+TEACHER_WAIT_S = 900.0  # as long as a pod's startup probe lets a model load
 
 
 def _addr(name: str) -> str:
@@ -115,6 +118,9 @@ async def build_teacher(job: RLJob, args: argparse.Namespace):
     from kiln.services.rollout.servicer import TeacherServicer
 
     model_dir = str(args.teacher)
+    if args.teacher_stage and not (Path(model_dir) / "config.json").exists():
+        # On a cluster the trainer's volume is its own: the stage's weights come over gRPC.
+        await asyncio.to_thread(fetch_stage_weights, args.teacher_stage, Path(model_dir))
     if args.teacher_wait:
         # An earlier stage of the job makes this checkpoint: wait for it (health says
         # NOT_SERVING meanwhile).
@@ -135,6 +141,22 @@ async def build_teacher(job: RLJob, args: argparse.Namespace):
                          "kiln.v1.Rollout")], on_stop
 
 
+def fetch_stage_weights(stage: str, dest: Path) -> None:
+    """Stage `stage`'s final weights from the trainer (`KILN_TRAINER_ADDR`) into `dest`."""
+    import time
+
+    from kiln.services.trainer.client import TrainerClient
+
+    started = time.monotonic()
+    client = TrainerClient(_addr("TRAINER"))
+    try:
+        got = client.fetch_stage_export(stage, dest)
+    finally:
+        client.close()
+    log.info("teacher: stage %s's weights fetched into %s (%d files, %.1f MB, %.1f s)", stage,
+             dest, got.files, got.bytes / 1e6, time.monotonic() - started)
+
+
 def teacher_client(address: str):
     """The Scorer of `Producer`: the teacher's Score over mutual TLS (its certificate is a
     rollout's), retried while the teacher restarts; and the channel, to close."""
@@ -148,15 +170,19 @@ def teacher_client(address: str):
     retry = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED}
 
     async def score(sequences: list[list[int]]) -> list[list[float]]:
-        for attempt in range(60):
+        # Long enough for a teacher that starts only when the stage making it finishes (the
+        # operator's frozen deployments) to fetch its weights and load them.
+        deadline = asyncio.get_running_loop().time() + TEACHER_WAIT_S
+        attempt = 0
+        while True:
             try:
                 resp = await stub.Score(wire.score_request(sequences), timeout=300)
                 return [list(r.logprobs) for r in resp.sequences]
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in retry or attempt == 59:
+                if exc.code() not in retry or asyncio.get_running_loop().time() > deadline:
                     raise
-                await asyncio.sleep(min(0.5 * (attempt + 1), 5.0))
-        raise AssertionError("unreachable")
+                attempt += 1
+                await asyncio.sleep(min(0.5 * attempt, 5.0))
 
     return score, channel
 
@@ -277,6 +303,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="serve this checkpoint as a teacher (Score only, never updated)")
     p.add_argument("--teacher-wait", action="store_true",
                    help="wait for the teacher's checkpoint to appear (an earlier stage makes it)")
+    p.add_argument("--teacher-stage", default=None, metavar="STAGE",
+                   help="fetch the teacher's checkpoint, the final weights of this stage of the "
+                        "job, from the trainer into --teacher DIR (where it cannot be read from "
+                        "the trainer's volume: a cluster)")
     return p
 
 

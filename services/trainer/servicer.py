@@ -1,9 +1,11 @@
-"""gRPC servicer of `kiln.v1.Trainer`: RunStage and GetTrainerStatus around the stage runner.
+"""gRPC servicer of `kiln.v1.Trainer`: RunStage and GetTrainerStatus around the stage runner,
+and FetchStageExport, which hands a finished stage's final weights to the job's frozen
+deployments (on a cluster they cannot mount the trainer's volume).
 
 Training itself happens in the stage runner's thread (`stages.py`), which pulls batches from
 the buffer; these calls only start a stage and report. Errors: INVALID_ARGUMENT for an unknown
 stage or one that cannot start while another runs; FAILED_PRECONDITION for a trainer started
-without a job or without the buffer and weight-sync addresses.
+without a job or without the buffer and weight-sync addresses, and for a stage not exported yet.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from kiln.protos.kiln.v1 import trainer_pb2, trainer_pb2_grpc
 from kiln.services.trainer import wire
 from kiln.services.trainer.checkpoint import step_dir_name
 from kiln.services.trainer.engine import TrainerEngine
-from kiln.services.trainer.stages import StageRunner
+from kiln.services.trainer.stages import StageRunner, stage_export_dir
 
 SERVICE_NAME = "kiln.v1.Trainer"
 
@@ -45,6 +47,29 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def GetTrainerStatus(self, request: trainer_pb2.TrainerStatusRequest,
                                context: grpc.aio.ServicerContext) -> trainer_pb2.TrainerStatus:
         return wire.status_to_proto(self.status())
+
+    async def FetchStageExport(self, request: trainer_pb2.FetchStageExportRequest,
+                               context: grpc.aio.ServicerContext):
+        if self.stages is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this trainer runs no stages, so it has no stage exports")
+        if not any(s.name == request.stage for s in self.stages.job.spec.stages):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"stage {request.stage!r} is not a stage of this job")
+        folder = stage_export_dir(self.stages.run_dir, request.stage)
+        # The export is renamed into place whole (`write_hf_dir`): its config.json means done.
+        if not (folder / "config.json").exists():
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"stage {request.stage!r} has not finished yet; its weights are "
+                                "exported when it does")
+        try:
+            chunks = wire.export_chunks(folder)
+            while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+                yield chunk
+        except FileNotFoundError as exc:
+            # The folder was replaced between listing and opening it (exported again).
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"stage {request.stage!r}'s export is being rewritten ({exc}); retry")
 
     def status(self) -> wire.TrainerStatus:
         e = self.engine

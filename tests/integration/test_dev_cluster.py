@@ -1,6 +1,7 @@
 """An RLJob applied with kubectl trains to the end on the development cluster: the real
 operator drives the stages over gRPC against real services that the node agent runs as
-processes. Mid-run the operator is killed and started again (the job carries on from its status)
+processes, including a distillation stage whose teacher (the SFT stage's weights) is a frozen
+deployment the operator starts when that stage is done. Mid-run the operator is killed and started again (the job carries on from its status)
 and a child Deployment is deleted (the operator puts it back). The API server is the fake one
 (no real one can run here); everything else is real.
 """
@@ -37,7 +38,11 @@ def _job(tmp: Path) -> Path:
     sft.update(maxSteps=60, batchSize=16, microBatchSize=16, warmupSteps=0)
     rl.update(maxSteps=4, batchSize=16, microBatchSize=16)
     rl["rl"].update(groupSize=4, tau=1)
-    spec["rollout"].update(maxConcurrentEpisodes=32)
+    # On-policy distillation from the SFT stage's weights: a frozen deployment of the operator's.
+    spec["stages"].append({"name": "distil", "type": "rl", "tasks": ["chain-train"], "maxSteps": 2,
+                           "batchSize": 16, "microBatchSize": 16,
+                           "rl": {"advantage": "opd", "teacher": "sft", "groupSize": 4, "tau": 1}})
+    spec["rollout"].update(maxConcurrentEpisodes=32, sampleEvery=1)
     spec["sandbox"]["maxConcurrent"] = 32
     path = tmp / "job.yaml"
     path.write_text(yaml.safe_dump(job, sort_keys=False))
@@ -111,7 +116,7 @@ def test_applied_job_trains_to_the_end_through_operator_restart_and_child_deleti
               900, cluster)
         status = _status(cluster)
         assert status["phase"] == "Succeeded", status
-        assert status["finishedStages"] == ["sft", "rl"]
+        assert status["finishedStages"] == ["sft", "rl", "distil"]
         evaluations = status["evaluations"]
         assert set(evaluations) == {"rl/before/chain-heldout", "rl/after/chain-heldout"}
         for result in evaluations.values():
@@ -122,6 +127,24 @@ def test_applied_job_trains_to_the_end_through_operator_restart_and_child_deleti
         assert {"Driving": "Completed", "Valid": "Accepted"}.items() <= {
             c["type"]: c["reason"] for c in status["conditions"]}.items()
         pids |= {int((cluster / f"{n}.pid").read_text()) for n in ("cluster", "operator")}
+
+        # The teacher pod fetched the SFT stage's weights from the trainer, byte for byte, and
+        # scored every distillation trajectory on its trained tokens.
+        pods = cluster / "pods" / "default"
+        export = cluster / "pvc" / "default" / "dc-checkpoints" / "stages" / "sft"
+        fetched = pods / "dc-teacher-0" / "volumes" / "run" / "teacher"
+        files = sorted(p.relative_to(export) for p in export.rglob("*") if p.is_file())
+        assert "config.json" in {str(f) for f in files}
+        assert files == sorted(p.relative_to(fetched) for p in fetched.rglob("*") if p.is_file())
+        assert all((export / f).read_bytes() == (fetched / f).read_bytes() for f in files)
+        assert "weights fetched" in "".join(
+            p.read_text() for p in (pods / "dc-teacher-0" / "logs").glob("*.log"))
+        kept = [json.loads(line) for line in
+                (pods / "dc-rollout-0" / "volumes" / "run" / "trajectories.jsonl").read_text().splitlines()]
+        distilled = [t for t in kept if t["stage"] == "distil"]
+        assert distilled and all(
+            all(v < 0 for v, m in zip(t["teacher_logp"], t["loss_mask"]) if m) for t in distilled)
+        assert all(not t["teacher_logp"] for t in kept if t["stage"] != "distil")
     finally:
         subprocess.run([str(KILN), "dev-cluster", "down", str(cluster)], timeout=180)
     # Nothing stays behind: the agent, the operator and every pod process are gone.

@@ -103,7 +103,9 @@ def test_rbac_is_least_privilege_cluster_wide_or_per_namespace() -> None:
     cluster = _rules(kinds(render())["ClusterRole"][0])
     assert cluster[("kiln.dev", "rljobs/status")] == {"get", "patch", "update"}
     assert cluster[("", "persistentvolumeclaims")] == {"get", "create", "patch", "delete"}
-    assert cluster[("apps", "deployments")] == {"get", "create", "patch"}
+    # delete: the children of frozen deployments an edited job no longer names.
+    assert cluster[("apps", "deployments")] == {"get", "create", "patch", "delete"}
+    assert cluster[("apps", "statefulsets")] == {"get", "create", "patch"}
     assert cluster[("", "namespaces")] == {"get", "list", "watch"}
     assert not any("*" in verbs for verbs in cluster.values())
     # Secrets: the jobs' certificates, read and written by name only (no list, watch or delete:

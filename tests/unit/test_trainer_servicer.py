@@ -22,7 +22,9 @@ from kiln.services.trainer.config import config_from_job
 from kiln.services.trainer.engine import TrainerEngine
 from kiln.services.trainer.loop import InMemoryPublisher
 from kiln.services.trainer.servicer import SERVICE_NAME, TrainerServicer, add_to_server
-from kiln.services.trainer.stages import NO_FRESHNESS_BOUND, StageRunner
+from kiln.services.trainer.client import TrainerClient
+from kiln.services.trainer.stages import NO_FRESHNESS_BOUND, StageRunner, stage_export_dir
+from kiln.services.trainer.wire import ExportError, ExportWriter, export_chunks
 from kiln.trajectory import Trajectory, VersionSpan
 
 JOB = """
@@ -73,6 +75,11 @@ def test_run_stage_trains_through_the_buffer_and_reports(model_dir: Path, tmp_pa
         try:
             started = await stub.RunStage(trainer_pb2.RunStageRequest(stage="warmup"))
             assert started.stage_max_steps == 3 and not started.stage_done
+            # Its weights are not there to fetch before it ends.
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.FetchStageExport(trainer_pb2.FetchStageExportRequest(stage="warmup")):
+                    pass
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             # Once the stage has configured the buffer (dropping what an earlier stage left),
             # its data arrives, as rollout would send it.
             deadline = time.monotonic() + 30
@@ -97,6 +104,20 @@ def test_run_stage_trains_through_the_buffer_and_reports(model_dir: Path, tmp_pa
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.RunStage(trainer_pb2.RunStageRequest(stage="nope"))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "nope" in err.value.details()
+            # A frozen deployment fetches the stage's final weights, byte for byte.
+            client = TrainerClient(f"127.0.0.1:{port}")
+            try:
+                got = await asyncio.to_thread(client.fetch_stage_export, "warmup", tmp_path / "fetched")
+                with pytest.raises(ValueError, match="nope"):
+                    await asyncio.to_thread(client.fetch_stage_export, "nope", tmp_path / "x")
+            finally:
+                client.close()
+            export = stage_export_dir(tmp_path, "warmup")
+            files = sorted(p.relative_to(export) for p in export.rglob("*") if p.is_file())
+            assert got.files == len(files) >= 3 and Path("config.json") in files
+            assert all((export / f).read_bytes() == (tmp_path / "fetched" / f).read_bytes() for f in files)
+            assert got.bytes == sum((export / f).stat().st_size for f in files)
+            assert not (tmp_path / "x").exists()
         finally:
             await channel.close()
             await server.stop(0)
@@ -127,3 +148,26 @@ def test_run_stage_without_a_stage_runner_is_failed_precondition(model_dir: Path
         await server.stop(0)
 
     asyncio.run(scenario())
+
+
+def test_an_export_that_arrives_broken_leaves_nothing_behind(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "config.json").write_text("{}")
+    (src / "sub" / "weights.bin").write_bytes(bytes(range(256)) * 50)
+    (src / "empty").write_bytes(b"")
+    chunks = list(export_chunks(src, chunk_bytes=1000))
+    writer = ExportWriter(tmp_path / "ok")
+    writer.write(chunks)
+    assert (writer.files, writer.bytes) == (3, 2 + 12800)
+    assert (tmp_path / "ok" / "sub" / "weights.bin").read_bytes() == (src / "sub" / "weights.bin").read_bytes()
+    assert (tmp_path / "ok" / "empty").read_bytes() == b""
+    flipped = [trainer_pb2.ExportChunk(path=c.path, data=c.data[::-1], size=c.size, sha256=c.sha256)
+               if i == 3 else c for i, c in enumerate(chunks)]
+    for broken, what in ((chunks[:-1], "ended inside"), (flipped, "digest"),
+                         ([trainer_pb2.ExportChunk(path="../evil", data=b"x", size=1, sha256="0")],
+                          "outside the export")):
+        with pytest.raises(ExportError, match=what):
+            ExportWriter(tmp_path / "bad").write(broken)
+        assert not (tmp_path / "bad").exists()
+        assert [p.name for p in tmp_path.iterdir()] and not [p for p in tmp_path.iterdir() if "partial" in p.name]

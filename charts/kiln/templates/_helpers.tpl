@@ -59,18 +59,23 @@ app.kubernetes.io/component: operator
   verbs: ["get", "patch", "update"]
 - apiGroups: [""]
   # secrets: each job's CA and its components' certificates (mutual TLS between the services).
-  resources: ["configmaps", "services", "secrets"]
+  resources: ["configmaps", "secrets"]
   verbs: ["get", "create", "patch"]
 - apiGroups: [""]
-  # delete: the finalizer removes PVCs whose spec says retain: false.
-  resources: ["persistentvolumeclaims"]
+  # delete: the finalizer removes PVCs whose spec says retain: false; an edited job that names
+  # fewer frozen checkpoints (teachers, references, subagents, reward models) loses their
+  # Services, Deployments and NetworkPolicies.
+  resources: ["persistentvolumeclaims", "services"]
   verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["apps"]
-  resources: ["deployments", "statefulsets"]
+  resources: ["deployments"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["apps"]
+  resources: ["statefulsets"]
   verbs: ["get", "create", "patch"]
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kiln/v1/trainer.proto\x12\x07kiln.v1\" \n\x0fRunStageRequest\x12\r\n\x05stage\x18\x01 \x01(\t\"\x16\n\x14TrainerStatusRequest\"\xe4\x02\n\rTrainerStatus\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\r\n\x05stage\x18\x03 \x01(\t\x12=\n\x0clast_metrics\x18\x04 \x03(\x0b\x32\'.kiln.v1.TrainerStatus.LastMetricsEntry\x12\x17\n\x0flast_checkpoint\x18\x05 \x01(\t\x12\x17\n\x0ftensor_parallel\x18\x06 \x01(\r\x12\x11\n\tmodel_dir\x18\x07 \x01(\t\x12\x12\n\nstage_step\x18\x08 \x01(\x04\x12\x17\n\x0fstage_max_steps\x18\t \x01(\x04\x12\x12\n\nstage_done\x18\n \x01(\x08\x12\x14\n\x0cstage_failed\x18\x0b \x01(\x08\x12\x0f\n\x07message\x18\x0c \x01(\t\x1a\x32\n\x10LastMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\x92\x01\n\x07Trainer\x12<\n\x08RunStage\x12\x18.kiln.v1.RunStageRequest\x1a\x16.kiln.v1.TrainerStatus\x12I\n\x10GetTrainerStatus\x12\x1d.kiln.v1.TrainerStatusRequest\x1a\x16.kiln.v1.TrainerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kiln/v1/trainer.proto\x12\x07kiln.v1\"(\n\x17\x46\x65tchStageExportRequest\x12\r\n\x05stage\x18\x01 \x01(\t\"G\n\x0b\x45xportChunk\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\t\" \n\x0fRunStageRequest\x12\r\n\x05stage\x18\x01 \x01(\t\"\x16\n\x14TrainerStatusRequest\"\xe4\x02\n\rTrainerStatus\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\r\n\x05stage\x18\x03 \x01(\t\x12=\n\x0clast_metrics\x18\x04 \x03(\x0b\x32\'.kiln.v1.TrainerStatus.LastMetricsEntry\x12\x17\n\x0flast_checkpoint\x18\x05 \x01(\t\x12\x17\n\x0ftensor_parallel\x18\x06 \x01(\r\x12\x11\n\tmodel_dir\x18\x07 \x01(\t\x12\x12\n\nstage_step\x18\x08 \x01(\x04\x12\x17\n\x0fstage_max_steps\x18\t \x01(\x04\x12\x12\n\nstage_done\x18\n \x01(\x08\x12\x14\n\x0cstage_failed\x18\x0b \x01(\x08\x12\x0f\n\x07message\x18\x0c \x01(\t\x1a\x32\n\x10LastMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xe0\x01\n\x07Trainer\x12<\n\x08RunStage\x12\x18.kiln.v1.RunStageRequest\x1a\x16.kiln.v1.TrainerStatus\x12I\n\x10GetTrainerStatus\x12\x1d.kiln.v1.TrainerStatusRequest\x1a\x16.kiln.v1.TrainerStatus\x12L\n\x10\x46\x65tchStageExport\x12 .kiln.v1.FetchStageExportRequest\x1a\x14.kiln.v1.ExportChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,14 +33,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._loaded_options = None
   _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_options = b'8\001'
-  _globals['_RUNSTAGEREQUEST']._serialized_start=34
-  _globals['_RUNSTAGEREQUEST']._serialized_end=66
-  _globals['_TRAINERSTATUSREQUEST']._serialized_start=68
-  _globals['_TRAINERSTATUSREQUEST']._serialized_end=90
-  _globals['_TRAINERSTATUS']._serialized_start=93
-  _globals['_TRAINERSTATUS']._serialized_end=449
-  _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_start=399
-  _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_end=449
-  _globals['_TRAINER']._serialized_start=452
-  _globals['_TRAINER']._serialized_end=598
+  _globals['_FETCHSTAGEEXPORTREQUEST']._serialized_start=34
+  _globals['_FETCHSTAGEEXPORTREQUEST']._serialized_end=74
+  _globals['_EXPORTCHUNK']._serialized_start=76
+  _globals['_EXPORTCHUNK']._serialized_end=147
+  _globals['_RUNSTAGEREQUEST']._serialized_start=149
+  _globals['_RUNSTAGEREQUEST']._serialized_end=181
+  _globals['_TRAINERSTATUSREQUEST']._serialized_start=183
+  _globals['_TRAINERSTATUSREQUEST']._serialized_end=205
+  _globals['_TRAINERSTATUS']._serialized_start=208
+  _globals['_TRAINERSTATUS']._serialized_end=564
+  _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_start=514
+  _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_end=564
+  _globals['_TRAINER']._serialized_start=567
+  _globals['_TRAINER']._serialized_end=791
 # @@protoc_insertion_point(module_scope)

@@ -44,6 +44,11 @@ class TrainerStub:
                 request_serializer=kiln_dot_v1_dot_trainer__pb2.TrainerStatusRequest.SerializeToString,
                 response_deserializer=kiln_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
                 _registered_method=True)
+        self.FetchStageExport = channel.unary_stream(
+                '/kiln.v1.Trainer/FetchStageExport',
+                request_serializer=kiln_dot_v1_dot_trainer__pb2.FetchStageExportRequest.SerializeToString,
+                response_deserializer=kiln_dot_v1_dot_trainer__pb2.ExportChunk.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -63,6 +68,16 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchStageExport(self, request, context):
+        """A finished stage's final weights (its Hugging Face export), file after file, for a frozen
+        deployment of the job (a teacher, a KL reference, swarm subagents, a reward model) that
+        cannot mount the trainer's volume. FAILED_PRECONDITION while the stage is not exported yet
+        (retry later); INVALID_ARGUMENT for a name that is not one of the job's stages.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +90,11 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.GetTrainerStatus,
                     request_deserializer=kiln_dot_v1_dot_trainer__pb2.TrainerStatusRequest.FromString,
                     response_serializer=kiln_dot_v1_dot_trainer__pb2.TrainerStatus.SerializeToString,
+            ),
+            'FetchStageExport': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchStageExport,
+                    request_deserializer=kiln_dot_v1_dot_trainer__pb2.FetchStageExportRequest.FromString,
+                    response_serializer=kiln_dot_v1_dot_trainer__pb2.ExportChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +151,33 @@ class Trainer:
             '/kiln.v1.Trainer/GetTrainerStatus',
             kiln_dot_v1_dot_trainer__pb2.TrainerStatusRequest.SerializeToString,
             kiln_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchStageExport(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kiln.v1.Trainer/FetchStageExport',
+            kiln_dot_v1_dot_trainer__pb2.FetchStageExportRequest.SerializeToString,
+            kiln_dot_v1_dot_trainer__pb2.ExportChunk.FromString,
             options,
             channel_credentials,
             insecure,
