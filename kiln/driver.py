@@ -94,7 +94,7 @@ def trainer_record(s: TrainerStatus) -> dict[str, Any]:
         "icepop_only": m.get("icepop_only_frac"), "both_masked": m.get("both_masked_frac"),
         "mismatch_abs": m.get("mismatch_abs"),
         "mismatch_kl": m.get("mismatch_kl"), "routing_flips": m.get("routing_flip_frac"),
-        "kl_ref": m.get("kl_ref"),
+        "kl_ref": m.get("kl_ref"), "dense_kl": m.get("dense_kl"),
         "tokens_per_second": m.get("tokens_per_s"),
         "step_seconds": m.get("step_time_s"),
         "staleness_counts": {str(k): v for k, v in s.staleness_counts().items()},

@@ -56,6 +56,12 @@ class Trajectory:
     teacher_logp: list[float] = field(default_factory=list)
     """Optional per-token log-probs of a frozen model: the teacher's (on-policy distillation)
     or the reference's (a stage with a KL penalty, `rl.klCoef`)."""
+    teacher_top_k: int = 0
+    teacher_topk_ids: list[int] = field(default_factory=list)
+    teacher_topk_logp: list[float] = field(default_factory=list)
+    """Optional dense distillation (`rl.teacherTopK`): the teacher's `teacher_top_k` most
+    likely tokens in place of each token and their log-probs, k entries per token (entry
+    t*k+j); 0 where loss_mask is 0."""
     advantage: float = 0.0
     """Group-relative advantage, filled in by the buffer when the group is complete."""
     created_at: float = 0.0
@@ -108,6 +114,12 @@ class Trajectory:
         if self.teacher_logp and len(self.teacher_logp) != n:
             raise ValueError(f"trajectory {self.id}: teacher_logp has {len(self.teacher_logp)} "
                              f"entries, tokens {n}")
+        k = self.teacher_top_k
+        if (k or self.teacher_topk_ids or self.teacher_topk_logp) and not (
+                len(self.teacher_topk_ids) == len(self.teacher_topk_logp) == n * k > 0):
+            raise ValueError(f"trajectory {self.id}: teacher top-k has {len(self.teacher_topk_ids)} "
+                             f"ids and {len(self.teacher_topk_logp)} log-probs; {n} tokens x k={k} "
+                             "expected")
         if self.routed_experts is not None:
             r = self.routed_experts
             if r.start < 0 or r.end > n:

@@ -283,9 +283,23 @@ def token_logprobs(model, tokens_BS: torch.Tensor) -> torch.Tensor:
     Uses Megatron's vocab-parallel cross entropy, so it is exact at any TP size without
     gathering the full vocabulary. Padding positions get finite values the caller masks out.
     """
+    return _sampled_logprobs(forward_logits(model, tokens_BS), tokens_BS)
+
+
+def token_and_topk_logprobs(model, tokens_BS: torch.Tensor,
+                            ids_BSK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs`, and from the same forward pass `[B, S, K]` log-probs of other tokens
+    in each place: entry `[b, t, j]` is log p(ids[b, t, j] | tokens[b, <t]), entries of
+    position 0 are 0 (dense distillation: `ids` is a teacher's top k). One rank's full
+    vocabulary (tensor parallelism 1)."""
+    logits_BSV = forward_logits(model, tokens_BS)
+    topk = torch.log_softmax(logits_BSV[:, :-1].float(), dim=-1).gather(-1, ids_BSK[:, 1:])
+    return _sampled_logprobs(logits_BSV, tokens_BS), F.pad(topk, (0, 0, 1, 0), value=0.0)
+
+
+def _sampled_logprobs(logits_BSV: torch.Tensor, tokens_BS: torch.Tensor) -> torch.Tensor:
     from megatron.core import tensor_parallel
 
-    logits_BSV = forward_logits(model, tokens_BS)
     targets_BS = tokens_BS[:, 1:]
     # vocab_parallel_cross_entropy takes [S, B, V] / [S, B] and returns -log p, [S, B].
     nll_SB = tensor_parallel.vocab_parallel_cross_entropy(

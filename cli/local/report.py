@@ -175,10 +175,12 @@ def write_report(run_dir: Path, rl_stages: set[str] | None = None,
             ("both", lambda r: r["trainer"].get("both_masked")),
             ("ratio (all)", lambda r: r["trainer"].get("ratio_mask")),
             ("IcePop (all)", lambda r: r["trainer"].get("icepop_mask"))]),
-        "mismatch.png": ("Train/inference log-prob mismatch, and KL to the reference", [
+        "mismatch.png": ("Train/inference log-prob mismatch, and KL to a frozen model", [
             ("mean |diff|", lambda r: r["trainer"].get("mismatch_abs")),
             ("KL estimate", lambda r: r["trainer"].get("mismatch_kl")),
             ("KL to the reference (klCoef)", lambda r: r["trainer"].get("kl_ref") or None),
+            ("KL to the teacher's top k (teacherTopK)",
+             lambda r: r["trainer"].get("dense_kl") or None),
             ("MoE routing flips (fraction of token-layer pairs)",
              lambda r: r["trainer"].get("routing_flips"))]),
     }

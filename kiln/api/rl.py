@@ -58,6 +58,14 @@ class RLSettings(Model):
     task_reward_weight: float = Field(0.0, ge=0.0)
     """opd: weight of the group-relative task advantage added to every token's distillation
     advantage (teacher minus student log-prob); 0 distils only."""
+    teacher_top_k: int = Field(0, ge=0, le=64)
+    """opd: also distil densely. The teacher returns its k most likely tokens at every trained
+    position, and each such token's loss gets `denseWeight * sum_j q_j (log q_j - log
+    pi_theta(j))`: the teacher's top k, renormalised to q, against the student (forward KL on
+    the teacher's top k, reported as `dense_kl`). This reaches tokens the student no longer
+    samples, which the sampled-token advantage cannot. 0 (the default): sampled tokens only."""
+    dense_weight: float = Field(1.0, ge=0.0)
+    """opd with teacherTopK: weight of the dense term in each trained token's loss."""
     kl_coef: float = Field(0.0, ge=0.0)
     """Weight of a KL penalty to `reference`: every trained token's loss gets
     `klCoef * KL(pi_theta || pi_ref)`, the k3 estimate `exp(d) - d - 1` with
@@ -78,6 +86,8 @@ class RLSettings(Model):
             raise ValueError("teachers applies to advantage 'opd' only")
         if self.task_reward_weight and self.advantage != "opd":
             raise ValueError("taskRewardWeight applies to advantage 'opd' only")
+        if self.teacher_top_k and self.advantage != "opd":
+            raise ValueError("teacherTopK applies to advantage 'opd' only (it is the teacher's)")
         if self.dual_clip is not None and self.loss_mode != "ppo":
             raise ValueError("dualClip applies to lossMode ppo only")
         if bool(self.kl_coef) != bool(self.reference):

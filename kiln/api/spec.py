@@ -335,6 +335,11 @@ class RLJobSpec(_Model):
                         f"stages[{i}] ({stage.name}) refers to task set {ref!r}, which is not in "
                         f"spec.tasks (known: {sorted(known)})"
                     )
+            if (isinstance(stage, RLStage) and stage.rl.teacher_top_k
+                    and self.trainer.tensor_parallel > 1):
+                raise ValueError(
+                    f"stages[{i}] ({stage.name}): rl.teacherTopK needs trainer.tensorParallel 1 "
+                    f"(the dense term takes the log-softmax of the whole vocabulary on one rank)")
             if isinstance(stage, RLStage) and stage.batch_size % stage.rl.group_size:
                 raise ValueError(
                     f"stages[{i}] ({stage.name}): batchSize ({stage.batch_size}) must be a "

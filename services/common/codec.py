@@ -51,6 +51,9 @@ def to_proto(traj: Trajectory) -> trajectory_pb2.Trajectory:
     msg.loss_mask.extend(traj.loss_mask)
     msg.logp_infer.extend(traj.logp_infer)
     msg.teacher_logp.extend(traj.teacher_logp)
+    msg.teacher_top_k = traj.teacher_top_k
+    msg.teacher_topk_ids.extend(traj.teacher_topk_ids)
+    msg.teacher_topk_logp.extend(traj.teacher_topk_logp)
     msg.version_spans.extend(span_to_proto(s) for s in traj.version_spans)
     msg.reward_parts.update(traj.reward_parts)
     msg.flags.extend(traj.flags)
@@ -85,6 +88,9 @@ def from_proto(msg: trajectory_pb2.Trajectory) -> Trajectory:
         index_hashes=msg.index_hashes[:],
         routed_experts=_routed_from_proto(msg),
         teacher_logp=msg.teacher_logp[:],
+        teacher_top_k=msg.teacher_top_k,
+        teacher_topk_ids=msg.teacher_topk_ids[:],
+        teacher_topk_logp=msg.teacher_topk_logp[:],
         advantage=msg.advantage,
         created_at=msg.created_at,
     )

@@ -11,7 +11,7 @@ from kiln.services.common.server import CHANNEL_OPTIONS
 from kiln.services.rollout import wire
 from kiln.services.rollout.wire import Evaluation, ModeRequest, RolloutMode, RolloutStatus
 
-__all__ = ["Evaluation", "ModeRequest", "RolloutClient", "RolloutMode", "RolloutStatus"]
+__all__ = ["Evaluation", "ModeRequest", "RolloutClient", "RolloutMode", "RolloutStatus", "TeacherScorer"]
 
 
 class RolloutClient:
@@ -40,6 +40,52 @@ class RolloutClient:
 
     def close(self) -> None:
         self._channel.close()
+
+
+class TeacherScorer:
+    """A frozen deployment's Score, asynchronous, over mutual TLS (its certificate is a
+    rollout's): what a student's rollout calls for a teacher's, a reference's or an outcome
+    model's log-probs. Retried for up to `wait_s` while the deployment starts, restarts or
+    loads: on a cluster one made by a stage starts only when that stage is done."""
+
+    def __init__(self, address: str, *, wait_s: float = 900.0) -> None:
+        import grpc
+
+        self.channel = tls.aio_channel(address, "rollout", CHANNEL_OPTIONS)
+        self._stub = rollout_pb2_grpc.RolloutStub(self.channel)
+        self.wait_s = wait_s  # as long as a pod's startup probe lets a model load
+        self._retry = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED,
+                       grpc.StatusCode.DEADLINE_EXCEEDED}
+
+    async def __call__(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Per-token log-probs of each sequence (entry 0 is 0)."""
+        resp = await self._score(wire.score_request(sequences))
+        return [list(r.logprobs) for r in resp.sequences]
+
+    async def topk(self, sequences: list[list[int]], k: int) -> list[tuple[list[float], list[int], list[float]]]:
+        """Per sequence: its per-token log-probs, and the k most likely ids in each place and
+        their log-probs (k entries per token)."""
+        resp = await self._score(wire.score_request(sequences, top_k=k))
+        return [(list(r.logprobs), list(r.topk_ids), list(r.topk_logprobs)) for r in resp.sequences]
+
+    async def _score(self, request):
+        import asyncio
+
+        import grpc
+
+        loop = asyncio.get_running_loop()
+        deadline, attempt = loop.time() + self.wait_s, 0
+        while True:
+            try:
+                return await self._stub.Score(request, timeout=300)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in self._retry or loop.time() > deadline:
+                    raise
+                attempt += 1
+                await asyncio.sleep(min(0.5 * attempt, 5.0))
+
+    async def close(self) -> None:
+        await self.channel.close()
 
 
 class FrozenEngine:

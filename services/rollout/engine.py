@@ -81,6 +81,23 @@ class Generation:
     predicted a sampled token; position 0 is the prompt's first). None otherwise."""
 
 
+TopKScores = tuple[list[float], list[int], list[float]]
+"""A sequence scored with its top k: (log-prob of each token, the k most likely ids in each
+place, their log-probs), the last two k entries per token."""
+
+
+def topk_scores(seq: Sequence[int], logp_SV, k: int) -> TopKScores:
+    """`TopKScores` of `seq` from the log-softmax `[len(seq) - 1, V]` of the positions that
+    predict tokens 1.. (a torch tensor). Ties are broken towards the lower id."""
+    import torch
+
+    tokens = torch.tensor(list(seq[1:]), dtype=torch.long, device=logp_SV.device)
+    sampled = logp_SV.gather(1, tokens[:, None])[:, 0]
+    vals, ids = torch.topk(logp_SV, k, dim=-1, sorted=True)
+    return ([0.0, *sampled.tolist()], [0] * k + ids.flatten().tolist(),
+            [0.0] * k + vals.flatten().tolist())
+
+
 class Engine(Protocol):
     @property
     def policy_version(self) -> int:
@@ -96,6 +113,11 @@ class Engine(Protocol):
     async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         """Per-token log-probs of each sequence under the weights served: entry t is
         log p(token t | tokens < t) of the raw distribution, entry 0 is 0.0."""
+        ...
+
+    async def score_topk(self, sequences: Sequence[Sequence[int]], k: int) -> list[TopKScores]:
+        """`score`, and the k most likely tokens in each place with their log-probs (entry
+        t*k+j: the j-th most likely in place of token t; position 0's entries are 0)."""
         ...
 
     async def apply_weights(self, version: int, named_tensors: NamedTensors) -> None:

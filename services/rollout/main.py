@@ -45,7 +45,6 @@ from kiln.services.common import metrics
 from kiln.services.common.server import CHANNEL_OPTIONS, Registration, run_service, service_argparser
 
 log = logging.getLogger("kiln.rollout")
-TEACHER_WAIT_S = 900.0  # as long as a pod's startup probe lets a model load
 
 
 def _addr(name: str) -> str:
@@ -157,36 +156,6 @@ def fetch_stage_weights(stage: str, dest: Path) -> None:
              dest, got.files, got.bytes / 1e6, time.monotonic() - started)
 
 
-def teacher_client(address: str):
-    """The Scorer of `Producer`: the teacher's Score over mutual TLS (its certificate is a
-    rollout's), retried while the teacher restarts; and the channel, to close."""
-    import grpc
-
-    from kiln.protos.kiln.v1 import rollout_pb2_grpc
-    from kiln.services.rollout import wire
-
-    channel = tls.aio_channel(address, "rollout", CHANNEL_OPTIONS)
-    stub = rollout_pb2_grpc.RolloutStub(channel)
-    retry = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED}
-
-    async def score(sequences: list[list[int]]) -> list[list[float]]:
-        # Long enough for a teacher that starts only when the stage making it finishes (the
-        # operator's frozen deployments) to fetch its weights and load them.
-        deadline = asyncio.get_running_loop().time() + TEACHER_WAIT_S
-        attempt = 0
-        while True:
-            try:
-                resp = await stub.Score(wire.score_request(sequences), timeout=300)
-                return [list(r.logprobs) for r in resp.sequences]
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in retry or asyncio.get_running_loop().time() > deadline:
-                    raise
-                attempt += 1
-                await asyncio.sleep(min(0.5 * attempt, 5.0))
-
-    return score, channel
-
-
 async def build(job: RLJob | None, args: argparse.Namespace):
     from transformers import AutoTokenizer
 
@@ -196,6 +165,7 @@ async def build(job: RLJob | None, args: argparse.Namespace):
     from kiln.services.rollout.engine import (EngineBroken, EngineSettings, SamplingOptions, engine_kind,
                                               start_engine)
     from kiln.services.rollout.formats import choose_format, make_format
+    from kiln.services.rollout.client import TeacherScorer
     from kiln.services.rollout.producer import Producer
     from kiln.services.rollout.servicer import RolloutServicer
     from kiln.services.sandbox.client import GrpcEnvClient
@@ -224,12 +194,12 @@ async def build(job: RLJob | None, args: argparse.Namespace):
     s = spec.rollout.sampling
     buffer = GrpcBufferClient(buffer_addr)
     distilled = opd_stages(job)
-    clients = [teacher_client(_addr(teacher_process(i).upper())) for i in range(len(teacher_refs(spec)))]
-    teachers = teachers_by_task(job, [score for score, _ in clients])
+    clients = [TeacherScorer(_addr(teacher_process(i).upper())) for i in range(len(teacher_refs(spec)))]
+    teachers = teachers_by_task(job, clients)
     sampling = SamplingOptions(temperature=s.temperature, top_p=s.top_p,
                                max_tokens=s.max_tokens_per_turn, seed=None)
     swarms = swarm_runs(job, fmt, sampling)  # subagents sample as the orchestrator does
-    judged = reward_models(job, fmt, [score for score, _ in clients])
+    judged = reward_models(job, fmt, clients)
     producer = Producer(
         engine, env, fmt, buffer,
         sampling=sampling,
@@ -239,6 +209,8 @@ async def build(job: RLJob | None, args: argparse.Namespace):
         target_occupancy=spec.rollout.target_engine_occupancy,
         samples_path=args.run_dir / "trajectories.jsonl", sample_every=spec.rollout.sample_every,
         teachers=teachers, opd_stages=distilled, swarms=swarms,
+        teacher_top_k={st.name: st.rl.teacher_top_k for st in spec.stages
+                       if getattr(st, "rl", None) is not None and st.rl.teacher_top_k},
         reward_models=judged,
         # Set per replica (kiln run's worker index, the pod's name on a cluster).
         stream=os.environ.get("KILN_ROLLOUT_REPLICA", ""))
@@ -285,8 +257,8 @@ async def build(job: RLJob | None, args: argparse.Namespace):
         await engine.close()
         await env_channel.close()
         await sync_channel.close()
-        for _, channel in clients:
-            await channel.close()
+        for client in clients:
+            await client.close()
         for run in swarms.values():
             await run.subagents.engine.close()
         for models in judged.values():

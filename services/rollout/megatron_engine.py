@@ -40,7 +40,8 @@ from kiln.models.megatron_model import (DSABackend, forward_logits, next_token_l
                                         token_logprobs)
 from kiln.routing import RoutedExperts
 from kiln.services.rollout.engine import (
-    EngineBase, EngineSettings, Generation, NamedTensors, SamplingOptions, check_sequence)
+    EngineBase, EngineSettings, Generation, NamedTensors, SamplingOptions, TopKScores, check_sequence,
+    topk_scores)
 from kiln.services.rollout.sampling import sample_token
 
 ENGINE_NAME = "megatron"
@@ -124,12 +125,29 @@ class MegatronEngine(EngineBase):
     async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         out = []
         for seq in sequences:
-            check_sequence(seq, self.spec.vocab_size)
-            if len(seq) > self.max_len:
-                raise ValueError(f"sequences: {len(seq)} tokens exceed max_model_len={self.max_len}")
+            self._check(seq)
             async with self._lock:
                 out.append(await asyncio.to_thread(self._score_one, list(seq)))
         return out
+
+    def _check(self, seq: Sequence[int]) -> None:
+        check_sequence(seq, self.spec.vocab_size)
+        if len(seq) > self.max_len:
+            raise ValueError(f"sequences: {len(seq)} tokens exceed max_model_len={self.max_len}")
+
+    async def score_topk(self, sequences: Sequence[Sequence[int]], k: int) -> list[TopKScores]:
+        out = []
+        for seq in sequences:
+            self._check(seq)
+            async with self._lock:
+                out.append(await asyncio.to_thread(self._score_topk_one, list(seq), k))
+        return out
+
+    @torch.no_grad()
+    def _score_topk_one(self, seq: list[int], k: int) -> TopKScores:
+        ids = torch.tensor([seq], dtype=torch.long, device=next(self.model.parameters()).device)
+        logits = forward_logits(self.model, ids)[0, :-1].float()
+        return topk_scores(seq, torch.log_softmax(logits, dim=-1), k)
 
     @torch.no_grad()
     def _score_one(self, seq: list[int]) -> list[float]:

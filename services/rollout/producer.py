@@ -48,7 +48,8 @@ from kiln.services.rollout.wire import ModeRequest, RolloutMode
 from kiln.services.sandbox.client import EnvClient
 from kiln.trajectory import Trajectory
 
-#: Per-token log-probs of token sequences (a teacher's Score, `main.py` builds it).
+#: Per-token log-probs of token sequences (a teacher's Score: `client.TeacherScorer`, whose
+#: `topk` also gives the teacher's top k in each place).
 Scorer = Callable[[list[list[int]]], Awaitable[list[list[float]]]]
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class Producer:
                  sample_every: int = 10,
                  teachers: dict[tuple[str, str], Scorer] | None = None,
                  opd_stages: frozenset[str] = frozenset(), stream: str = "",
+                 teacher_top_k: dict[str, int] | None = None,
                  swarms: dict[str, SwarmRun] | None = None,
                  reward_models: dict[str, RewardModels] | None = None) -> None:
         self.occupancy = Occupancy()
@@ -96,6 +98,8 @@ class Producer:
         (on-policy distillation's teacher, or a KL-penalised stage's reference): its per-token
         log-probs go on each trajectory, for the trainer's advantage or penalty."""
         self.opd_stages = opd_stages
+        self.teacher_top_k = teacher_top_k or {}
+        """Stage -> k of its dense distillation (`rl.teacherTopK`; the Scorer's `topk`)."""
         self.swarms = swarms or {}
         """Stage -> its swarm: those stages' episodes are orchestrators' (`swarm.py`)."""
         self.reward_models = reward_models or {}
@@ -267,7 +271,8 @@ class Producer:
                 if errors:
                     return  # a partial group would bias the group-relative baseline
                 if mode.stage in self.opd_stages:
-                    await self._add_teacher_logprobs(trajs, self.teachers.get((mode.stage, task_set)))
+                    await self._add_teacher_logprobs(trajs, self.teachers.get((mode.stage, task_set)),
+                                                     self.teacher_top_k.get(mode.stage, 0))
             for t in trajs:
                 n = sum(t.loss_mask)
                 self.tokens += n
@@ -319,16 +324,24 @@ class Producer:
             return self.engine.policy_version - oldest[0] > mode.tau
         return stale
 
-    async def _add_teacher_logprobs(self, trajs: list[Trajectory], teacher: Scorer | None) -> None:
-        """Each trajectory's tokens scored by its task set's teacher; kept on the trained tokens."""
+    async def _add_teacher_logprobs(self, trajs: list[Trajectory], teacher: Scorer | None,
+                                    top_k: int = 0) -> None:
+        """Each trajectory's tokens scored by its task set's teacher; kept on the trained tokens
+        (with `top_k`, also the teacher's top k in each trained place)."""
         if teacher is None:
             raise RuntimeError("an on-policy distillation stage needs a teacher (a KL-penalised "
                                "stage its reference) for each task set, and this rollout was "
                                "started without one for it")
         t0 = time.perf_counter()
-        rows = await teacher([t.tokens for t in trajs])
-        for t, row in zip(trajs, rows):
+        scored = (await teacher.topk([t.tokens for t in trajs], top_k) if top_k else
+                  [(row, [], []) for row in await teacher([t.tokens for t in trajs])])
+        for t, (row, ids, lps) in zip(trajs, scored):
             t.teacher_logp = [lp if m else 0.0 for lp, m in zip(row, t.loss_mask)]
+            if top_k:
+                keep = [m for m in t.loss_mask for _ in range(top_k)]
+                t.teacher_top_k = top_k
+                t.teacher_topk_ids = [i if m else 0 for i, m in zip(ids, keep)]
+                t.teacher_topk_logp = [lp if m else 0.0 for lp, m in zip(lps, keep)]
         seconds, tokens = time.perf_counter() - t0, sum(len(t.tokens) for t in trajs)
         self.teacher_seconds += seconds
         self.teacher_tokens += tokens

@@ -89,11 +89,18 @@ class TeacherServicer(rollout_pb2_grpc.RolloutServicer):
 async def _score(engine: Engine, request, context):
     try:
         sequences = wire.sequences_from_proto(request)
+        if request.top_k > wire.MAX_TOP_K:
+            raise ValueError(f"top_k: {request.top_k}, at most {wire.MAX_TOP_K}")
         version = engine.policy_version
-        logprobs = await engine.score(sequences)
+        topk = None
+        if request.top_k:
+            scored = await engine.score_topk(sequences, request.top_k)
+            logprobs, topk = [s[0] for s in scored], [(s[1], s[2]) for s in scored]
+        else:
+            logprobs = await engine.score(sequences)
     except ValueError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     if engine.policy_version != version:
         # Weights changed while scoring: some rows may be the new version's.
         await context.abort(grpc.StatusCode.ABORTED, "the weights changed while scoring; retry")
-    return wire.score_response(logprobs, version)
+    return wire.score_response(logprobs, version, topk)

@@ -31,7 +31,8 @@ import torch
 
 from kiln.routing import RoutedExperts
 from kiln.services.rollout.engine import (
-    EngineBase, EngineSettings, Generation, NamedTensors, SamplingOptions, check_sequence)
+    EngineBase, EngineSettings, Generation, NamedTensors, SamplingOptions, TopKScores, check_sequence,
+    topk_scores)
 from kiln.services.rollout.sampling import sample_token
 
 
@@ -115,6 +116,20 @@ class TorchEngine(EngineBase):
             async with self._lock:  # not while weights change
                 out.append(await asyncio.to_thread(self._score_one, list(seq)))
         return out
+
+    async def score_topk(self, sequences: Sequence[Sequence[int]], k: int) -> list[TopKScores]:
+        vocab = self.model.config.vocab_size
+        out = []
+        for seq in sequences:
+            check_sequence(seq, vocab)
+            async with self._lock:
+                out.append(await asyncio.to_thread(self._score_topk_one, list(seq), k))
+        return out
+
+    @torch.no_grad()
+    def _score_topk_one(self, seq: list[int], k: int) -> TopKScores:
+        logits = self.model(input_ids=torch.tensor([seq], dtype=torch.long)).logits[0].float()
+        return topk_scores(seq, torch.log_softmax(logits[:-1], dim=-1), k)
 
     @torch.no_grad()
     def _score_one(self, seq: list[int]) -> list[float]:

@@ -32,7 +32,8 @@ from typing import Any, Sequence
 
 from kiln.services.rollout.engine import (
     EngineBase, EngineBroken, EngineSettings, Generation, NamedTensors, SamplingOptions,
-    check_sequence)
+    TopKScores, check_sequence)
+from kiln.services.rollout.wire import MAX_TOP_K
 
 
 def _reload_in_worker(worker: Any, path: str) -> None:
@@ -159,6 +160,7 @@ class VllmEngine(EngineBase):
             enforce_eager=settings.enforce_eager, kv_cache_memory_bytes=settings.kv_cache_bytes,
             max_model_len=settings.max_model_len, disable_log_stats=True,
             distributed_executor_backend="uni",
+            max_logprobs=MAX_TOP_K,  # a teacher's top k for dense distillation
         )
         llm = AsyncLLM.from_engine_args(args)
         await llm.update_weight_version(str(settings.initial_version))
@@ -203,7 +205,16 @@ class VllmEngine(EngineBase):
         for seq in sequences:
             check_sequence(seq, vocab)
         # Concurrent requests: vLLM batches their prefills.
-        return list(await asyncio.gather(*(self._score_one(list(s)) for s in sequences)))
+        scored = await asyncio.gather(*(self._score_one(list(s), 0) for s in sequences))
+        return [s[0] for s in scored]
+
+    async def score_topk(self, sequences: Sequence[Sequence[int]], k: int) -> list[TopKScores]:
+        if self._broken:
+            raise EngineBroken(self._broken)
+        vocab = self._vocab_size()
+        for seq in sequences:
+            check_sequence(seq, vocab)
+        return list(await asyncio.gather(*(self._score_one(list(s), k) for s in sequences)))
 
     def _vocab_size(self) -> int:
         if self._vocab is None:
@@ -212,14 +223,15 @@ class VllmEngine(EngineBase):
             self._vocab = int(config.get("vocab_size") or config["text_config"]["vocab_size"])
         return self._vocab
 
-    async def _score_one(self, seq: list[int]) -> list[float]:
+    async def _score_one(self, seq: list[int], k: int) -> TopKScores:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         # One token generated (vLLM generates at least one), the prompt's own log-probs kept:
-        # prompt_logprobs=0 returns the log-prob of each prompt token actually there.
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0,
+        # prompt_logprobs=k returns the log-prob of each prompt token actually there and of
+        # the k most likely in its place (ranked 1..k; the token itself may rank lower).
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k,
                                 output_kind=RequestOutputKind.FINAL_ONLY)
         final = None
         async for out in self._llm.generate(TokensPrompt(prompt_token_ids=seq), params,
@@ -228,7 +240,16 @@ class VllmEngine(EngineBase):
         if final is None or final.prompt_logprobs is None:
             raise RuntimeError("vLLM returned no prompt log-probs (engine stopped?); retry may help")
         rows = final.prompt_logprobs
-        return [0.0, *(row[tok].logprob for row, tok in zip(rows[1:], seq[1:]))]
+        sampled = [0.0, *(row[tok].logprob for row, tok in zip(rows[1:], seq[1:]))]
+        ids, lps = [0] * k, [0.0] * k
+        for row in rows[1:] if k else ():
+            top = sorted((lp.rank, tid, lp.logprob) for tid, lp in row.items())[:k]
+            if len(top) != k:
+                raise RuntimeError(f"vLLM returned {len(top)} of the top {k} prompt log-probs; "
+                                   "this is a bug, not retryable")
+            ids += [tid for _, tid, _ in top]
+            lps += [lp for _, _, lp in top]
+        return sampled, ids, lps
 
     async def apply_weights(self, version: int, named_tensors: NamedTensors) -> None:
         async with self._update_lock:

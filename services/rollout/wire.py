@@ -23,9 +23,13 @@ __all__ = ["Evaluation", "MAX_SCORE_TOKENS", "ModeRequest", "RolloutMode", "Roll
 MAX_SCORE_TOKENS = 1 << 20
 
 
-def score_request(sequences: Sequence[Sequence[int]]) -> rollout_pb2.ScoreRequest:
+#: The most tokens a Score call may ask for in each place (`top_k`).
+MAX_TOP_K = 64
+
+
+def score_request(sequences: Sequence[Sequence[int]], top_k: int = 0) -> rollout_pb2.ScoreRequest:
     return rollout_pb2.ScoreRequest(
-        sequences=[rollout_pb2.TokenSequence(token_ids=list(s)) for s in sequences])
+        sequences=[rollout_pb2.TokenSequence(token_ids=list(s)) for s in sequences], top_k=top_k)
 
 
 def sequences_from_proto(msg: rollout_pb2.ScoreRequest) -> list[list[int]]:
@@ -37,10 +41,14 @@ def sequences_from_proto(msg: rollout_pb2.ScoreRequest) -> list[list[int]]:
     return [list(s.token_ids) for s in msg.sequences]
 
 
-def score_response(logprobs: list[list[float]], version: int) -> rollout_pb2.ScoreResponse:
-    return rollout_pb2.ScoreResponse(
-        sequences=[rollout_pb2.TokenLogprobs(logprobs=row) for row in logprobs],
-        policy_version=version)
+def score_response(logprobs: list[list[float]], version: int,
+                   topk: list[tuple[list[int], list[float]]] | None = None) -> rollout_pb2.ScoreResponse:
+    """`topk`: per sequence, the top k's ids and log-probs (k per position, flattened)."""
+    rows = [rollout_pb2.TokenLogprobs(logprobs=row) for row in logprobs]
+    for row, (ids, lps) in zip(rows, topk or []):
+        row.topk_ids.extend(ids)
+        row.topk_logprobs.extend(lps)
+    return rollout_pb2.ScoreResponse(sequences=rows, policy_version=version)
 
 
 def generate_request(prompt: Sequence[int], sampling) -> rollout_pb2.GenerateRequest:

@@ -39,6 +39,13 @@ class TensorBatch:
     carries routing."""
     routing_valid: torch.Tensor | None = None
     """[B, S] bool: the positions `routing` covers."""
+    topk_ids: torch.Tensor | None = None
+    """Dense distillation: [B, S, K] int64, the teacher's top k in place of each token; None
+    when no sequence carries them."""
+    topk_logp: torch.Tensor | None = None
+    """[B, S, K] float32, the teacher's log-probs of `topk_ids`."""
+    has_topk: torch.Tensor | None = None
+    """[B] bool: the sequence carries the teacher's top k."""
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +61,9 @@ class TensorBatch:
             has_teacher=self.has_teacher[idx], lengths=lengths,
             routing=self.routing[idx, :n] if self.routing is not None else None,
             routing_valid=self.routing_valid[idx, :n] if self.routing_valid is not None else None,
+            topk_ids=self.topk_ids[idx, :n] if self.topk_ids is not None else None,
+            topk_logp=self.topk_logp[idx, :n] if self.topk_logp is not None else None,
+            has_topk=self.has_topk[idx] if self.has_topk is not None else None,
         )
 
     def to(self, device: torch.device) -> "TensorBatch":
@@ -63,6 +73,8 @@ class TensorBatch:
             self.lengths,
             self.routing.to(device) if self.routing is not None else None,
             self.routing_valid.to(device) if self.routing_valid is not None else None,
+            *(t.to(device) if t is not None else None
+              for t in (self.topk_ids, self.topk_logp, self.has_topk)),
         )
 
 
@@ -84,7 +96,21 @@ def collate(trajs: list[Trajectory]) -> TensorBatch:
         if t.teacher_logp:
             teacher[i, :n] = torch.tensor(t.teacher_logp, dtype=torch.float32)
     routing, valid = collate_routing([t.routed_experts for t in trajs], s)
+    topk_ids = topk_logp = has_topk = None
+    k = max(t.teacher_top_k for t in trajs)
+    if k:
+        topk_ids = torch.zeros(b, s, k, dtype=torch.long)
+        topk_logp = torch.zeros(b, s, k)
+        for i, t in enumerate(trajs):
+            if t.teacher_top_k == k:
+                n = len(t.tokens)
+                topk_ids[i, :n] = torch.tensor(t.teacher_topk_ids, dtype=torch.long).view(n, k)
+                topk_logp[i, :n] = torch.tensor(t.teacher_topk_logp, dtype=torch.float32).view(n, k)
+        has_topk = torch.tensor([t.teacher_top_k == k for t in trajs])
     return TensorBatch(
+        topk_ids=topk_ids,
+        topk_logp=topk_logp,
+        has_topk=has_topk,
         routing=routing,
         routing_valid=valid,
         tokens=tokens,

@@ -101,6 +101,7 @@ def config_from_job(job: RLJob, *, run_dir: Path, stage: str | None = None, mode
             advantage_norm=rl.advantage_norm,
             task_reward_weight=rl.task_reward_weight,
             kl_coef=rl.kl_coef,
+            dense_weight=rl.dense_weight if rl.teacher_top_k else 0.0,
         )
         reset = rl.reset_optimizer_on_sync
         minibatches = rl.minibatches

@@ -47,7 +47,10 @@ from kiln.services.trainer.loss import LossStats, policy_loss, sft_loss, token_a
 from kiln.services.trainer.replay import batch_logprobs, score as score_routed
 from kiln.trajectory import Trajectory
 
-LossFn = Callable[[torch.Tensor, TensorBatch, torch.Tensor, float], tuple[torch.Tensor, LossStats]]
+# (log-probs, micro-batch, trainer's log-probs before the step, normalizer, the student's
+# log-probs of the teacher's top k or None) -> (loss, stats)
+LossFn = Callable[[torch.Tensor, TensorBatch, torch.Tensor, float, torch.Tensor | None],
+                  tuple[torch.Tensor, LossStats]]
 
 
 class TrainerEngine:
@@ -135,7 +138,7 @@ class TrainerEngine:
         if cfg.advantage_norm == "mean-std":
             batch = std_normalized(batch)
 
-        def loss_fn(logp, mb, train_old, normalizer):
+        def loss_fn(logp, mb, train_old, normalizer, student_topk):
             if cfg.kl_coef:
                 # A KL-penalised stage: the frozen log-probs are the reference's; the advantage
                 # is the sequence's.
@@ -145,7 +148,8 @@ class TrainerEngine:
             # On-policy distillation: per-token advantage from the teacher, else the sequence's.
             adv = token_advantages(mb.advantages, logp, mb.teacher_logp, mb.has_teacher, cfg.task_reward_weight)
             return policy_loss(
-                logp, mb.logp_infer, mb.loss_mask, adv, cfg, logp_train_old=train_old, normalizer=normalizer
+                logp, mb.logp_infer, mb.loss_mask, adv, cfg, logp_train_old=train_old, normalizer=normalizer,
+                student_topk=student_topk, teacher_topk=mb.topk_logp, has_topk=mb.has_topk,
             )
 
         return self._run(batch, loss_fn, needs_old=cfg.mode == "ppo",
@@ -155,7 +159,7 @@ class TrainerEngine:
         """One supervised step: cross-entropy on the loss-masked tokens of `batch`."""
         agg = self.config.loss.aggregation
 
-        def loss_fn(logp, mb, train_old, normalizer):
+        def loss_fn(logp, mb, train_old, normalizer, student_topk):
             return sft_loss(logp, mb.loss_mask, aggregation=agg, normalizer=normalizer)
 
         return self._run(batch, loss_fn, needs_old=False, aggregation=agg, rl=False)
@@ -180,6 +184,7 @@ class TrainerEngine:
         # The learning rate of this step (a stage sets it per step): every minibatch of the step
         # takes it, and it is the one reported.
         lrs = [g["lr"] for g in self.optimizer.param_groups]
+        dense = self.config.loss.dense_weight > 0  # the student's log-probs of a teacher's top k
         for part in parts:
             mask = tb.loss_mask[part]
             if aggregation == "token_mean":
@@ -196,9 +201,10 @@ class TrainerEngine:
             rows = part[dp_rank::dp]
             for idx in torch.split(rows, self.config.micro_batch_size) if len(rows) else ():
                 mb = tb.select(idx)
-                logp, flips = batch_logprobs(self.model, mb, self.config.routing_replay)
+                logp, flips, student_topk = batch_logprobs(
+                    self.model, mb, self.config.routing_replay, topk=rl and dense)
                 train_old = old[idx][:, : logp.shape[1]] if old is not None else logp.detach()
-                loss, st = loss_fn(logp, mb, train_old, normalizer)
+                loss, st = loss_fn(logp, mb, train_old, normalizer, student_topk)
                 st.routing_flips, st.routing_compared = flips.flips, flips.compared
                 loss.backward()
                 part_loss += loss.item()

@@ -54,6 +54,8 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, Field, model_validator
 
+from kiln.services.trainer.distill import dense_kl
+
 Aggregation = Literal["token_mean", "seq_mean", "seq_sum"]
 LossMode = Literal["masked", "ppo"]
 
@@ -87,6 +89,9 @@ class PolicyLossConfig(BaseModel):
     kl_coef: float = Field(0.0, ge=0.0)
     """Weight of the KL penalty to a reference (see the module doc); the trajectories' frozen
     log-probs are then the reference's, not a teacher's."""
+    dense_weight: float = Field(0.0, ge=0.0)
+    """Dense distillation (`kiln.services.trainer.distill`): weight of the forward KL on the
+    teacher's top k added to each trained token's loss, where the trajectory carries them."""
 
     @model_validator(mode="after")
     def _dual_clip_is_ppo(self) -> "PolicyLossConfig":
@@ -124,6 +129,9 @@ class LossStats:
     kl_ref_sum: float = 0.0
     """Sum of the k3 estimate of KL(pi_theta || pi_ref) over the trainable tokens with a
     reference."""
+    dense_kl_sum: float = 0.0
+    """Sum of the dense distillation term (forward KL on the teacher's top k) over the
+    trainable tokens that carry the teacher's top k."""
     sequences: float = 0.0
     routing_flips: float = 0.0
     """MoE with routing recorded: token-layer pairs where the trainer's own top-k differed from
@@ -175,6 +183,7 @@ class LossStats:
             "mismatch_kl": self.mismatch_kl,
             "ratio_mean": self.ratio_mean,
             "kl_ref": self._frac(self.kl_ref_sum),
+            "dense_kl": self._frac(self.dense_kl_sum),
             **({"routing_flip_frac": self.routing_flips / self.routing_compared}
                if self.routing_compared else {}),
         }
@@ -250,6 +259,9 @@ def policy_loss(
     normalizer: float | None = None,
     logp_ref: torch.Tensor | None = None,
     has_ref: torch.Tensor | None = None,
+    student_topk: torch.Tensor | None = None,
+    teacher_topk: torch.Tensor | None = None,
+    has_topk: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """The policy-gradient loss of one (micro-)batch in `config.mode`, and its stats.
 
@@ -258,6 +270,8 @@ def policy_loss(
     `logp_train_old` is needed in ppo mode (with one minibatch per step, `logp.detach()`).
     `normalizer`: see the module doc. `logp_ref` `[B, T]` and `has_ref` `[B]` (rows that have
     them): the reference's log-probs for the KL penalty, used when `config.kl_coef` > 0.
+    `student_topk`, `teacher_topk` `[B, T, K]` and `has_topk` `[B]`: the student's and the
+    teacher's log-probs of the teacher's top k, for the dense term (`config.dense_weight` > 0).
     """
     shape = logp.shape
     mask = loss_mask.to(logp.dtype)
@@ -299,6 +313,11 @@ def policy_loss(
         kl = kl_to_reference(logp, logp_ref.detach().to(logp.dtype), on & rows.to(on.device)[:, None])
         stats.kl_ref_sum = float(kl.detach().sum())
         per_token = per_token + config.kl_coef * kl
+    if config.dense_weight and student_topk is not None:
+        rows = has_topk.to(on.device) if has_topk is not None else torch.ones(shape[0], dtype=torch.bool)
+        dense = dense_kl(student_topk, teacher_topk, on & rows[:, None])
+        stats.dense_kl_sum = float(dense.detach().sum())
+        per_token = per_token + config.dense_weight * dense
     loss = _aggregate(per_token, mask, config.aggregation, normalizer, config.seq_sum_tokens)
     return loss, stats
 

@@ -42,7 +42,7 @@ TRACKED = {
     "train/ratio_only_frac": "ratio_only_frac", "train/icepop_only_frac": "icepop_only_frac",
     "train/both_masked_frac": "both_masked_frac", "train/ratio_mean": "ratio_mean",
     "train/mismatch_abs": "mismatch_abs", "train/mismatch_kl": "mismatch_kl",
-    "train/kl_ref": "kl_ref",
+    "train/kl_ref": "kl_ref", "train/dense_kl": "dense_kl",
     "train/tokens_per_s": "tokens_per_s", "train/step_seconds": "step_time_s",
     "train/policy_version": "policy_version", "train/routing_flip_frac": "routing_flip_frac",
 }
@@ -51,7 +51,7 @@ TRACKED = {
 def tracked_scalars(m: dict[str, float], *, rl: bool) -> dict[str, float]:
     """The step's metrics under their tracking tags; the off-policy ones (masks, mismatch,
     staleness) for RL steps only, where they mean something."""
-    off_policy = ("mask", "mismatch", "kept", "only", "ratio_mean", "routing", "kl_ref")
+    off_policy = ("mask", "mismatch", "kept", "only", "ratio_mean", "routing", "kl_ref", "dense_kl")
     out = {tag: m[key] for tag, key in TRACKED.items()
            if key in m and (rl or not any(w in key for w in off_policy))}
     counts = {int(k.removeprefix("staleness_")): v for k, v in m.items()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from kiln.models import moe
-from kiln.models.megatron_model import token_logprobs
+from kiln.models.megatron_model import token_and_topk_logprobs, token_logprobs
 from kiln.routing import RoutedExperts
 from kiln.services.trainer.batch import TensorBatch, collate_routing
 
@@ -25,18 +25,33 @@ def routed_logprobs(model, tokens: torch.Tensor, lengths: list[int], routing: to
                     covered: torch.Tensor | None, mode: str) -> tuple[torch.Tensor, moe.RoutingFlips]:
     """`token_logprobs` of right-padded `tokens` [B, S] under routing `mode`, with the recorded
     `routing` [B, S, layers, topk] where `covered` [B, S]; and the flips counted."""
-    if routing is None or mode == "off" or not moe.is_moe_model(model):
-        return token_logprobs(model, tokens), moe.RoutingFlips()
-    positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
-    predicts = positions < torch.tensor(lengths, device=tokens.device)[:, None] - 1
-    with moe.replay_routing(model, routing, covered & predicts, apply=mode == "replay") as flips:
-        logp = token_logprobs(model, tokens)
+    logp, _, flips = _routed(model, tokens, lengths, routing, covered, mode, None)
     return logp, flips
 
 
-def batch_logprobs(model, mb: TensorBatch, mode: str) -> tuple[torch.Tensor, moe.RoutingFlips]:
-    """`routed_logprobs` of a training micro-batch."""
-    return routed_logprobs(model, mb.tokens, mb.lengths, mb.routing, mb.routing_valid, mode)
+def _routed(model, tokens, lengths, routing, covered, mode, topk_ids):
+    def forward():
+        if topk_ids is None:
+            return token_logprobs(model, tokens), None
+        return token_and_topk_logprobs(model, tokens, topk_ids)
+
+    if routing is None or mode == "off" or not moe.is_moe_model(model):
+        return (*forward(), moe.RoutingFlips())
+    positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
+    predicts = positions < torch.tensor(lengths, device=tokens.device)[:, None] - 1
+    with moe.replay_routing(model, routing, covered & predicts, apply=mode == "replay") as flips:
+        logp, topk = forward()
+    return logp, topk, flips
+
+
+def batch_logprobs(model, mb: TensorBatch, mode: str, *, topk: bool = False
+                   ) -> tuple[torch.Tensor, moe.RoutingFlips, torch.Tensor | None]:
+    """`routed_logprobs` of a training micro-batch; with `topk` and a batch that carries a
+    teacher's top k, also the student's log-probs of those tokens `[B, S, K]` (else None)."""
+    ids = mb.topk_ids if topk else None
+    logp, student_topk, flips = _routed(model, mb.tokens, mb.lengths, mb.routing,
+                                        mb.routing_valid, mode, ids)
+    return logp, flips, student_topk
 
 
 def score(model, tokens: torch.Tensor, lengths: list[int], routed: list[RoutedExperts | None],

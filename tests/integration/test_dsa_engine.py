@@ -59,6 +59,16 @@ async def test_generations_match_the_trainer_bit_for_bit(dsa_dir: Path, tmp_path
         assert g.versions == [0] * len(g.token_ids)
     # Scoring (a teacher's job) is the trainer's own computation: the same bits.
     assert await engine.score(seqs) == trainer.logprobs(seqs)
+    # With a top k (dense distillation): the k most likely in each place, in order, and the
+    # sampled token's own log-prob among them whenever it ranks in the k.
+    for seq, (lp, ids, lps) in zip(seqs, await engine.score_topk(seqs, 4)):
+        assert len(ids) == len(lps) == 4 * len(seq) and ids[:4] == [0] * 4
+        assert lp == pytest.approx(trainer.logprobs([seq])[0], abs=1e-5)
+        for t in range(1, len(seq)):
+            top = lps[4 * t:4 * t + 4]
+            assert top == sorted(top, reverse=True) and lp[t] <= top[0] + 1e-5
+            if seq[t] in ids[4 * t:4 * t + 4]:
+                assert top[ids[4 * t:4 * t + 4].index(seq[t])] == pytest.approx(lp[t], abs=1e-5)
     hashes = [g.index_hashes for g in gens]
     assert all(len(h) == 2 for h in hashes)
     assert dsa.count_mismatches(hashes, trainer.index_hashes(seqs)) == 0

@@ -198,7 +198,8 @@ def test_kiln_run_distils_from_two_served_teachers(tmp_path):
     sft["maxSteps"] = 4
     rl.update(maxSteps=3, name="distil", tasks=["chain-train", "chain-b"])
     rl["rl"].update(advantage="opd", teachers=[{"teacher": sft["name"], "tasks": ["chain-train"]},
-                                                {"teacher": spec["model"]["path"], "tasks": ["chain-b"]}])
+                                                {"teacher": spec["model"]["path"], "tasks": ["chain-b"]}],
+                    teacherTopK=4)  # dense distillation too
     rl.pop("eval", None)
     job.write_text(yaml.safe_dump(doc, sort_keys=False))
     run = tmp_path / "run"
@@ -219,6 +220,23 @@ def test_kiln_run_distils_from_two_served_teachers(tmp_path):
             logits = model(torch.tensor([tokens])).logits[0, :-1].float()
         return [0.0, *torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0].tolist()]
 
+    def check_topk(model, t):
+        """The teacher's top 4 in each trained place, as transformers ranks them (up to
+        vLLM-vs-transformers noise: a near tie may come in either order)."""
+        with torch.no_grad():
+            full = torch.log_softmax(model(torch.tensor([t["tokens"]])).logits[0, :-1].float(), -1)
+        k = t["teacher_top_k"]
+        assert k == 4 and len(t["teacher_topk_ids"]) == len(t["tokens"]) * k
+        for pos, m in enumerate(t["loss_mask"]):
+            ids = t["teacher_topk_ids"][pos * k:(pos + 1) * k]
+            lps = t["teacher_topk_logp"][pos * k:(pos + 1) * k]
+            if not m:
+                assert ids == [0] * k and lps == [0.0] * k
+                continue
+            row = full[pos - 1]
+            assert max(abs(row[i].item() - lp) for i, lp in zip(ids, lps)) < 1e-3
+            assert lps == sorted(lps, reverse=True) and min(lps) > row.topk(k).values[-1].item() - 1e-3
+
     seen = set()
     for t in distilled:
         # The chain environment's task ids are chain-<split>-<seed>-<index>; chain-b's seed is 5.
@@ -232,12 +250,14 @@ def test_kiln_run_distils_from_two_served_teachers(tmp_path):
             ref = logprobs(model, t["tokens"])
             gap = max(abs(a - b) for a, b, m in zip(lp, ref, mask) if m)
             assert (gap < 1e-3) == (name == task_set), (task_set, name, gap)
+        check_topk(models[task_set], t)
     assert seen == {"chain-train", "chain-b"}
     assert all(not t["teacher_logp"] for t in samples if t["stage"] != "distil")
     assert "waiting for" in (run / "logs" / "teacher.log").read_text()
     assert "waiting for" not in (run / "logs" / "teacher_1.log").read_text()
     steps = [r for r in _records(run) if r.get("stage") == "distil"]
     assert steps and max(r.get("step", 0) for r in steps) >= 3
+    assert any((r["trainer"].get("dense_kl") or 0) > 0 for r in steps)
 
 
 def test_kiln_run_trains_a_swarm_orchestrator_with_frozen_subagents(tmp_path):

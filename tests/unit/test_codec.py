@@ -40,6 +40,9 @@ def _full() -> Trajectory:
         index_hashes=[2**63 + 5, 1],
         routed_experts=RoutedExperts.pack([[[3, 1]], [[4, 0]], [[7, 2]]], num_experts=8, start=1),
         teacher_logp=[0.0, 0.0, -0.75, _f32(-0.1), 0.0, -2.0],
+        teacher_top_k=2,
+        teacher_topk_ids=[0, 0, 0, 0, 7, 70000, 8, 3, 0, 0, 9, 1],
+        teacher_topk_logp=[0.0, 0.0, 0.0, 0.0, -0.5, -1.25, -0.125, -3.0, 0.0, 0.0, -0.25, -2.0],
         advantage=-0.125,
         created_at=1764400000.5,
     )

@@ -81,16 +81,22 @@ class TokenSequence(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("sequences",)
+    __slots__ = ("sequences", "top_k")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[TokenSequence]
-    def __init__(self, sequences: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ...) -> None: ...
+    top_k: int
+    def __init__(self, sequences: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., top_k: _Optional[int] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
-    __slots__ = ("logprobs",)
+    __slots__ = ("logprobs", "topk_ids", "topk_logprobs")
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    topk_ids: _containers.RepeatedScalarFieldContainer[int]
+    topk_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., topk_ids: _Optional[_Iterable[int]] = ..., topk_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
     __slots__ = ("sequences", "policy_version")

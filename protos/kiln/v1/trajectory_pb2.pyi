@@ -33,7 +33,7 @@ class VersionSpan(_message.Message):
     def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("id", "task_id", "group_id", "env", "tokens", "loss_mask", "logp_infer", "version_spans", "prompt_len", "teacher_logp", "reward", "reward_parts", "verifier_output", "flags", "advantage", "sandbox_image_digest", "engine_fingerprint", "index_hashes", "routed_experts", "created_at")
+    __slots__ = ("id", "task_id", "group_id", "env", "tokens", "loss_mask", "logp_infer", "version_spans", "prompt_len", "teacher_logp", "teacher_top_k", "teacher_topk_ids", "teacher_topk_logp", "reward", "reward_parts", "verifier_output", "flags", "advantage", "sandbox_image_digest", "engine_fingerprint", "index_hashes", "routed_experts", "created_at")
     class RewardPartsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,9 @@ class Trajectory(_message.Message):
     VERSION_SPANS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     TEACHER_LOGP_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_TOPK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_TOPK_LOGP_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
     REWARD_PARTS_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_OUTPUT_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +74,9 @@ class Trajectory(_message.Message):
     version_spans: _containers.RepeatedCompositeFieldContainer[VersionSpan]
     prompt_len: int
     teacher_logp: _containers.RepeatedScalarFieldContainer[float]
+    teacher_top_k: int
+    teacher_topk_ids: _containers.RepeatedScalarFieldContainer[int]
+    teacher_topk_logp: _containers.RepeatedScalarFieldContainer[float]
     reward: float
     reward_parts: _containers.ScalarMap[str, float]
     verifier_output: str
@@ -81,4 +87,4 @@ class Trajectory(_message.Message):
     index_hashes: _containers.RepeatedScalarFieldContainer[int]
     routed_experts: RoutedExperts
     created_at: float
-    def __init__(self, id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., env: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logp_infer: _Optional[_Iterable[float]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., prompt_len: _Optional[int] = ..., teacher_logp: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., reward_parts: _Optional[_Mapping[str, float]] = ..., verifier_output: _Optional[str] = ..., flags: _Optional[_Iterable[str]] = ..., advantage: _Optional[float] = ..., sandbox_image_digest: _Optional[str] = ..., engine_fingerprint: _Optional[str] = ..., index_hashes: _Optional[_Iterable[int]] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ..., created_at: _Optional[float] = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., env: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logp_infer: _Optional[_Iterable[float]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., prompt_len: _Optional[int] = ..., teacher_logp: _Optional[_Iterable[float]] = ..., teacher_top_k: _Optional[int] = ..., teacher_topk_ids: _Optional[_Iterable[int]] = ..., teacher_topk_logp: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., reward_parts: _Optional[_Mapping[str, float]] = ..., verifier_output: _Optional[str] = ..., flags: _Optional[_Iterable[str]] = ..., advantage: _Optional[float] = ..., sandbox_image_digest: _Optional[str] = ..., engine_fingerprint: _Optional[str] = ..., index_hashes: _Optional[_Iterable[int]] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ..., created_at: _Optional[float] = ...) -> None: ...
