@@ -127,16 +127,18 @@ def test_score_gives_each_tokens_logprob_over_grpc(models) -> None:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as ch:
             stub = rollout_pb2_grpc.RolloutStub(ch)
             resp = await stub.Score(wire.score_request(seqs))
+            topk = await stub.Score(wire.score_request(seqs, top_k=3))
             errors = []
-            for bad in ([[1, 99999]], [[]], [[1] * (wire.MAX_SCORE_TOKENS + 1)]):
+            for bad, k in (([[1, 99999]], 0), ([[]], 0), ([[1] * (wire.MAX_SCORE_TOKENS + 1)], 0),
+                           ([[1, 5]], wire.MAX_TOP_K + 1)):
                 try:
-                    await stub.Score(wire.score_request(bad))
+                    await stub.Score(wire.score_request(bad, top_k=k))
                 except grpc.aio.AioRpcError as exc:
                     errors.append((exc.code(), exc.details()))
         await server.stop(0)
-        return direct, resp, errors
+        return direct, resp, topk, errors
 
-    direct, resp, errors = asyncio.run(main())
+    direct, resp, topk, errors = asyncio.run(main())
     assert resp.policy_version == 0
     got = [list(r.logprobs) for r in resp.sequences]
     for seq, row, d in zip(seqs, got, direct):
@@ -145,6 +147,18 @@ def test_score_gives_each_tokens_logprob_over_grpc(models) -> None:
         if len(seq) > 1:
             ref = reference_logprobs(v0, seq[:1], seq[1:])
             assert torch.allclose(torch.tensor(row[1:]), ref, atol=1e-5)
-    assert [c for c, _ in errors] == [grpc.StatusCode.INVALID_ARGUMENT] * 3
+    assert [c for c, _ in errors] == [grpc.StatusCode.INVALID_ARGUMENT] * 4
     assert "[99999] are outside [0, " in errors[0][1] and "empty" in errors[1][1]
-    assert "at most 1048576" in errors[2][1]
+    assert "at most 1048576" in errors[2][1] and "top_k: 65, at most 64" in errors[3][1]
+    # With a top k: the same per-token log-probs, and the 3 most likely in each place as the
+    # reference model ranks them.
+    model = AutoModelForCausalLM.from_pretrained(str(v0), dtype=torch.float32).eval()
+    for seq, row, d in zip(seqs, topk.sequences, direct):
+        assert list(row.logprobs) == pytest.approx(d, abs=1e-6)
+        assert list(row.topk_ids[:3]) == [0] * 3 and len(row.topk_ids) == 3 * len(seq)
+        with torch.no_grad():
+            full = torch.log_softmax(model(torch.tensor([seq])).logits[0, :-1].float(), -1)
+        for t in range(1, len(seq)):
+            want = full[t - 1].topk(3)
+            assert list(row.topk_ids[3 * t:3 * t + 3]) == want.indices.tolist()
+            assert list(row.topk_logprobs[3 * t:3 * t + 3]) == pytest.approx(want.values.tolist(), abs=1e-5)
