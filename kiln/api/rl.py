@@ -58,6 +58,11 @@ class RLSettings(Model):
     task_reward_weight: float = Field(0.0, ge=0.0)
     """opd: weight of the group-relative task advantage added to every token's distillation
     advantage (teacher minus student log-prob); 0 distils only."""
+    sampled_weight: float = Field(1.0, ge=0.0)
+    """opd: weight of the sampled-token advantage (teacher minus student log-prob of each token
+    the student sampled). 0 with teacherTopK distils from the teacher's top k alone, a forward
+    KL on the student's own trajectories (GKD's): no per-token advantages of -20 on tokens the
+    teacher would never write, which at a high learning rate shake what the student knows."""
     teacher_top_k: int = Field(0, ge=0, le=64)
     """opd: also distil densely. The teacher returns its k most likely tokens at every trained
     position, and each such token's loss gets `denseWeight * sum_j q_j (log q_j - log
@@ -86,6 +91,12 @@ class RLSettings(Model):
             raise ValueError("teachers applies to advantage 'opd' only")
         if self.task_reward_weight and self.advantage != "opd":
             raise ValueError("taskRewardWeight applies to advantage 'opd' only")
+        if self.sampled_weight != 1.0 and self.advantage != "opd":
+            raise ValueError("sampledWeight applies to advantage 'opd' only")
+        if (self.advantage == "opd" and not self.sampled_weight and not self.teacher_top_k
+                and not self.task_reward_weight):
+            raise ValueError("sampledWeight 0 leaves an opd stage nothing to learn from: "
+                             "set teacherTopK (dense distillation) or taskRewardWeight")
         if self.teacher_top_k and self.advantage != "opd":
             raise ValueError("teacherTopK applies to advantage 'opd' only (it is the teacher's)")
         if self.dual_clip is not None and self.loss_mode != "ppo":

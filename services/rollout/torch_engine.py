@@ -109,20 +109,14 @@ class TorchEngine(EngineBase):
         return Generation(out, logps, versions, finish, routed_experts=experts)
 
     async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
-        vocab = self.model.config.vocab_size
-        out = []
-        for seq in sequences:
-            check_sequence(seq, vocab)
-            async with self._lock:  # not while weights change
-                out.append(await asyncio.to_thread(self._score_one, list(seq)))
-        return out
+        return [logp for logp, _, _ in await self.score_topk(sequences, 0)]
 
     async def score_topk(self, sequences: Sequence[Sequence[int]], k: int) -> list[TopKScores]:
         vocab = self.model.config.vocab_size
         out = []
         for seq in sequences:
             check_sequence(seq, vocab)
-            async with self._lock:
+            async with self._lock:  # not while weights change
                 out.append(await asyncio.to_thread(self._score_topk_one, list(seq), k))
         return out
 
@@ -130,12 +124,6 @@ class TorchEngine(EngineBase):
     def _score_topk_one(self, seq: list[int], k: int) -> TopKScores:
         logits = self.model(input_ids=torch.tensor([seq], dtype=torch.long)).logits[0].float()
         return topk_scores(seq, torch.log_softmax(logits[:-1], dim=-1), k)
-
-    @torch.no_grad()
-    def _score_one(self, seq: list[int]) -> list[float]:
-        logits = self.model(input_ids=torch.tensor([seq], dtype=torch.long)).logits[0].float()
-        logp = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(seq[1:])[:, None])
-        return [0.0, *logp[:, 0].tolist()]
 
     async def apply_weights(self, version: int, named_tensors: NamedTensors) -> None:
         async with self._lock:

@@ -199,14 +199,7 @@ class VllmEngine(EngineBase):
         return Generation(token_ids, logprobs, versions, c.finish_reason or "abort")
 
     async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
-        if self._broken:
-            raise EngineBroken(self._broken)
-        vocab = self._vocab_size()
-        for seq in sequences:
-            check_sequence(seq, vocab)
-        # Concurrent requests: vLLM batches their prefills.
-        scored = await asyncio.gather(*(self._score_one(list(s), 0) for s in sequences))
-        return [s[0] for s in scored]
+        return [logp for logp, _, _ in await self.score_topk(sequences, 0)]
 
     async def score_topk(self, sequences: Sequence[Sequence[int]], k: int) -> list[TopKScores]:
         if self._broken:
@@ -214,6 +207,7 @@ class VllmEngine(EngineBase):
         vocab = self._vocab_size()
         for seq in sequences:
             check_sequence(seq, vocab)
+        # Concurrent requests: vLLM batches their prefills.
         return list(await asyncio.gather(*(self._score_one(list(s), k) for s in sequences)))
 
     def _vocab_size(self) -> int:

@@ -100,6 +100,7 @@ def config_from_job(job: RLJob, *, run_dir: Path, stage: str | None = None, mode
             seq_sum_tokens=job.spec.rollout.sampling.max_total_tokens,
             advantage_norm=rl.advantage_norm,
             task_reward_weight=rl.task_reward_weight,
+            sampled_weight=rl.sampled_weight,
             kl_coef=rl.kl_coef,
             dense_weight=rl.dense_weight if rl.teacher_top_k else 0.0,
         )

@@ -140,13 +140,13 @@ class TrainerEngine:
 
         def loss_fn(logp, mb, train_old, normalizer, student_topk):
             if cfg.kl_coef:
-                # A KL-penalised stage: the frozen log-probs are the reference's; the advantage
-                # is the sequence's.
+                # A KL-penalised stage: the frozen log-probs are the reference's, not a teacher's.
                 return policy_loss(logp, mb.logp_infer, mb.loss_mask, mb.advantages, cfg,
                                    logp_train_old=train_old, normalizer=normalizer,
                                    logp_ref=mb.teacher_logp, has_ref=mb.has_teacher)
             # On-policy distillation: per-token advantage from the teacher, else the sequence's.
-            adv = token_advantages(mb.advantages, logp, mb.teacher_logp, mb.has_teacher, cfg.task_reward_weight)
+            adv = token_advantages(mb.advantages, logp, mb.teacher_logp, mb.has_teacher,
+                                   cfg.task_reward_weight, cfg.sampled_weight)
             return policy_loss(
                 logp, mb.logp_infer, mb.loss_mask, adv, cfg, logp_train_old=train_old, normalizer=normalizer,
                 student_topk=student_topk, teacher_topk=mb.topk_logp, has_topk=mb.has_topk,

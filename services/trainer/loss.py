@@ -86,6 +86,9 @@ class PolicyLossConfig(BaseModel):
     task_reward_weight: float = Field(0.0, ge=0.0)
     """On-policy distillation: weight of the sequence's task advantage added to each token's
     teacher advantage."""
+    sampled_weight: float = Field(1.0, ge=0.0)
+    """On-policy distillation: weight of each sampled token's teacher advantage (0: the dense
+    term and the task advantage only)."""
     kl_coef: float = Field(0.0, ge=0.0)
     """Weight of the KL penalty to a reference (see the module doc); the trajectories' frozen
     log-probs are then the reference's, not a teacher's."""
@@ -215,12 +218,13 @@ def opd_advantages(logp_teacher: torch.Tensor, logp_student: torch.Tensor) -> to
 
 
 def token_advantages(seq_adv_B: torch.Tensor, logp_BS: torch.Tensor, teacher_BS: torch.Tensor,
-                     has_teacher_B: torch.Tensor, task_reward_weight: float = 0.0) -> torch.Tensor:
-    """[B, S] advantages: a sequence with teacher log-probs gets the distillation advantage of
-    each token plus `task_reward_weight` times its group-relative task advantage; any other
-    sequence its task advantage on every token."""
+                     has_teacher_B: torch.Tensor, task_reward_weight: float = 0.0,
+                     sampled_weight: float = 1.0) -> torch.Tensor:
+    """[B, S] advantages: a sequence with teacher log-probs gets `sampled_weight` times the
+    distillation advantage of each token plus `task_reward_weight` times its group-relative
+    task advantage; any other sequence its task advantage on every token."""
     seq = seq_adv_B[:, None].expand_as(logp_BS)
-    opd = opd_advantages(teacher_BS, logp_BS) + task_reward_weight * seq
+    opd = sampled_weight * opd_advantages(teacher_BS, logp_BS) + task_reward_weight * seq
     return torch.where(has_teacher_B[:, None], opd, seq)
 
 

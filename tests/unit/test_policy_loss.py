@@ -257,6 +257,11 @@ def test_task_reward_mixes_into_distillation_advantages_only_where_a_teacher_sco
     # With weight 0.5: + 0.5 * 0.4 on each token of the distilled sequence.
     mixed = token_advantages(seq_adv, student, teacher, has_teacher, 0.5)
     assert torch.allclose(mixed, torch.tensor([[0.7, -0.8], [-0.6, -0.6]], dtype=F64))
+    # sampledWeight scales only the teacher's part; 0 leaves the task's (and the dense term).
+    half = token_advantages(seq_adv, student, teacher, has_teacher, 0.5, sampled_weight=0.5)
+    assert torch.allclose(half, torch.tensor([[0.45, -0.3], [-0.6, -0.6]], dtype=F64))
+    task_only = token_advantages(seq_adv, student, teacher, has_teacher, 0.5, sampled_weight=0.0)
+    assert torch.allclose(task_only, torch.tensor([[0.2, 0.2], [-0.6, -0.6]], dtype=F64))
 
 
 def test_task_reward_weight_needs_opd() -> None:
@@ -265,6 +270,17 @@ def test_task_reward_weight_needs_opd() -> None:
     assert RLSettings.model_validate({"advantage": "opd", "teacher": "a", "taskRewardWeight": 0.3}).task_reward_weight == 0.3
     with pytest.raises(ValueError, match="taskRewardWeight applies to advantage 'opd' only"):
         RLSettings.model_validate({"taskRewardWeight": 0.3})
+
+
+def test_sampled_weight_needs_opd_and_something_left_to_learn() -> None:
+    from kiln.api.spec import RLSettings
+
+    dense_only = {"advantage": "opd", "teacher": "a", "sampledWeight": 0.0, "teacherTopK": 8}
+    assert RLSettings.model_validate(dense_only).sampled_weight == 0.0
+    with pytest.raises(ValueError, match="sampledWeight applies to advantage 'opd' only"):
+        RLSettings.model_validate({"sampledWeight": 0.5})
+    with pytest.raises(ValueError, match="nothing to learn from"):
+        RLSettings.model_validate({"advantage": "opd", "teacher": "a", "sampledWeight": 0.0})
 
 
 def test_ppo_needs_train_old_logprobs() -> None:

@@ -45,12 +45,15 @@ def test_rl_stage_settings_reach_the_trainer(tmp_path: Path) -> None:
 def test_distillation_and_routing_settings_reach_the_trainer(tmp_path: Path) -> None:
     job = _job()
     data = job.model_dump(by_alias=True)
-    data["spec"]["stages"][1]["rl"].update(advantage="opd", teacher="warm", taskRewardWeight=0.25)
+    data["spec"]["stages"][1]["rl"].update(advantage="opd", teacher="warm", taskRewardWeight=0.25,
+                                           sampledWeight=0.5)
     data["spec"]["model"]["routingReplay"] = "record"
     cfg = config_from_job(RLJob.model_validate(data), run_dir=tmp_path, stage="rl")
     assert cfg.loss.task_reward_weight == 0.25 and cfg.routing_replay == "record"
+    assert cfg.loss.sampled_weight == 0.5
     assert config_from_job(job, run_dir=tmp_path, stage="rl").routing_replay == "replay"
     data["spec"]["stages"][1]["rl"].update(advantage="group", teacher=None, taskRewardWeight=0.0,
+                                           sampledWeight=1.0,
                                            advantageNorm="mean-std", lossAggregation="sequence-sum")
     data["spec"]["rollout"] = {"sampling": {"maxTotalTokens": 300}}
     cfg = config_from_job(RLJob.model_validate(data), run_dir=tmp_path, stage="rl")
