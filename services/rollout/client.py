@@ -6,12 +6,17 @@ from __future__ import annotations
 
 from kiln import tls
 from kiln.protos.kiln.v1 import rollout_pb2, rollout_pb2_grpc
-from kiln.services.common.retry import call_with_retry
+from kiln.services.common.retry import call_until, call_with_retry
 from kiln.services.common.server import CHANNEL_OPTIONS
 from kiln.services.rollout import wire
 from kiln.services.rollout.wire import Evaluation, ModeRequest, RolloutMode, RolloutStatus
 
-__all__ = ["Evaluation", "ModeRequest", "RolloutClient", "RolloutMode", "RolloutStatus", "TeacherScorer"]
+__all__ = ["Evaluation", "FrozenEngine", "ModeRequest", "RolloutClient", "RolloutMode", "RolloutStatus",
+           "TeacherScorer"]
+
+# How long a frozen deployment's callers wait for it to serve: as long as a pod's startup probe
+# lets a model load, and on a cluster one made by a stage starts only when that stage is done.
+FROZEN_WAIT_S = 900.0
 
 
 class RolloutClient:
@@ -48,14 +53,10 @@ class TeacherScorer:
     model's log-probs. Retried for up to `wait_s` while the deployment starts, restarts or
     loads: on a cluster one made by a stage starts only when that stage is done."""
 
-    def __init__(self, address: str, *, wait_s: float = 900.0) -> None:
-        import grpc
-
+    def __init__(self, address: str, *, wait_s: float = FROZEN_WAIT_S) -> None:
         self.channel = tls.aio_channel(address, "rollout", CHANNEL_OPTIONS)
         self._stub = rollout_pb2_grpc.RolloutStub(self.channel)
-        self.wait_s = wait_s  # as long as a pod's startup probe lets a model load
-        self._retry = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED,
-                       grpc.StatusCode.DEADLINE_EXCEEDED}
+        self.wait_s = wait_s
 
     async def __call__(self, sequences: list[list[int]]) -> list[list[float]]:
         """Per-token log-probs of each sequence (entry 0 is 0)."""
@@ -69,20 +70,7 @@ class TeacherScorer:
         return [(list(r.logprobs), list(r.topk_ids), list(r.topk_logprobs)) for r in resp.sequences]
 
     async def _score(self, request):
-        import asyncio
-
-        import grpc
-
-        loop = asyncio.get_running_loop()
-        deadline, attempt = loop.time() + self.wait_s, 0
-        while True:
-            try:
-                return await self._stub.Score(request, timeout=300)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in self._retry or loop.time() > deadline:
-                    raise
-                attempt += 1
-                await asyncio.sleep(min(0.5 * attempt, 5.0))
+        return await call_until(self._stub.Score, request, timeout=300, wait_s=self.wait_s)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -96,31 +84,18 @@ class FrozenEngine:
 
     fingerprint = "frozen"
 
-    def __init__(self, address: str, *, attempts: int = 120) -> None:
-        import grpc
-
+    def __init__(self, address: str, *, wait_s: float = FROZEN_WAIT_S) -> None:
         self._channel = tls.aio_channel(address, "rollout", CHANNEL_OPTIONS)
         self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
-        self._retry = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED,
-                       grpc.StatusCode.DEADLINE_EXCEEDED}
-        self.attempts = attempts
+        self.wait_s = wait_s
         self.policy_version = 0
 
     async def generate(self, prompt, sampling):
-        import asyncio
-
-        import grpc
-
         from kiln.services.rollout.engine import Generation
 
-        for attempt in range(self.attempts):
-            try:
-                resp = await self._stub.Generate(wire.generate_request(prompt, sampling), timeout=300)
-                break
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in self._retry or attempt == self.attempts - 1:
-                    raise
-                await asyncio.sleep(min(0.5 * (attempt + 1), 5.0))
+        # A repeated Generate after a lost reply only samples again: harmless to retry.
+        resp = await call_until(self._stub.Generate, wire.generate_request(prompt, sampling),
+                                timeout=300, wait_s=self.wait_s)
         self.policy_version = resp.policy_version
         ids = list(resp.token_ids)
         return Generation(ids, list(resp.logprobs), [resp.policy_version] * len(ids),
