@@ -1,0 +1,71 @@
+"""How likely the swarm example's orchestrator is to try a parallel move before RL.
+
+A parallel move is a second `assign` before any `wait`. RL can only reinforce one that is
+sampled, so this reads the RL stage's episodes from a run of deploy/examples/swarm.yaml and, at
+every turn that follows an `assign` call's observation (where a serial solver waits), asks the
+orchestrator's SFT checkpoint for the probability that the turn's call is another `assign`.
+Printed: the number of such decision points, the mean, median and largest probability, the
+parallel moves to expect over the stage (the sum of the probabilities) and how many of the
+stage's episodes did run two subagents at once.
+
+Run: python benchmarks/swarm/exploration.py RUN_DIR [--checkpoint-stage orchestrator]
+     [--rl-stage swarm]
+Reads RUN_DIR/rollout/trajectories.jsonl and RUN_DIR/trainer/stages/<checkpoint stage>/ with
+transformers on the CPU (tags tool-call format, as the example uses).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+def decision_points(tok, tokens: list[int], loss_mask: list[int]) -> list[int]:
+    """Places of the `<call>` token opening each turn whose previous call was an `assign`."""
+    call = tok.convert_tokens_to_ids("<call>")
+    places = []
+    for i in range(1, len(tokens)):
+        if loss_mask[i] == 1 and loss_mask[i - 1] == 0 and tokens[i] == call:
+            before = tok.decode(tokens[:i]).rsplit("<call>", 1)
+            if len(before) == 2 and before[1].lstrip().startswith("assign"):
+                places.append(i)
+    return places
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", type=Path, help="a run directory of deploy/examples/swarm.yaml")
+    ap.add_argument("--checkpoint-stage", default="orchestrator",
+                    help="the stage whose final weights are the policy before RL")
+    ap.add_argument("--rl-stage", default="swarm", help="the RL stage whose episodes are read")
+    args = ap.parse_args()
+
+    ckpt = args.run_dir / "trainer" / "stages" / args.checkpoint_stage
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    assign = tok.convert_tokens_to_ids("assign")
+    episodes = [r for r in map(json.loads, open(args.run_dir / "rollout" / "trajectories.jsonl"))
+                if r["stage"] == args.rl_stage and "demonstration" not in r["flags"]]
+    if not episodes:
+        raise SystemExit(f"{args.run_dir}: no episodes of stage {args.rl_stage!r} yet")
+    probs = []
+    with torch.no_grad():
+        for ep in episodes:
+            for i in decision_points(tok, ep["tokens"], ep["loss_mask"]):
+                logits = model(torch.tensor([ep["tokens"][: i + 1]])).logits[0, -1]
+                probs.append(float(torch.softmax(logits, -1)[assign]))
+    parallel = sum(1 for ep in episodes if ep["reward_parts"].get("swarm/peak_parallel", 0) >= 2)
+    print(f"episodes of {args.rl_stage}: {len(episodes)}, with 2+ subagents at once: {parallel}")
+    if not probs:
+        raise SystemExit("no turn follows an assign call in these episodes")
+    print(f"decision points: {len(probs)}; P(another assign): mean {statistics.mean(probs):.2e}, "
+          f"median {statistics.median(probs):.2e}, max {max(probs):.2e}; "
+          f"parallel moves to expect: {sum(probs):.2f}")
+
+
+if __name__ == "__main__":
+    main()
