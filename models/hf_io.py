@@ -251,10 +251,17 @@ def write_hf_dir(
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     fsync_tree(tmp)
+    # The old directory is moved aside before it is deleted, so readers see it whole until
+    # the new one takes its name.
+    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
     if out_dir.exists():
-        shutil.rmtree(out_dir)
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(out_dir, old)
     os.replace(tmp, out_dir)
     fsync_dir(out_dir.parent)
+    if old.exists():
+        shutil.rmtree(old)
     return out_dir
 
 

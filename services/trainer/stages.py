@@ -98,6 +98,11 @@ class StageRunner:
             raise ValueError(f"stage {self.status.stage!r} is still running; cannot start {name!r}")
         done = self.engine.stage_steps.get(name, 0)
         self.status = StageStatus(stage=name, step=done, max_steps=stage.max_steps)
+        if done >= stage.max_steps and (stage_export_dir(self.run_dir, name) / "config.json").exists():
+            # Finished and exported: a retry (or a restarted trainer) reports it done rather
+            # than exporting again under a frozen deployment that may be fetching it.
+            self.status.done = True
+            return self.status
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, args=(stage, done), daemon=True,
                                         name=f"stage-{name}")

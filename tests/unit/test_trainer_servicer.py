@@ -98,9 +98,13 @@ def test_run_stage_trains_through_the_buffer_and_reports(model_dir: Path, tmp_pa
             assert status.policy_version == 1 and publisher.versions == [1]
             assert status.last_metrics["loss"] > 0 and status.last_metrics["tokens"] == 12
             assert buffer.status().served == 6 and buffer.status().policy_version == 1
-            # Retrying RunStage for the stage it ran changes nothing.
+            # Retrying RunStage for the stage it ran changes nothing: it is not exported again
+            # (the same file stays in place for a frozen deployment fetching it).
+            weights = stage_export_dir(tmp_path, "warmup") / "model.safetensors"
+            inode = weights.stat().st_ino
             again = await stub.RunStage(trainer_pb2.RunStageRequest(stage="warmup"))
-            assert again.stage_step == 3
+            assert again.stage_step == 3 and again.stage_done
+            assert not stages._thread.is_alive() and weights.stat().st_ino == inode
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.RunStage(trainer_pb2.RunStageRequest(stage="nope"))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "nope" in err.value.details()
