@@ -8,8 +8,10 @@ an observation (never trained on). The orchestrator's tools:
     create_subagent(role, instructions)  a new idle subagent; returns its name (`s1`, `s2`, ...)
     assign(task, subagent)               give a subagent a sub-task and return at once; without
                                          `subagent`, a new one is created for it
-    wait(subagents)                      block until the named subagents (`all`, or empty: every
-                                         one running) finish; returns each one's final output
+    wait(subagents)                      block until the named subagents finish; returns each
+                                         one's final output. `all` (or empty) waits for every
+                                         one running and returns every output collected so
+                                         far, earlier ones included (the results board)
 
 An environment offers these tools in its tasks' tool lists (so its tokenizer and its scripted
 solutions know them); rollout runs them (`kiln.services.rollout.swarm`), the environment makes
@@ -50,7 +52,8 @@ TOOLS = [
                  "type": "object", "required": ["task"],
                  "properties": {"task": {"type": "string", "description": "the sub-task"},
                                 "subagent": {"type": "string", "description": "its name"}}}),
-    ToolSpec(WAIT, "Wait for subagents to finish; returns what each one answered.", {
+    ToolSpec(WAIT, "Wait for subagents to finish; returns what each one answered (`all`: "
+             "every answer so far).", {
         "type": "object", "required": ["subagents"],
         "properties": {"subagents": {"type": "string",
                                      "description": "names, or `all` for every one running"}}}),

@@ -68,6 +68,8 @@ class _Subagent:
     task: asyncio.Task | None = None
     assigned_at: int = 0
     collected: bool = True
+    output: str | None = None
+    """What its last collected sub-task handed back."""
 
 
 class _Subtask:
@@ -201,8 +203,14 @@ class SwarmEnv:
             self._running -= 1
 
     async def _wait(self, names: str) -> str:
+        """`wait s1 s2`: those subagents' answers. `wait all` (or nothing named): wait for every
+        running subagent, then list every answer collected so far, in creation order, the
+        earlier ones included: the results board. So the observation an answer is read from
+        has the same form however the sub-tasks were scheduled (all four after one wait, or one
+        per wait), and combining them is a copy of the last observation."""
         pending = [a for a in self._agents.values() if a.task is not None and not a.collected]
-        if names and names != "all":
+        board = not names or names == "all"
+        if not board:
             wanted = [n for n in names.replace(",", " ").split()]
             unknown = [n for n in wanted if n not in self._agents]
             if unknown:
@@ -213,14 +221,13 @@ class SwarmEnv:
             pending = [self._agents[n] for n in wanted]
         if not pending:
             return "error: no subagent is working"
-        lines = []
         for agent in pending:
             output, calls, finished = await agent.task
-            agent.collected = True
+            agent.collected, agent.output = True, output
             self.stats.path.observed(self.stats.path.subagent_done(agent.assigned_at, calls))
             self.stats.finished += finished
-            lines.append(f"{agent.name}: {output}")
-        return "\n".join(lines)
+        shown = [a for a in self._agents.values() if a.output is not None] if board else pending
+        return "\n".join(f"{a.name}: {a.output}" for a in shown)
 
     async def _cancel_running(self) -> None:
         tasks = [a.task for a in self._agents.values() if a.task is not None and not a.task.done()]

@@ -178,6 +178,22 @@ def test_limits_and_a_subagents_failure_become_observations(manager, tok):
     assert t.reward_parts["parl/perf"] == 0.0  # two ends of three
 
 
+def test_wait_all_shows_every_answer_so_far_and_a_named_wait_only_those(manager, tok):
+    ends = manager.task("wide", 0).ends
+    t, _ = play(manager, tok, serial(manager))
+    obs = re.findall(r"<obs>(.*?)</obs>", tok.decode(t.tokens, skip_special_tokens=False), re.S)
+    waits = obs[1::2]  # assign, wait, assign, wait, ...
+    # Each `wait all` lists s1..sk, not only the subagent that just finished.
+    assert waits == ["\n".join(f"s{j}: {e}" for j, e in enumerate(ends[:k], 1))
+                     for k in range(1, WIDTH + 1)]
+
+    script = ["<call>assign 1</call>", "<call>assign 2</call>", "<call>wait s2</call>",
+              "<call>wait s1</call>", "ANSWER"]
+    t, _ = play(manager, tok, script)
+    obs = re.findall(r"<obs>(.*?)</obs>", tok.decode(t.tokens, skip_special_tokens=False), re.S)
+    assert obs[2:] == [f"s2: {ends[1]}", f"s1: {ends[0]}"]
+
+
 def test_subagents_stay_on_their_pinned_version(manager, tok):
     # The orchestrator's weights change during the episode; the subagents' never do.
     script = parallel(manager)

@@ -7,8 +7,12 @@ the order given. The orchestrator has no shell: it can only hand each chain to a
 answer with them.
 
     <task>ends of 37 52 18, 2 hops</task>
-    <call>assign 1</call>  <obs>s1</obs>  <call>wait all</call>  <obs>s1: 10</obs>  ...
+    <call>assign 1</call>  <obs>s1</obs>  <call>wait all</call>  <obs>s1: 10</obs>
+    <call>assign 2</call>  <obs>s2</obs>  <call>wait all</call>  <obs>s1: 10, s2: 64 (a line each)</obs>  ...
     <answer>10 64 33</answer>
+
+`wait all` lists every answer so far, so the answer copies the last observation whether the
+chains ran one per wait or all before one.
 
 A sub-task (`subtask`: the text assigned is a chain's place, 1..K) is a `wide-lookup` task: one
 chain, in the same files, followed with the shell and answered in a reply.
@@ -141,11 +145,13 @@ class WideEnvironment(LookupEnvironment):
                 key = value
             return turns + [AssistantTurn(content=str(key))]
         turns = []
-        for i, (start, end) in enumerate(zip(task.starts, task.ends), 1):
+        for i in range(1, len(task.ends) + 1):
             turns.append(AssistantTurn(tool_calls=[ToolCall(swarm.ASSIGN, {"task": str(i)})],
                                        outputs=[f"s{i}"]))
+            # `wait all` shows every answer collected so far (rollout's results board).
+            board = "\n".join(f"s{j}: {e}" for j, e in enumerate(task.ends[:i], 1))
             turns.append(AssistantTurn(tool_calls=[ToolCall(swarm.WAIT, {"subagents": "all"})],
-                                       outputs=[f"s{i}: {end}"]))
+                                       outputs=[board]))
         return turns + [AssistantTurn(content=_ends(task))]
 
     def grade_demonstration(self, task: WideTask, turns: list[AssistantTurn]) -> Grade:
