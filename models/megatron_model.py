@@ -277,33 +277,41 @@ def forward_logits(model, tokens_BS: torch.Tensor) -> torch.Tensor:
     return model(tokens_BS, position_ids, mask)
 
 
-def token_logprobs(model, tokens_BS: torch.Tensor) -> torch.Tensor:
+def token_logprobs(model, tokens_BS: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Per-token log-probs `[B, S]`: entry t is log p(tokens[t] | tokens[<t]); entry 0 is 0.
+    With `temperature`, of softmax(logits / temperature): the distribution rollout sampled
+    from, as a tempered engine records it (`EngineSettings.tempered_logprobs`).
 
     Uses Megatron's vocab-parallel cross entropy, so it is exact at any TP size without
     gathering the full vocabulary. Padding positions get finite values the caller masks out.
     """
-    return _sampled_logprobs(forward_logits(model, tokens_BS), tokens_BS)
+    return _sampled_logprobs(forward_logits(model, tokens_BS), tokens_BS, temperature)
 
 
-def token_and_topk_logprobs(model, tokens_BS: torch.Tensor,
-                            ids_BSK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def token_and_topk_logprobs(model, tokens_BS: torch.Tensor, ids_BSK: torch.Tensor,
+                            temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """`token_logprobs`, and from the same forward pass `[B, S, K]` log-probs of other tokens
     in each place: entry `[b, t, j]` is log p(ids[b, t, j] | tokens[b, <t]), entries of
     position 0 are 0 (dense distillation: `ids` is a teacher's top k). One rank's full
     vocabulary (tensor parallelism 1)."""
     logits_BSV = forward_logits(model, tokens_BS)
-    topk = torch.log_softmax(logits_BSV[:, :-1].float(), dim=-1).gather(-1, ids_BSK[:, 1:])
-    return _sampled_logprobs(logits_BSV, tokens_BS), F.pad(topk, (0, 0, 1, 0), value=0.0)
+    topk = torch.log_softmax(_tempered(logits_BSV[:, :-1].float(), temperature), dim=-1).gather(-1, ids_BSK[:, 1:])
+    return _sampled_logprobs(logits_BSV, tokens_BS, temperature), F.pad(topk, (0, 0, 1, 0), value=0.0)
 
 
-def _sampled_logprobs(logits_BSV: torch.Tensor, tokens_BS: torch.Tensor) -> torch.Tensor:
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    # The same float32 division a tempered engine applies to its row, so the bits agree.
+    return logits if temperature == 1.0 else logits / temperature
+
+
+def _sampled_logprobs(logits_BSV: torch.Tensor, tokens_BS: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     from megatron.core import tensor_parallel
 
     targets_BS = tokens_BS[:, 1:]
     # vocab_parallel_cross_entropy takes [S, B, V] / [S, B] and returns -log p, [S, B].
+    logits_SBV = _tempered(logits_BSV[:, :-1].transpose(0, 1).float(), temperature)
     nll_SB = tensor_parallel.vocab_parallel_cross_entropy(
-        logits_BSV[:, :-1].transpose(0, 1).float().contiguous(), targets_BS.transpose(0, 1).contiguous()
+        logits_SBV.contiguous(), targets_BS.transpose(0, 1).contiguous()
     )
     logp_BS = -nll_SB.transpose(0, 1)
     return F.pad(logp_BS, (1, 0), value=0.0)

@@ -66,7 +66,8 @@ class Generation:
     token_ids: list[int]
     logprobs: list[float]
     """Log-prob of each sampled token under the raw model distribution (before temperature or
-    top-p), as the trainer computes it."""
+    top-p), or with `EngineSettings.tempered_logprobs` under softmax(logits / temperature), as
+    the trainer computes it."""
     versions: list[int]
     """Policy version of each sampled token (non-decreasing)."""
     finish_reason: str
@@ -144,14 +145,20 @@ class EngineSettings(BaseModel):
     record_routing: bool = False
     """MoE models: return the experts chosen per token (`Generation.routed_experts`), for
     routing replay in the trainer. Ignored for dense models."""
+    tempered_logprobs: bool = False
+    """Record each sampled token's log-prob under softmax(logits / temperature), the
+    distribution it was drawn from, instead of under the raw logits (greedy requests keep the
+    raw ones). On for a policy whose job samples at a temperature other than 0 or 1, so its
+    log-probs match the trainer's (`SamplingSpec.temperature`); scoring is always raw."""
 
     @classmethod
     def from_job(cls, job: "RLJob", model_dir: str | None = None, **overrides: Any) -> "EngineSettings":
         spec = job.spec
-        return cls(model=model_dir or spec.model.path, dtype=spec.model.dtype,
-                   kv_cache_bytes=spec.rollout.kv_cache_bytes,
-                   enforce_eager=spec.rollout.enforce_eager, seed=spec.seed,
-                   record_routing=spec.model.routing_replay != "off", **overrides)
+        return cls(**{"model": model_dir or spec.model.path, "dtype": spec.model.dtype,
+                      "kv_cache_bytes": spec.rollout.kv_cache_bytes,
+                      "enforce_eager": spec.rollout.enforce_eager, "seed": spec.seed,
+                      "record_routing": spec.model.routing_replay != "off",
+                      "tempered_logprobs": spec.rollout.sampling.tempered, **overrides})
 
 
 def check_sequence(seq: Sequence[int], vocab_size: int) -> None:

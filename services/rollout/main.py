@@ -130,7 +130,7 @@ async def build_teacher(job: RLJob, args: argparse.Namespace):
         raise ValueError(f"--teacher {model_dir}: no config.json there (a Hugging Face checkpoint "
                          "directory is expected)")
     engine = await start_engine(engine_kind(job.spec.rollout.engine, model_dir),
-                                EngineSettings.from_job(job, model_dir=model_dir))
+                                EngineSettings.from_job(job, model_dir=model_dir, tempered_logprobs=False))
     log.info("teacher %s serving scores", model_dir)
 
     async def on_stop() -> None:

@@ -11,7 +11,8 @@ also the same per-row arithmetic (see `dsa.ROW_MULTIPLE`), so on the CPU in floa
 log-prob equals the trainer's log-prob of that token bit for bit (dense models agree to ~1e-6:
 PyTorch's fused attention rounds differently at different lengths).
 
-Per token: the log-prob of the raw distribution (before temperature and top-p), computed with
+Per token: the log-prob of the raw distribution (before temperature and top-p; with
+`tempered_logprobs`, of logits / temperature, as the trainer divides them), computed with
 the trainer's vocab-parallel cross entropy (`next_token_logprob`), and the version of the
 weights that produced it. Weights change only between decoding steps (a lock serialises steps
 and updates), and since nothing is cached, a step after an update sees only the new weights.
@@ -42,7 +43,7 @@ from kiln.routing import RoutedExperts
 from kiln.services.rollout.engine import (
     EngineBase, EngineSettings, Generation, NamedTensors, SamplingOptions, TopKScores, check_sequence,
     topk_scores)
-from kiln.services.rollout.sampling import sample_token
+from kiln.services.rollout.sampling import logprobs_mode, sample_token, tempered_logits
 
 ENGINE_NAME = "megatron"
 
@@ -56,7 +57,7 @@ class MegatronEngine(EngineBase):
                     f"/{dsa_backend}" if spec.dsa else "dsa=off")
         super().__init__(settings, f"megatron-core-{megatron.core.__version__}+torch-"
                                    f"{torch.__version__};dtype={settings.dtype};"
-                                   f"seed={settings.seed};{dsa_desc};logprobs=raw")
+                                   f"seed={settings.seed};{dsa_desc};logprobs={logprobs_mode(settings)}")
         self.model = model
         self.spec = spec
         self.eos_token_ids = eos_token_ids
@@ -108,7 +109,8 @@ class MegatronEngine(EngineBase):
                 logits, indices, routed = await asyncio.to_thread(self._step, tokens)
             logits = logits.float()
             token, _ = sample_token(logits, sampling, gen)
-            logps.append(next_token_logprob(logits, token))
+            logps.append(next_token_logprob(
+                tempered_logits(logits, sampling, self.settings.tempered_logprobs), token))
             tokens.append(token)
             out.append(token)
             versions.append(version)

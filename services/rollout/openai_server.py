@@ -11,8 +11,9 @@ can act as the policy.
 Every completion request names its episode: an `X-Kiln-Episode` header, else the `user` field.
 `openai_episodes.ExternalEpisodes` keeps each episode's exact tokens; the reward call turns it
 into trajectories. Besides the standard fields a response carries `kiln`: the sampled token ids,
-their log-probs (the raw model distribution's, before temperature, as the trainer computes them)
-and policy versions. `logprobs: true` also fills the standard `choices[0].logprobs`.
+their log-probs (of the raw model distribution; when the job samples at a temperature other
+than 0 or 1, of the request's tempered one, and the trainer uses the job's temperature: send
+that one) and policy versions. `logprobs: true` also fills the standard `choices[0].logprobs`.
 
 Supported request fields: messages, tools, tool_choice (`auto` only: the model decides),
 temperature, top_p, max_tokens / max_completion_tokens, seed, stream, logprobs, user. Refused

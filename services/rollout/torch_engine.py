@@ -8,7 +8,7 @@ older version recomputes them before its next token, so each recorded log-prob i
 tagged version's log-prob of the token given the whole preceding sequence.
 
 Sampling follows vLLM's semantics: log-probs are those of the raw model distribution (before
-temperature and top-p); temperature 0 is greedy; generation stops at `stop_token_ids` or the
+temperature and top-p), or with `tempered_logprobs` of softmax(logits / temperature); temperature 0 is greedy; generation stops at `stop_token_ids` or the
 model's end-of-sequence token(s), which are kept in the output.
 
 Mixture-of-experts models (Qwen2-MoE): with `record_routing`, each generation carries the
@@ -33,13 +33,13 @@ from kiln.routing import RoutedExperts
 from kiln.services.rollout.engine import (
     EngineBase, EngineSettings, Generation, NamedTensors, SamplingOptions, TopKScores, check_sequence,
     topk_scores)
-from kiln.services.rollout.sampling import sample_token
+from kiln.services.rollout.sampling import logprobs_mode as _mode, sample_token
 
 
 class TorchEngine(EngineBase):
     def __init__(self, model: Any, settings: EngineSettings, eos_token_ids: set[int]) -> None:
         super().__init__(settings, f"torch-{torch.__version__};dtype={settings.dtype};"
-                                   f"seed={settings.seed};logprobs=raw")
+                                   f"seed={settings.seed};logprobs={_mode(settings)}")
         self.model = model
         self.eos_token_ids = eos_token_ids
         self._lock = asyncio.Lock()  # one decoding step or one weight update at a time
@@ -96,7 +96,7 @@ class TorchEngine(EngineBase):
                 cached, past_version = len(tokens), version
                 if routed is not None:
                     rows.append(routed)
-            token, logp = sample_token(logits, sampling, gen)
+            token, logp = sample_token(logits, sampling, gen, self.settings.tempered_logprobs)
             tokens.append(token)
             out.append(token)
             logps.append(logp)

@@ -161,12 +161,15 @@ class VllmEngine(EngineBase):
             max_model_len=settings.max_model_len, disable_log_stats=True,
             distributed_executor_backend="uni",
             max_logprobs=MAX_TOP_K,  # a teacher's top k for dense distillation
+            # "processed": of the distribution sampled from (after temperature; greedy rows
+            # keep the raw logits). Prompt log-probs (`score`) are raw in either mode.
+            logprobs_mode="processed_logprobs" if settings.tempered_logprobs else "raw_logprobs",
         )
         llm = AsyncLLM.from_engine_args(args)
         await llm.update_weight_version(str(settings.initial_version))
         fingerprint = (f"vllm-{vllm.__version__}+torch-{torch.__version__};dtype={settings.dtype};"
                        f"seed={settings.seed};enforce_eager={settings.enforce_eager};"
-                       f"logprobs=raw")
+                       f"logprobs={'tempered' if settings.tempered_logprobs else 'raw'}")
         return cls(llm, settings, fingerprint)
 
     async def generate(self, prompt_token_ids: Sequence[int], sampling: SamplingOptions) -> Generation:

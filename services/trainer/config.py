@@ -103,6 +103,8 @@ def config_from_job(job: RLJob, *, run_dir: Path, stage: str | None = None, mode
             sampled_weight=rl.sampled_weight,
             kl_coef=rl.kl_coef,
             dense_weight=rl.dense_weight if rl.teacher_top_k else 0.0,
+            # Rollout records log-probs at its temperature (raw for 0 and 1): so does the trainer.
+            temperature=s.temperature if (s := job.spec.rollout.sampling).tempered else 1.0,
         )
         reset = rl.reset_optimizer_on_sync
         minibatches = rl.minibatches

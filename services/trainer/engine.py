@@ -19,10 +19,9 @@ before clipping, so a step equals the one-replica step up to floating-point redu
 Checkpoints and exports are written by replica 0 alone; a resumed replica 0 hands its state to
 the others at start-up.
 
-`logp_train_old` (ppo mode's ratio and IcePop) is the training engine's log-prob under the
-weights at the start of the step. With one optimizer update per step it equals the current
-log-prob, which is computed anyway; with `minibatches_per_step > 1` it is an extra no-grad pass
-before the first update.
+`logp_train_old` (ppo mode's ratio and IcePop) is the log-prob under the weights at the start of
+the step: the current one, computed anyway, with one update per step; with `minibatches_per_step
+> 1` an extra no-grad pass. RL log-probs are at rollout's temperature (`PolicyLossConfig`).
 """
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ from kiln.services.trainer.loss import LossStats, policy_loss, sft_loss, token_a
 from kiln.services.trainer.replay import batch_logprobs, score as score_routed
 from kiln.trajectory import Trajectory
 
-# (log-probs, micro-batch, trainer's log-probs before the step, normalizer, the student's
-# log-probs of the teacher's top k or None) -> (loss, stats)
+# (log-probs, micro-batch, trainer's log-probs before the step, normalizer, the student's log-probs of the teacher's top k or None) -> (loss, stats)
 LossFn = Callable[[torch.Tensor, TensorBatch, torch.Tensor, float, torch.Tensor | None],
                   tuple[torch.Tensor, LossStats]]
 
@@ -185,6 +183,7 @@ class TrainerEngine:
         # takes it, and it is the one reported.
         lrs = [g["lr"] for g in self.optimizer.param_groups]
         dense = self.config.loss.dense_weight > 0  # the student's log-probs of a teacher's top k
+        temp = self.config.loss.temperature if rl else 1.0  # rollout's sampling temperature
         for part in parts:
             mask = tb.loss_mask[part]
             if aggregation == "token_mean":
@@ -201,8 +200,8 @@ class TrainerEngine:
             rows = part[dp_rank::dp]
             for idx in torch.split(rows, self.config.micro_batch_size) if len(rows) else ():
                 mb = tb.select(idx)
-                logp, flips, student_topk = batch_logprobs(
-                    self.model, mb, self.config.routing_replay, topk=rl and dense)
+                logp, flips, student_topk = batch_logprobs(self.model, mb, self.config.routing_replay,
+                                                           topk=rl and dense, temperature=temp)
                 train_old = old[idx][:, : logp.shape[1]] if old is not None else logp.detach()
                 loss, st = loss_fn(logp, mb, train_old, normalizer, student_topk)
                 st.routing_flips, st.routing_compared = flips.flips, flips.compared
@@ -252,7 +251,8 @@ class TrainerEngine:
         out = torch.zeros_like(tb.logp_infer)
         for idx in torch.split(torch.arange(tb.tokens.shape[0]), self.config.micro_batch_size):
             mb = tb.select(idx)
-            out[idx, : mb.tokens.shape[1]] = batch_logprobs(self.model, mb, self.config.routing_replay)[0]
+            out[idx, : mb.tokens.shape[1]] = batch_logprobs(self.model, mb, self.config.routing_replay,
+                                                            temperature=self.config.loss.temperature)[0]
         return out
 
     def _reduce_replicas(self, loss: float, stats: LossStats) -> tuple[float, LossStats]:

@@ -95,6 +95,8 @@ class PolicyLossConfig(BaseModel):
     dense_weight: float = Field(0.0, ge=0.0)
     """Dense distillation (`kiln.services.trainer.distill`): weight of the forward KL on the
     teacher's top k added to each trained token's loss, where the trajectory carries them."""
+    temperature: float = Field(1.0, gt=0.0)
+    """The policy's log-probs are of softmax(logits / temperature): rollout's sampling one."""
 
     @model_validator(mode="after")
     def _dual_clip_is_ppo(self) -> "PolicyLossConfig":

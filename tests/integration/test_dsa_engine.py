@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kiln.models import dsa
+from kiln.models.megatron_model import token_logprobs
 from kiln.models.tiny import make_tiny_checkpoint
 from kiln.services.rollout.engine import EngineSettings, SamplingOptions
 from kiln.services.rollout.megatron_engine import MegatronEngine
@@ -37,13 +38,13 @@ def _trainer(model_dir: Path, tmp: Path, lr: float = 1e-2) -> TrainerEngine:
     return engine
 
 
-async def _engine(model_dir: Path) -> MegatronEngine:
-    return await MegatronEngine.start(EngineSettings(model=str(model_dir), dtype="float32", seed=0),
-                                      dsa_backend="torch")
+async def _engine(model_dir: Path, tempered: bool = False) -> MegatronEngine:
+    return await MegatronEngine.start(EngineSettings(model=str(model_dir), dtype="float32", seed=0,
+                                                     tempered_logprobs=tempered), dsa_backend="torch")
 
 
-def _sampling(seed: int, max_tokens: int = 20) -> SamplingOptions:
-    return SamplingOptions(temperature=1.0, max_tokens=max_tokens, seed=seed)
+def _sampling(seed: int, max_tokens: int = 20, temperature: float = 1.0) -> SamplingOptions:
+    return SamplingOptions(temperature=temperature, max_tokens=max_tokens, seed=seed)
 
 
 async def test_generations_match_the_trainer_bit_for_bit(dsa_dir: Path, tmp_path: Path) -> None:
@@ -124,6 +125,26 @@ async def test_incomplete_or_foreign_weights_are_rejected(dsa_dir: Path) -> None
     assert engine.policy_version == 0
     await engine.apply_weights(1, hf.items())
     assert engine.policy_version == 1
+    await engine.close()
+
+
+async def test_at_a_temperature_the_recorded_logprobs_are_the_trainers_at_it(dsa_dir: Path, tmp_path: Path) -> None:
+    # A job sampling at 2.0: rollout records log softmax(logits / 2), and so does the RL step.
+    engine = await _engine(dsa_dir, tempered=True)
+    trainer = _trainer(dsa_dir, tmp_path)
+    assert engine.fingerprint.endswith("logprobs=tempered")
+    gens = [await engine.generate(p, _sampling(i, temperature=2.0)) for i, p in enumerate(PROMPTS)]
+    greedy = await engine.generate(PROMPTS[0], _sampling(0, temperature=0.0))
+    seqs = [p + g.token_ids for p, g in zip(PROMPTS, gens)]
+    tokens = torch.nn.utils.rnn.pad_sequence([torch.tensor(s) for s in seqs], batch_first=True)
+    with torch.no_grad():
+        hot = token_logprobs(trainer.model.eval(), tokens, temperature=2.0)
+    raw = trainer.logprobs(seqs)
+    for p, g, s, h, r in zip(PROMPTS, gens, seqs, hot, raw):
+        assert g.logprobs == h[len(p):len(s)].tolist()  # bit for bit, at the temperature
+        assert g.logprobs != r[len(p):]  # and not the raw distribution's
+    # Greedy requests record the raw distribution's, as vLLM's processed mode does.
+    assert greedy.logprobs == trainer.logprobs([PROMPTS[0] + greedy.token_ids])[0][len(PROMPTS[0]):]
     await engine.close()
 
 

@@ -53,12 +53,13 @@ def env(tmp_path_factory):
 _models: dict[Path, torch.nn.Module] = {}
 
 
-def reference_logprobs(model_dir: Path, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+def reference_logprobs(model_dir: Path, prompt: list[int], tokens: list[int],
+                       temperature: float = 1.0) -> torch.Tensor:
     if model_dir not in _models:
         _models[model_dir] = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     seq = torch.tensor([prompt + tokens])
     with torch.no_grad():
-        logp = torch.log_softmax(_models[model_dir](input_ids=seq).logits[0].float(), -1)
+        logp = torch.log_softmax(_models[model_dir](input_ids=seq).logits[0].float() / temperature, -1)
     pos = torch.arange(len(prompt) - 1, len(prompt) + len(tokens) - 1)
     return logp[pos, torch.tensor(tokens)]
 
@@ -214,3 +215,31 @@ def test_a_reload_that_fails_part_way_never_generates_again(env: Env, monkeypatc
     version = eng.policy_version
     env.run(main())
     assert eng.policy_version == version  # not relabelled
+
+
+def test_a_tempered_engine_records_logprobs_at_the_sampling_temperature(env: Env) -> None:
+    # Its own engine: the log-prob mode is engine-wide (vLLM's `logprobs_mode`).
+    eng = env.run(VllmEngine.start(EngineSettings(
+        model=str(env.dirs[0]), dtype="float32", kv_cache_bytes=64 << 20, seed=0,
+        max_model_len=512, tempered_logprobs=True)))
+    prompts = [[1, 5 + i, 9, 12 + i] for i in range(4)]
+
+    async def main():
+        # Sampled and greedy requests in the same batches.
+        return await asyncio.gather(
+            *[eng.generate(p, SamplingOptions(temperature=2.0, max_tokens=24, seed=i))
+              for i, p in enumerate(prompts)],
+            eng.generate(prompts[0], SamplingOptions(temperature=0.0, max_tokens=24)))
+
+    try:
+        *hot, greedy = env.run(main())
+        assert eng.fingerprint.endswith("logprobs=tempered")
+        for p, g in zip(prompts, hot):
+            got, ref = torch.tensor(g.logprobs), reference_logprobs(env.dirs[0], p, g.token_ids, 2.0)
+            assert (got - ref).abs().max().item() < ATOL
+            raw = reference_logprobs(env.dirs[0], p, g.token_ids)
+            assert (got - raw).abs().max().item() > 100 * ATOL  # not the raw distribution's
+        got = torch.tensor(greedy.logprobs)
+        assert (got - reference_logprobs(env.dirs[0], prompts[0], greedy.token_ids)).abs().max().item() < ATOL
+    finally:
+        env.run(eng.close())

@@ -77,3 +77,18 @@ def test_adam_betas_come_from_the_trainer_spec(tmp_path: Path) -> None:
     assert cfg.optimizer.betas == (0.8, 0.99)
     with pytest.raises(ValueError, match="adamBeta2"):
         _job(adamBeta2=1.0)
+
+
+@pytest.mark.parametrize("temperature, trained_at, engine_tempered", [(0.0, 1.0, False), (1.0, 1.0, False),
+                                                                       (1.5, 1.5, True)])
+def test_the_sampling_temperature_reaches_the_rl_loss_and_the_engine(tmp_path: Path, temperature,
+                                                                    trained_at, engine_tempered) -> None:
+    from kiln.services.rollout.engine import EngineSettings
+
+    data = _job().model_dump(by_alias=True)
+    data["spec"]["rollout"] = {"sampling": {"temperature": temperature}}
+    job = RLJob.model_validate(data)
+    assert config_from_job(job, run_dir=tmp_path, stage="rl").loss.temperature == trained_at
+    assert config_from_job(job, run_dir=tmp_path, stage="warm").loss.temperature == 1.0  # sft
+    assert EngineSettings.from_job(job).tempered_logprobs is engine_tempered
+    assert EngineSettings.from_job(job, tempered_logprobs=False).tempered_logprobs is False  # teachers

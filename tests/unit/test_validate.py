@@ -141,6 +141,8 @@ CASES = {
     "source-both": (_mutate(lambda d: d["spec"]["tasks"][0].update(path="x.jsonl")),
                     "spec.tasks[0]", "exactly one of path or generate"),
     "not-a-mapping": ("- just\n- a list\n", "", "expected a mapping"),
+    "top-p-at-a-temperature": (_mutate(lambda d: d["spec"].setdefault("rollout", {}).update(
+        sampling={"temperature": 0.7, "topP": 0.9})), "spec.rollout.sampling", "topP must be 1"),
     "turn-level-with-tags": (_mutate(lambda d: d["spec"].setdefault("rollout", {}).update(
         thinking="turn-level", toolCallFormat="tags")), "spec.rollout", "'turn-level' needs a chat-template"),
 }
