@@ -23,15 +23,20 @@ def test_rollout_scales_up_while_the_trainer_waits_and_down_near_tau(tmp_path):
     doc = yaml.safe_load(job.read_text())
     spec = doc["spec"]
     spec["trainer"]["dataParallel"] = 1
-    spec["tasks"][0]["toolLatency"] = {"p50Seconds": 0.3, "p99Seconds": 1.5}
+    # A narrow latency spread: with one worker, groups rarely finish out of order, so staleness
+    # near tau (which holds the count at one) comes from the second worker.
+    spec["tasks"][0]["toolLatency"] = {"p50Seconds": 0.3, "p99Seconds": 0.6}
     # Two groups in flight per worker against batches of four: one worker leaves the trainer
     # waiting, two fill the buffer and age what it holds.
     spec["rollout"].update(sampleEvery=1, maxConcurrentEpisodes=8, autoscale={
-        "minReplicas": 1, "maxReplicas": 2, "windowSteps": 2, "scaleUpIdle": 0.3,
+        "minReplicas": 1, "maxReplicas": 2, "windowSteps": 2, "scaleUpIdle": 0.2,
         "stalenessMargin": 1})
     sft, rl = spec["stages"]
     sft["maxSteps"] = 4
-    rl.update(maxSteps=60)  # the second worker takes ~40 s to start
+    # Steps enough for an up and a down under load: the second worker takes ~20-40 s to start,
+    # and a backlog left in the buffer can run the trainer through the first dozens of steps
+    # before it ever waits.
+    rl.update(maxSteps=100)
     rl["rl"].update(tau=TAU)
     rl.pop("eval", None)
     job.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -42,7 +47,8 @@ def test_rollout_scales_up_while_the_trainer_waits_and_down_near_tau(tmp_path):
     assert (scales[0]["from"], scales[0]["to"]) == (1, 2) and "trainer idle" in scales[0]["reason"]
     assert "rollout: worker rollout-1 joined" in out
     downs = [s for s in scales if s["to"] < s["from"]]
-    assert downs and "near tau" in downs[0]["reason"], scales
+    # (A backlog in the buffer may shrink it too; staleness near tau must, at least once.)
+    assert any("near tau" in s["reason"] for s in downs), scales
     assert "rollout: worker rollout-1 stopped" in out
     # The second worker's episodes started at a version the trainer had published after the
     # stage began, never on the weights the worker's engine was started with.

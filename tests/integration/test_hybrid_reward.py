@@ -80,7 +80,8 @@ def test_general_rl_asks_a_served_outcome_model_and_judge(tmp_path):
     for t in [t for t in ended if t["reward_parts"].get("answered") == 1.0][:6]:
         text = tok.decode(t["tokens"], skip_special_tokens=False)
         task = re.search(r"<task>.*?</task>", text).group(0)
-        answer = re.search(r"<answer>([^<]*)</answer>$", text).group(1)
+        # The format strips the answer before it is graded (" 4" is asked about as "4").
+        answer = re.search(r"<answer>([^<]*)</answer>$", text).group(1).strip()
         prompt = fmt.conversation(EpisodeInfo("", "", "", [Message(
             "user", orm_prompt("Is the answer correct? Reply yes or no.", task, answer))], []))
         ids = prompt.prompt() + prompt.action_prefix()
