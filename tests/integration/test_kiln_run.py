@@ -261,11 +261,11 @@ def test_kiln_run_distils_from_two_served_teachers(tmp_path):
 
 
 def test_kiln_run_trains_a_swarm_orchestrator_with_frozen_subagents(tmp_path):
-    """The swarm example cut down: a subagent SFT stage, an orchestrator SFT stage, two RL steps
-    with PARL. kiln run serves the subagents' stage as a teacher process (pinned to that stage's
-    final weights); the orchestrator's trajectories carry PARL's parts and the swarm
-    measurements, their loss masks cover no subagent output, and the summary holds critical-path
-    steps and success before and after RL."""
+    """The swarm example cut down: an SFT stage on both roles, two RL steps with PARL. kiln run
+    serves the SFT stage's final weights as the subagents' teacher process (pinned to them);
+    the orchestrator's trajectories carry PARL's parts and the swarm measurements, their loss
+    masks cover no subagent output, and the summary holds critical-path steps and success
+    before and after RL."""
     doc = yaml.safe_load((REPO / "deploy" / "examples" / "swarm.yaml").read_text())
     spec = doc["spec"]
     doc["metadata"]["name"] = "swarm-e2e"
@@ -274,9 +274,8 @@ def test_kiln_run_trains_a_swarm_orchestrator_with_frozen_subagents(tmp_path):
                                  intermediateSize=128)
     for t in spec["tasks"]:
         t["generate"]["count"] = 8 if "heldout" in t["name"] else 200
-    subagents, orchestrator, rl = spec["stages"]
-    for sft in (subagents, orchestrator):
-        sft.update(maxSteps=4, batchSize=8, microBatchSize=8, warmupSteps=0)
+    sft, rl = spec["stages"]
+    sft.update(maxSteps=4, batchSize=8, microBatchSize=8, warmupSteps=0)
     rl.update(maxSteps=2, batchSize=8, microBatchSize=8)
     rl["rl"]["groupSize"] = 4
     spec["rollout"]["sampleEvery"] = 1
