@@ -42,11 +42,11 @@ class Resources(Model):
 class SamplingSpec(Model):
     """How rollout samples actions."""
 
-    temperature: float = Field(1.0, ge=0)
-    """Sampling temperature; 0 is greedy. Each sampled token's log-prob is recorded under the
-    distribution it was drawn from, softmax(logits / temperature) (greedy: the raw logits), and
-    the trainer computes the same, so the importance ratios and masks of an RL stage compare
-    the policy that acted. A teacher's scores (opd, klCoef) stay at temperature 1."""
+    temperature: float = Field(1.0, ge=0, le=2)
+    """Sampling temperature, from 0 (greedy) to 2 (vLLM refuses more). Each sampled token's
+    log-prob is recorded under the distribution it was drawn from, softmax(logits /
+    temperature) (greedy: the raw logits), and the trainer computes the same, so the importance
+    ratios and masks of an RL stage compare the policy that acted. A teacher's scores (opd, klCoef) stay at temperature 1."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling: sample from the smallest set of tokens whose probability reaches topP.
     Log-probs are taken before it (the trainer does not truncate); so with a temperature other

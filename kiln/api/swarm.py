@@ -17,6 +17,12 @@ class SwarmSettings(Model):
     """Subagents one episode may create; more is refused (the orchestrator is told)."""
     max_subagent_turns: int = Field(4, ge=1, le=64)
     """Model calls one subagent may make on its sub-task."""
+    subagent_temperature: float | None = Field(None, ge=0, le=2)
+    """The subagents' sampling temperature (0: greedy); unset: the rollout's
+    (`spec.rollout.sampling.temperature`). Their tokens are never trained, so the orchestrator
+    can explore at a high temperature while the frozen subagents keep finishing their
+    sub-tasks. Evaluations sample the subagents at it too (a greedy evaluation is greedy for
+    the orchestrator alone)."""
     lambda_parallel: float = Field(0.5, ge=0)
     """lambda1: weight of r_parallel (subagents running side by side) before annealing."""
     lambda_finish: float = Field(0.5, ge=0)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -70,7 +71,8 @@ def teachers_by_task(job: RLJob, scorers: list) -> dict[tuple[str, str], object]
 
 def swarm_runs(job: RLJob, fmt, sampling) -> dict[str, object]:
     """Stage -> `SwarmRun` of the job's swarm stages, each one's subagents on the frozen
-    deployment of its checkpoint (`kiln.api.distillation.teacher_refs` numbers them)."""
+    deployment of its checkpoint (`kiln.api.distillation.teacher_refs` numbers them), sampling
+    at the stage's `subagentTemperature` where it sets one."""
     from kiln.services.rollout.agent import Limits
     from kiln.services.rollout.client import FrozenEngine
     from kiln.services.rollout.swarm import Subagents, SwarmRun
@@ -85,7 +87,9 @@ def swarm_runs(job: RLJob, fmt, sampling) -> dict[str, object]:
         limits = Limits(swarm.max_subagent_turns, s.max_tokens_per_turn, s.max_total_tokens,
                         thinking=spec.rollout.thinking)
         evaluated = stage.eval.tasks if stage.eval else []
-        out[stage.name] = SwarmRun(swarm, Subagents(engine, fmt, sampling, limits,
+        own = sampling if swarm.subagent_temperature is None else dataclasses.replace(
+            sampling, temperature=swarm.subagent_temperature)
+        out[stage.name] = SwarmRun(swarm, Subagents(engine, fmt, own, limits,
                                                     max_per_episode=swarm.max_subagents),
                                    stage.max_steps, frozenset(stage.tasks + evaluated))
     return out
@@ -198,7 +202,7 @@ async def build(job: RLJob | None, args: argparse.Namespace):
     teachers = teachers_by_task(job, clients)
     sampling = SamplingOptions(temperature=s.temperature, top_p=s.top_p,
                                max_tokens=s.max_tokens_per_turn, seed=None)
-    swarms = swarm_runs(job, fmt, sampling)  # subagents sample as the orchestrator does
+    swarms = swarm_runs(job, fmt, sampling)  # subagents: at swarm.subagentTemperature if set
     judged = reward_models(job, fmt, clients)
     producer = Producer(
         engine, env, fmt, buffer,

@@ -71,6 +71,9 @@ class TrainerEngine:
         )
         self.step_count = 0
         self.policy_version = 0
+        self.published_step = 0
+        """The step whose weights are `policy_version`'s (the initial weights are version 0).
+        Steps taken since then changed the weights under the same version number."""
         self.last_metrics: dict[str, float] = {}
         self.stage: str | None = None
         """Stage name for the metrics' `stage` label; None labels steps "sft" or "rl"."""
@@ -282,7 +285,7 @@ class TrainerEngine:
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "meta": {"step": self.step_count, "policy_version": self.policy_version,
-                     "last_metrics": self.last_metrics, "stage": self.stage,
+                     "published_step": self.published_step, "last_metrics": self.last_metrics, "stage": self.stage,
                      "stage_steps": self.stage_steps, "path": str(self.resumed_from)},
         } if parallel.dp_rank() == 0 else None]
         dist.broadcast_object_list(state, src=src, group=parallel.dp_group())
@@ -293,6 +296,7 @@ class TrainerEngine:
             self.scheduler.load_state_dict(got["scheduler"])
             meta = got["meta"]
             self.step_count, self.policy_version = int(meta["step"]), int(meta["policy_version"])
+            self.published_step = int(meta["published_step"])
             self.last_metrics, self.stage = dict(meta["last_metrics"]), meta["stage"]
             self.stage_steps = dict(meta["stage_steps"])
             self.resumed_from = self.last_checkpoint = Path(meta["path"])
@@ -324,10 +328,17 @@ class TrainerEngine:
         """Declare the current weights policy version `version + 1` (call when publishing
         them); resets the optimizer moments if configured. Returns the new version."""
         self.policy_version += 1
+        self.published_step = self.step_count
         if self.config.optimizer.reset_moments_on_publish:
             self.reset_optimizer_moments()
         metrics.TRAINER_VERSION.set(self.policy_version)
         return self.policy_version
+
+    @property
+    def unpublished(self) -> bool:
+        """Whether the weights have changed since their version was published: a checkpoint
+        taken between publishes (an SFT stage publishes only at its end) resumes so."""
+        return self.step_count != self.published_step
 
     def reset_optimizer_moments(self) -> None:
         """Zero AdamW's first and second moments and its step count (so bias correction starts
@@ -377,7 +388,8 @@ class TrainerEngine:
             "scheduler": self.scheduler.state_dict(),
             "rng": torch.get_rng_state(),
         }
-        meta = {"policy_version": self.policy_version, "model_dir": str(self.config.model_dir),
+        meta = {"policy_version": self.policy_version, "published_step": self.published_step,
+                "model_dir": str(self.config.model_dir),
                 "last_metrics": self.last_metrics, "stage": self.stage, "stage_steps": self.stage_steps}
         path = ckpt.write_checkpoint(
             self.config.checkpoint_dir, self.step_count, meta, state, keep=self.config.keep_checkpoints
@@ -394,6 +406,9 @@ class TrainerEngine:
         torch.set_rng_state(state["rng"])
         self.step_count = int(meta["step"])
         self.policy_version = int(meta["policy_version"])
+        # A checkpoint that does not say (older ones) is taken as holding unpublished weights:
+        # publishing them once more is harmless, serving other weights under its version is not.
+        self.published_step = int(meta.get("published_step", -1))
         self.last_metrics = dict(meta.get("last_metrics") or {})
         self.stage = meta.get("stage")
         self.stage_steps = dict(meta.get("stage_steps") or {})

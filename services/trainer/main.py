@@ -189,7 +189,9 @@ async def _agree_with_weight_sync(engine, channel, bucket_bytes: int) -> None:
     crashed resumes at version V while weight-sync may hold V+k: weights nobody has any more,
     and every publish of V+1.. would be refused as stale. The trainer then takes the next
     version after weight-sync's, with the weights it has. A weight-sync that restarted (it keeps
-    versions in memory) gets the trainer's version again.
+    versions in memory) gets the trainer's version again. Weights resumed from a checkpoint
+    taken between publishes are not their version's (rollout serves that version's weights):
+    they are published as the next version too.
     """
     from kiln.services.weight_sync.client import PublishError, publish, status
 
@@ -199,6 +201,11 @@ async def _agree_with_weight_sync(engine, channel, bucket_bytes: int) -> None:
                     "last checkpoint were lost with it): publishing its weights as version %d",
                     latest, engine.policy_version, latest + 1)
         engine.policy_version = latest
+        version = engine.new_version()
+    elif engine.unpublished:
+        log.info("resumed at step %d with weights newer than version %d's (step %d): publishing "
+                 "them as version %d", engine.step_count, engine.policy_version,
+                 engine.published_step, engine.policy_version + 1)
         version = engine.new_version()
     elif engine.policy_version > latest:
         version = engine.policy_version

@@ -243,6 +243,26 @@ def test_bad_swarm_settings_are_named(swarm, message):
     assert RLJob.model_validate(job_doc(subagents="subagents")).spec.stages[1].swarm.target == 8
 
 
+def test_subagents_sample_at_their_own_temperature(monkeypatch, tok):
+    # The orchestrator explores hot; the frozen subagents it hands chains to may stay greedy.
+    from kiln.services.rollout.main import swarm_runs
+    monkeypatch.setenv("KILN_TEACHER_ADDR", "127.0.0.1:1")
+    fmt = make_format("tags", tok)
+    hot = SamplingOptions(temperature=3.0, max_tokens=16)
+
+    async def subagent_sampling(**settings) -> SamplingOptions:
+        job = RLJob.model_validate(job_doc(subagents="subagents", **settings))
+        run = swarm_runs(job, fmt, hot)["swarm"]
+        await run.subagents.engine.close()
+        return run.subagents.sampling
+
+    assert asyncio.run(subagent_sampling()) == hot
+    assert asyncio.run(subagent_sampling(subagentTemperature=0)) == SamplingOptions(
+        temperature=0.0, max_tokens=16)
+    with pytest.raises(ValidationError, match="subagentTemperature"):
+        RLJob.model_validate(job_doc(subagents="subagents", subagentTemperature=-1))
+
+
 def test_wide_demonstrations_solve_their_tasks_and_splits_never_meet():
     import random
     env = WideEnvironment()

@@ -162,6 +162,24 @@ def test_checkpoint_resume_gives_identical_next_step(model_dir: Path, tmp_path: 
     assert [p.name for p in list_checkpoints(tmp_path / "ckpt")] == ["step_00000002", "step_00000004"]
 
 
+def test_a_checkpoint_knows_whether_its_weights_are_their_versions(model_dir: Path, tmp_path: Path) -> None:
+    # An SFT stage publishes at its end only: a checkpoint taken before that holds trained
+    # weights under version 0, which rollout serves as the initial ones. Resumed, the trainer
+    # must publish them anew (services/trainer/main.py), so it has to know.
+    cfg = _config(model_dir, checkpoint_dir=tmp_path / "ckpt", checkpoint_interval=2)
+    a = TrainerEngine(cfg)
+    assert not a.unpublished
+    batch = _trajectories(None, n=2)
+    a.sft_step(batch)
+    a.sft_step(batch)  # step 2: checkpoint by interval, nothing published yet
+    b = TrainerEngine(cfg)
+    assert (b.step_count, b.policy_version, b.unpublished) == (2, 0, True)
+    b.new_version()
+    b.save_checkpoint()
+    c = TrainerEngine(cfg)
+    assert (c.step_count, c.policy_version, c.unpublished) == (2, 1, False)
+
+
 def test_two_updates_per_step_use_start_of_step_logprobs(model_dir: Path) -> None:
     # ppo mode: the ratio is to the weights at the start of the step.
     engine = TrainerEngine(_config(model_dir, minibatches_per_step=2, micro_batch_size=1,

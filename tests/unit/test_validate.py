@@ -142,6 +142,8 @@ CASES = {
     "source-both": (_mutate(lambda d: d["spec"]["tasks"][0].update(path="x.jsonl")),
                     "spec.tasks[0]", "exactly one of path or generate"),
     "not-a-mapping": ("- just\n- a list\n", "", "expected a mapping"),
+    "temperature-above-vllms-bound": (_mutate(lambda d: d["spec"].setdefault("rollout", {}).update(
+        sampling={"temperature": 3.0})), "spec.rollout.sampling.temperature", "less than or equal to 2"),
     "top-p-at-a-temperature": (_mutate(lambda d: d["spec"].setdefault("rollout", {}).update(
         sampling={"temperature": 0.7, "topP": 0.9})), "spec.rollout.sampling", "topP must be 1"),
     "turn-level-with-tags": (_mutate(lambda d: d["spec"].setdefault("rollout", {}).update(
