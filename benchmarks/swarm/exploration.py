@@ -42,7 +42,15 @@ def main() -> None:
     ap.add_argument("--checkpoint-stage", default="orchestrator",
                     help="the stage whose final weights are the policy before RL")
     ap.add_argument("--rl-stage", default="swarm", help="the RL stage whose episodes are read")
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="the orchestrator's sampling temperature (default: the run's "
+                         "rollout.sampling.temperature)")
     args = ap.parse_args()
+    if args.temperature is None:
+        import yaml
+        job = yaml.safe_load((args.run_dir / "job.yaml").read_text())
+        args.temperature = float(job["spec"].get("rollout", {}).get("sampling", {})
+                                 .get("temperature", 1.0)) or 1.0
 
     ckpt = args.run_dir / "trainer" / "stages" / args.checkpoint_stage
     tok = AutoTokenizer.from_pretrained(ckpt)
@@ -57,12 +65,13 @@ def main() -> None:
         for ep in episodes:
             for i in decision_points(tok, ep["tokens"], ep["loss_mask"]):
                 logits = model(torch.tensor([ep["tokens"][: i + 1]])).logits[0, -1]
-                probs.append(float(torch.softmax(logits, -1)[assign]))
+                probs.append(float(torch.softmax(logits / args.temperature, -1)[assign]))
     parallel = sum(1 for ep in episodes if ep["reward_parts"].get("swarm/peak_parallel", 0) >= 2)
     print(f"episodes of {args.rl_stage}: {len(episodes)}, with 2+ subagents at once: {parallel}")
     if not probs:
         raise SystemExit("no turn follows an assign call in these episodes")
-    print(f"decision points: {len(probs)}; P(another assign): mean {statistics.mean(probs):.2e}, "
+    print(f"decision points: {len(probs)}; P(another assign) at temperature "
+          f"{args.temperature:g}: mean {statistics.mean(probs):.2e}, "
           f"median {statistics.median(probs):.2e}, max {max(probs):.2e}; "
           f"parallel moves to expect: {sum(probs):.2f}")
 

@@ -166,14 +166,15 @@ def main(args: argparse.Namespace) -> int:
     try:
         order = list(processes.ORDER)
         order[order.index("rollout"):order.index("rollout")] = [name for name, _, _ in teachers]
-        teacher_args = {name: ("--teacher", path) + (("--teacher-wait",) if stage else ())
+        service_args = {name: ("--teacher", path) + (("--teacher-wait",) if stage else ())
                         for name, path, stage in teachers}
+        service_args["sandbox"] = ("--owner", processes.sandbox_owner(run_dir))
         out.write(f"run directory: {run_dir}\nstarting services: {', '.join(order)}\n")
         processes.issue_certificates(run_dir, job.metadata.name)
         group = processes.trainer_group(job.spec.trainer.data_parallel)
         for name in order:
             addrs = {n: s.address for n, s in services.items()}
-            args = teacher_args.get(name, ())
+            args = service_args.get(name, ())
             for member, env in (group.items() if name == "trainer" else [(name, {})]):
                 services[member] = processes.start(member, job_file, run_dir, addrs, env, args=args)
             # A teacher made by an earlier stage only loads once that stage is done: rollout
@@ -182,7 +183,7 @@ def main(args: argparse.Namespace) -> int:
                          *(name for name, _, stage in teachers if stage is None))
             if name in ready_now:
                 processes.wait_ready(services[name])
-            elif name in teacher_args:
+            elif any(name == t for t, _, _ in teachers):
                 processes.wait_port(services[name])  # rollout needs its address
         for name in (*group, "rollout"):
             processes.wait_ready(services[name])

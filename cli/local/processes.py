@@ -10,6 +10,7 @@ Not covered: what the services are told to do (`driver.py`).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -96,6 +97,13 @@ def start(name: str, job_file: Path, run_dir: Path, addresses: dict[str, str],
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 cwd=run_dir, start_new_session=True)
     return ServiceProcess(name, proc, state, log_path, port=port, args=tuple(args))
+
+
+def sandbox_owner(run_dir: Path) -> str:
+    """The sandbox service's owner, which names its sandboxes and whose leftovers it reaps at
+    start: one per run directory, so that a resumed run reaps what its killed predecessor left
+    while two runs on one machine never reap each other's live sandboxes."""
+    return "run-" + hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]
 
 
 def component_of(name: str) -> str:

@@ -39,14 +39,20 @@ class Resources(Model):
 # --------------------------------------------------------------------------------------- rollout
 
 
+VLLM_MAX_TEMPERATURE = 2.0
+"""vLLM refuses a request sampling hotter than this."""
+
+
 class SamplingSpec(Model):
     """How rollout samples actions."""
 
-    temperature: float = Field(1.0, ge=0, le=2)
-    """Sampling temperature, from 0 (greedy) to 2 (vLLM refuses more). Each sampled token's
-    log-prob is recorded under the distribution it was drawn from, softmax(logits /
-    temperature) (greedy: the raw logits), and the trainer computes the same, so the importance
-    ratios and masks of an RL stage compare the policy that acted. A teacher's scores (opd, klCoef) stay at temperature 1."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature; 0 is greedy. vLLM refuses more than 2 (the megatron engine does
+    not), so a job on vLLM is refused one before it starts. Each sampled token's log-prob is
+    recorded under the distribution it was drawn from, softmax(logits / temperature) (greedy:
+    the raw logits), and the trainer computes the same, so the importance ratios and masks of
+    an RL stage compare the policy that acted. A teacher's scores (opd, klCoef) stay at
+    temperature 1."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling: sample from the smallest set of tokens whose probability reaches topP.
     Log-probs are taken before it (the trainer does not truncate); so with a temperature other
@@ -161,6 +167,16 @@ class RolloutSpec(Model):
     """Resources of each rollout pod."""
     pod: PodSettings = Field(default_factory=PodSettings)
     """Scheduling, identity and extra environment of these pods."""
+
+    @model_validator(mode="after")
+    def _temperature_on_vllm(self) -> RolloutSpec:
+        # vLLM validates each request: without this the job would fail at its first RL
+        # episode, after every stage before it had run.
+        if self.engine == "vllm" and self.sampling.temperature > VLLM_MAX_TEMPERATURE:
+            raise ValueError(f"sampling.temperature={self.sampling.temperature}: vLLM samples at "
+                             f"most at {VLLM_MAX_TEMPERATURE:g}; use a lower one, or engine "
+                             "'megatron'")
+        return self
 
     @model_validator(mode="after")
     def _thinking_supported(self) -> RolloutSpec:

@@ -43,6 +43,15 @@ def leftovers(config: BubblewrapConfig | DockerConfig, client=None) -> list[str]
         all=True, filters={"label": f"{LABEL_OWNER}={config.owner}"}))
 
 
+def remove_tree(path) -> None:
+    """`shutil.rmtree`, where an entry already gone is fine: the service that owned it may be
+    removing it at the same moment (it was shutting down, not dead)."""
+    def gone_is_fine(func, entry, exc_info):  # noqa: ARG001
+        if not issubclass(exc_info[0], FileNotFoundError):
+            raise exc_info[1]
+    shutil.rmtree(path, onerror=gone_is_fine)
+
+
 def reap_orphans(config: BubblewrapConfig | DockerConfig, client=None) -> list[str]:
     """Kill and remove every resource of `config.owner`; returns the names removed."""
     prefix = f"{NAME_PREFIX}-{config.owner}-"
@@ -56,7 +65,7 @@ def reap_orphans(config: BubblewrapConfig | DockerConfig, client=None) -> list[s
             for path in config.state_dir.iterdir():
                 if path.name.startswith(prefix):
                     unmount_workspace(path / "workspace")
-                    shutil.rmtree(path)
+                    remove_tree(path)
                     names.append(path.name)
         return sorted(set(names))
     if isinstance(config, DockerConfig):

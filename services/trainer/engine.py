@@ -72,8 +72,7 @@ class TrainerEngine:
         self.step_count = 0
         self.policy_version = 0
         self.published_step = 0
-        """The step whose weights are `policy_version`'s (the initial weights are version 0).
-        Steps taken since then changed the weights under the same version number."""
+        """The step whose weights are `policy_version`'s (the initial weights: version 0)."""
         self.last_metrics: dict[str, float] = {}
         self.stage: str | None = None
         """Stage name for the metrics' `stage` label; None labels steps "sft" or "rl"."""
@@ -281,25 +280,12 @@ class TrainerEngine:
         dist.broadcast_object_list(resumed, src=src, group=parallel.dp_group())
         if not resumed[0]:
             return  # every replica loaded the same HF checkpoint
-        state = [{
-            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "meta": {"step": self.step_count, "policy_version": self.policy_version,
-                     "published_step": self.published_step, "last_metrics": self.last_metrics, "stage": self.stage,
-                     "stage_steps": self.stage_steps, "path": str(self.resumed_from)},
-        } if parallel.dp_rank() == 0 else None]
+        state = [{"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                  "scheduler": self.scheduler.state_dict(), "meta": self._meta(),
+                  "path": str(self.resumed_from)} if parallel.dp_rank() == 0 else None]
         dist.broadcast_object_list(state, src=src, group=parallel.dp_group())
         if parallel.dp_rank() != 0:
-            got = state[0]
-            self.model.load_state_dict(got["model"], strict=True)
-            self.optimizer.load_state_dict(got["optimizer"])
-            self.scheduler.load_state_dict(got["scheduler"])
-            meta = got["meta"]
-            self.step_count, self.policy_version = int(meta["step"]), int(meta["policy_version"])
-            self.published_step = int(meta["published_step"])
-            self.last_metrics, self.stage = dict(meta["last_metrics"]), meta["stage"]
-            self.stage_steps = dict(meta["stage_steps"])
-            self.resumed_from = self.last_checkpoint = Path(meta["path"])
+            self._restore(state[0], state[0]["meta"], Path(state[0]["path"]))
 
     def _clip_grads(self) -> float:
         """Global gradient norm over all TP shards; clip in place if configured. Megatron's own
@@ -336,8 +322,8 @@ class TrainerEngine:
 
     @property
     def unpublished(self) -> bool:
-        """Whether the weights have changed since their version was published: a checkpoint
-        taken between publishes (an SFT stage publishes only at its end) resumes so."""
+        """Whether the weights changed since their version was published (a checkpoint taken
+        between publishes resumes so: an SFT stage publishes only at its end)."""
         return self.step_count != self.published_step
 
     def reset_optimizer_moments(self) -> None:
@@ -382,34 +368,33 @@ class TrainerEngine:
             self.last_checkpoint = Path(self.config.checkpoint_dir) / ckpt.step_dir_name(self.step_count)
             return self.last_checkpoint
         t0 = time.perf_counter()
-        state = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "rng": torch.get_rng_state(),
-        }
-        meta = {"policy_version": self.policy_version, "published_step": self.published_step,
-                "model_dir": str(self.config.model_dir),
-                "last_metrics": self.last_metrics, "stage": self.stage, "stage_steps": self.stage_steps}
-        path = ckpt.write_checkpoint(
-            self.config.checkpoint_dir, self.step_count, meta, state, keep=self.config.keep_checkpoints
-        )
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state()}
+        path = ckpt.write_checkpoint(self.config.checkpoint_dir, self.step_count, self._meta(),
+                                     state, keep=self.config.keep_checkpoints)
         metrics.CHECKPOINT_SECONDS.observe(time.perf_counter() - t0)
         self.last_checkpoint = path
         return path
 
     def load_checkpoint(self, path: Path) -> None:
         meta, state = ckpt.read_checkpoint(path)
+        self._restore(state, meta, Path(path))
+        torch.set_rng_state(state["rng"])
+
+    def _meta(self) -> dict:
+        """What a checkpoint keeps beside the tensors."""
+        return {"step": self.step_count, "policy_version": self.policy_version,
+                "published_step": self.published_step, "model_dir": str(self.config.model_dir),
+                "last_metrics": self.last_metrics, "stage": self.stage, "stage_steps": self.stage_steps}
+
+    def _restore(self, state: dict, meta: dict, path: Path) -> None:
         self.model.load_state_dict(state["model"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"])
-        self.step_count = int(meta["step"])
-        self.policy_version = int(meta["policy_version"])
+        self.step_count, self.policy_version = int(meta["step"]), int(meta["policy_version"])
         # A checkpoint that does not say (older ones) is taken as holding unpublished weights:
         # publishing them once more is harmless, serving other weights under its version is not.
         self.published_step = int(meta.get("published_step", -1))
         self.last_metrics = dict(meta.get("last_metrics") or {})
-        self.stage = meta.get("stage")
-        self.stage_steps = dict(meta.get("stage_steps") or {})
-        self.resumed_from = self.last_checkpoint = Path(path)
+        self.stage, self.stage_steps = meta.get("stage"), dict(meta.get("stage_steps") or {})
+        self.resumed_from = self.last_checkpoint = path

@@ -303,7 +303,7 @@ def test_kiln_run_trains_a_swarm_orchestrator_with_frozen_subagents(tmp_path):
         # after the prompt is one whole observation.
         traj = Trajectory.from_dict(t)
         traj.check()
-        assert sum(traj.loss_mask) <= 10 * 16
+        assert sum(traj.loss_mask) <= 10 * spec["rollout"]["sampling"]["maxTokensPerTurn"]
         masked, stretch = [], []
         for token, mask in zip(traj.tokens[traj.prompt_len:], traj.loss_mask[traj.prompt_len:]):
             if mask:

@@ -274,6 +274,13 @@ def test_wide_demonstrations_solve_their_tasks_and_splits_never_meet():
         turns = env.demonstrate(task, random.Random(0))
         assert env.grade_demonstration(task, turns).reward == 1.0
         assert len(turns) == 2 * WIDTH + 1  # serial: assign, wait, for each start
+        # The answer copies the last results board; bare ends in order are right too.
+        assert turns[-1].content == turns[-2].outputs[0]
+        ends = [str(e) for e in task.ends]
+        assert env._grade(task, " ".join(ends)).reward == 1.0
+        assert env._grade(task, " ".join(reversed(ends))).reward == 0.0
+        partial = env._grade(task, "\n".join(f"s{i}: {e}" for i, e in enumerate(ends[:-1], 1)))
+        assert partial.reward == 0.0 and partial.parts["ends_correct"] == pytest.approx(2 / 3)
         sub = env.subtask(task, "worker", "", "2")
         assert (sub.starts, sub.ends) == ([task.starts[1]], [task.ends[1]])
         assert WideLookupEnvironment().grade_demonstration(sub, env.demonstrate(sub, random.Random(0))).reward == 1.0

@@ -143,7 +143,7 @@ CASES = {
                     "spec.tasks[0]", "exactly one of path or generate"),
     "not-a-mapping": ("- just\n- a list\n", "", "expected a mapping"),
     "temperature-above-vllms-bound": (_mutate(lambda d: d["spec"].setdefault("rollout", {}).update(
-        sampling={"temperature": 3.0})), "spec.rollout.sampling.temperature", "less than or equal to 2"),
+        sampling={"temperature": 3.0})), "spec.rollout", "vLLM samples at most at 2"),
     "top-p-at-a-temperature": (_mutate(lambda d: d["spec"].setdefault("rollout", {}).update(
         sampling={"temperature": 0.7, "topP": 0.9})), "spec.rollout.sampling", "topP must be 1"),
     "turn-level-with-tags": (_mutate(lambda d: d["spec"].setdefault("rollout", {}).update(

@@ -9,10 +9,13 @@ answer with them.
     <task>ends of 37 52 18, 2 hops</task>
     <call>assign 1</call>  <obs>s1</obs>  <call>wait all</call>  <obs>s1: 10</obs>
     <call>assign 2</call>  <obs>s2</obs>  <call>wait all</call>  <obs>s1: 10, s2: 64 (a line each)</obs>  ...
-    <answer>10 64 33</answer>
+    <answer>s1: 10
+    s2: 64
+    s3: 33</answer>
 
 `wait all` lists every answer so far, so the answer copies the last observation whether the
-chains ran one per wait or all before one.
+chains ran one per wait or all before one (the grader skips the board's `sK:` labels; bare
+ends in order are right too).
 
 A sub-task (`subtask`: the text assigned is a chain's place, 1..K) is a `wide-lookup` task: one
 chain, in the same files, followed with the shell and answered in a reply.
@@ -31,6 +34,7 @@ Train and held-out tasks are told apart as `lookup`'s are, by a hash of the map 
 from __future__ import annotations
 
 import random
+import re
 from typing import Literal
 
 from pydantic import Field
@@ -40,6 +44,7 @@ from kiln.env import AssistantTurn, Grade, SandboxHandle, ToolCall, ToolResult, 
 from .lookup import KEYS, TOOLS as SHELL, LookupEnvironment, follow, split_of
 
 HOPS = 2
+_LABEL = re.compile(r"s\d+:")
 
 
 class WideTask(LookupEnvironment.task_model):
@@ -130,7 +135,9 @@ class WideEnvironment(LookupEnvironment):
         return self._grade(task, answer)
 
     def _grade(self, task: WideTask, answer: str | None) -> Grade:
-        got = (answer or "").split()
+        # The ends in order, bare (`10 64 33`) or as the results board's lines (`s1: 10` ...):
+        # the board's labels are skipped.
+        got = [w for w in (answer or "").split() if not _LABEL.fullmatch(w)]
         right = sum(1 for i, e in enumerate(task.ends) if i < len(got) and got[i] == str(e))
         ok = right == len(task.ends) and len(got) == len(task.ends)
         return Grade(float(ok), {"ends_correct": right / len(task.ends)},
@@ -144,7 +151,7 @@ class WideEnvironment(LookupEnvironment):
                                            outputs=[str(value)]))
                 key = value
             return turns + [AssistantTurn(content=str(key))]
-        turns = []
+        turns, board = [], ""
         for i in range(1, len(task.ends) + 1):
             turns.append(AssistantTurn(tool_calls=[ToolCall(swarm.ASSIGN, {"task": str(i)})],
                                        outputs=[f"s{i}"]))
@@ -152,7 +159,9 @@ class WideEnvironment(LookupEnvironment):
             board = "\n".join(f"s{j}: {e}" for j, e in enumerate(task.ends[:i], 1))
             turns.append(AssistantTurn(tool_calls=[ToolCall(swarm.WAIT, {"subagents": "all"})],
                                        outputs=[board]))
-        return turns + [AssistantTurn(content=_ends(task))]
+        # The answer is the last board as it stands: a verbatim copy, which a tiny model learns
+        # reliably, where picking the ends out from between the labels stalled its SFT.
+        return turns + [AssistantTurn(content=board)]
 
     def grade_demonstration(self, task: WideTask, turns: list[AssistantTurn]) -> Grade:
         return self._grade(task, turns[-1].content)
