@@ -8,8 +8,8 @@ Printed: the number of such decision points, the mean, median and largest probab
 parallel moves to expect over the stage (the sum of the probabilities) and how many of the
 stage's episodes did run two subagents at once.
 
-Run: python benchmarks/swarm/exploration.py RUN_DIR [--checkpoint-stage orchestrator]
-     [--rl-stage swarm]
+Run: python benchmarks/swarm/exploration.py RUN_DIR [--checkpoint-stage sft]
+     [--rl-stage swarm] [--temperature T]
 Reads RUN_DIR/rollout/trajectories.jsonl and RUN_DIR/trainer/stages/<checkpoint stage>/ with
 transformers on the CPU (tags tool-call format, as the example uses).
 """
@@ -39,7 +39,7 @@ def decision_points(tok, tokens: list[int], loss_mask: list[int]) -> list[int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", type=Path, help="a run directory of deploy/examples/swarm.yaml")
-    ap.add_argument("--checkpoint-stage", default="orchestrator",
+    ap.add_argument("--checkpoint-stage", default="sft",
                     help="the stage whose final weights are the policy before RL")
     ap.add_argument("--rl-stage", default="swarm", help="the RL stage whose episodes are read")
     ap.add_argument("--temperature", type=float, default=None,
