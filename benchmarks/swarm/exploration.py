@@ -47,10 +47,10 @@ def main() -> None:
                          "rollout.sampling.temperature)")
     args = ap.parse_args()
     if args.temperature is None:
-        import yaml
-        job = yaml.safe_load((args.run_dir / "job.yaml").read_text())
-        args.temperature = float(job["spec"].get("rollout", {}).get("sampling", {})
-                                 .get("temperature", 1.0)) or 1.0
+        from kiln.api.validate import load_job
+        # Greedy (0) records raw log-probs, as 1 does.
+        sampling = load_job(args.run_dir / "job.yaml", local=True).spec.rollout.sampling
+        args.temperature = sampling.temperature or 1.0
 
     ckpt = args.run_dir / "trainer" / "stages" / args.checkpoint_stage
     tok = AutoTokenizer.from_pretrained(ckpt)

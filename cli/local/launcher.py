@@ -166,9 +166,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         order = list(processes.ORDER)
         order[order.index("rollout"):order.index("rollout")] = [name for name, _, _ in teachers]
-        service_args = {name: ("--teacher", path) + (("--teacher-wait",) if stage else ())
+        teacher_args = {name: ("--teacher", path) + (("--teacher-wait",) if stage else ())
                         for name, path, stage in teachers}
-        service_args["sandbox"] = ("--owner", processes.sandbox_owner(run_dir))
+        service_args = {**teacher_args, "sandbox": ("--owner", processes.sandbox_owner(run_dir))}
         out.write(f"run directory: {run_dir}\nstarting services: {', '.join(order)}\n")
         processes.issue_certificates(run_dir, job.metadata.name)
         group = processes.trainer_group(job.spec.trainer.data_parallel)
@@ -183,7 +183,7 @@ def main(args: argparse.Namespace) -> int:
                          *(name for name, _, stage in teachers if stage is None))
             if name in ready_now:
                 processes.wait_ready(services[name])
-            elif any(name == t for t, _, _ in teachers):
+            elif name in teacher_args:
                 processes.wait_port(services[name])  # rollout needs its address
         for name in (*group, "rollout"):
             processes.wait_ready(services[name])

@@ -17,12 +17,12 @@ class SwarmSettings(Model):
     """Subagents one episode may create; more is refused (the orchestrator is told)."""
     max_subagent_turns: int = Field(4, ge=1, le=64)
     """Model calls one subagent may make on its sub-task."""
-    subagent_temperature: float | None = Field(None, ge=0, le=2)
+    subagent_temperature: float | None = Field(None, ge=0)
     """The subagents' sampling temperature (0: greedy); unset: the rollout's
     (`spec.rollout.sampling.temperature`). Their tokens are never trained, so the orchestrator
     can explore at a high temperature while the frozen subagents keep finishing their
     sub-tasks. Evaluations sample the subagents at it too (a greedy evaluation is greedy for
-    the orchestrator alone)."""
+    the orchestrator alone). On vLLM, at most 2, as the rollout's."""
     lambda_parallel: float = Field(0.5, ge=0)
     """lambda1: weight of r_parallel (subagents running side by side) before annealing."""
     lambda_finish: float = Field(0.5, ge=0)
@@ -51,13 +51,20 @@ class SwarmSettings(Model):
 
 
 def swarm_problems(spec) -> list[str]:
-    """Why a job's swarms cannot run: subagents naming a stage that does not come earlier."""
+    """Why a job's swarms cannot run: subagents naming a stage that does not come earlier, or
+    sampling hotter than their engine allows."""
+    from kiln.api.components import VLLM_MAX_TEMPERATURE
+
     names = [s.name for s in spec.stages]
     problems = []
     for i, stage in enumerate(spec.stages):
         swarm = getattr(stage, "swarm", None)
         if swarm is None:
             continue
+        hot = swarm.subagent_temperature
+        if spec.rollout.engine == "vllm" and hot is not None and hot > VLLM_MAX_TEMPERATURE:
+            problems.append(f"stages[{i}] ({stage.name}).swarm.subagentTemperature={hot:g}: vLLM "
+                            f"samples at most at {VLLM_MAX_TEMPERATURE:g}")
         ref = swarm.subagents
         if ref in names and names.index(ref) >= i:
             problems.append(f"stages[{i}] ({stage.name}).swarm.subagents: stage {ref!r} does not "

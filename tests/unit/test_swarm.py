@@ -261,6 +261,8 @@ def test_subagents_sample_at_their_own_temperature(monkeypatch, tok):
         temperature=0.0, max_tokens=16)
     with pytest.raises(ValidationError, match="subagentTemperature"):
         RLJob.model_validate(job_doc(subagents="subagents", subagentTemperature=-1))
+    with pytest.raises(ValidationError, match=r"swarm.subagentTemperature=3: vLLM samples at most at 2"):
+        RLJob.model_validate(job_doc(subagents="subagents", subagentTemperature=3))
 
 
 def test_wide_demonstrations_solve_their_tasks_and_splits_never_meet():
