@@ -27,6 +27,28 @@ class VersionSpan:
     policy_version: int
 
 
+@dataclass(frozen=True)
+class ToolChoice:
+    """Tokens drawn as choices (`rollout.sampling.toolChoiceTemperature`): the token at
+    `positions[i]` was sampled from softmax(logits / temperatures[i]) over the `counts[i]`
+    tokens that are its part of `token_ids` (the first tokens of the episode's tool names, or
+    of a tool argument's enumerated values), not from the whole vocabulary. Its `logp_infer` is
+    of that distribution, and the trainer computes the same there."""
+
+    positions: list[int]
+    token_ids: list[int]
+    counts: list[int]
+    temperatures: list[float]
+
+    def sets(self) -> list[list[int]]:
+        """The tokens each position was chosen among."""
+        out, start = [], 0
+        for n in self.counts:
+            out.append(self.token_ids[start:start + n])
+            start += n
+        return out
+
+
 @dataclass
 class Trajectory:
     id: str
@@ -62,6 +84,8 @@ class Trajectory:
     """Optional dense distillation (`rl.teacherTopK`): the teacher's `teacher_top_k` most
     likely tokens in place of each token and their log-probs, k entries per token (entry
     t*k+j); 0 where loss_mask is 0."""
+    tool_choice: ToolChoice | None = None
+    """Where the policy chose among tools at a temperature of its own (see `ToolChoice`)."""
     advantage: float = 0.0
     """Group-relative advantage, filled in by the buffer when the group is complete."""
     created_at: float = 0.0
@@ -87,6 +111,8 @@ class Trajectory:
         kept["version_spans"] = [VersionSpan(**s) for s in kept.get("version_spans", [])]
         routed = kept.get("routed_experts")
         kept["routed_experts"] = RoutedExperts.from_dict(routed) if isinstance(routed, dict) else None
+        choice = kept.get("tool_choice")
+        kept["tool_choice"] = ToolChoice(**choice) if isinstance(choice, dict) else None
         return cls(**kept)
 
     def versions_per_token(self) -> list[int]:
@@ -126,6 +152,18 @@ class Trajectory:
                 raise ValueError(f"trajectory {self.id}: routed experts cover positions [{r.start}, {r.end}), "
                                  f"the trajectory has {n} tokens")
             r.check_size()
+        if (c := self.tool_choice) is not None:
+            if not (len(c.counts) == len(c.temperatures) == len(c.positions)
+                    and sum(c.counts) == len(c.token_ids) and all(k > 0 for k in c.counts)
+                    and all(t > 0 for t in c.temperatures)):
+                raise ValueError(f"trajectory {self.id}: tool choice with {len(c.positions)} "
+                                 f"positions, {len(c.counts)} counts, {len(c.temperatures)} "
+                                 f"temperatures and {len(c.token_ids)} tokens; a non-empty set "
+                                 "and a positive temperature per position expected")
+            for i, allowed in zip(c.positions, c.sets()):
+                if not (0 < i < n and self.loss_mask[i]) or self.tokens[i] not in allowed:
+                    raise ValueError(f"trajectory {self.id}: tool choice at position {i} is not a "
+                                     "generated token among its choices")
         if self.loss_mask[0]:
             raise ValueError(f"trajectory {self.id}: loss_mask[0] is 1, but the first token has "
                              "no context to be predicted from")

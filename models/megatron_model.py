@@ -18,6 +18,7 @@ RoPE scaling, pipeline parallelism, tensor parallelism of MoE models.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -277,26 +278,67 @@ def forward_logits(model, tokens_BS: torch.Tensor) -> torch.Tensor:
     return model(tokens_BS, position_ids, mask)
 
 
-def token_logprobs(model, tokens_BS: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+@dataclass(frozen=True)
+class ToolChoices:
+    """Where a batch's tokens were drawn as choices (`kiln.trajectory.ToolChoice`): entry i is
+    token `[rows[i], cols[i]]`, drawn among `ids[i]` [A] (padded by repeating its first id,
+    which leaves the distribution unchanged) at `temperature[i]` (`choice_logits`)."""
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+    ids: torch.Tensor
+    temperature: torch.Tensor
+
+    def to(self, device: torch.device) -> "ToolChoices":
+        return ToolChoices(*(t.to(device) for t in (self.rows, self.cols, self.ids, self.temperature)))
+
+    def select(self, idx: torch.Tensor, batch: int) -> "ToolChoices":
+        """The entries of rows `idx` (of `batch` rows), renumbered as `idx` orders them."""
+        new = torch.full((batch,), -1, dtype=torch.long, device=self.rows.device)
+        new[idx] = torch.arange(len(idx), device=self.rows.device)
+        rows = new[self.rows]
+        keep = rows >= 0
+        return ToolChoices(rows[keep], self.cols[keep], self.ids[keep], self.temperature[keep])
+
+
+def choice_logits(logits: torch.Tensor, token_ids: torch.Tensor, scale: float | torch.Tensor,
+                  temperature: float) -> torch.Tensor:
+    """Rows of `logits` [..., V] as a tool choice samples them (`rollout.sampling.
+    toolChoiceTemperature`): `logits * scale / temperature` at `token_ids` [..., A], -inf
+    elsewhere, where scale is the request's temperature over the tool choice's and temperature
+    the request's. vLLM's operations in vLLM's order (rollout's `tool_choice` processor, then
+    its temperature), so a log-softmax of the result agrees with what it records."""
+    kept = logits.gather(-1, token_ids) * scale
+    if temperature != 1.0:
+        kept = kept / temperature
+    return torch.full_like(logits, -math.inf).scatter(-1, token_ids, kept)
+
+
+def token_logprobs(model, tokens_BS: torch.Tensor, temperature: float = 1.0,
+                   choices: ToolChoices | None = None) -> torch.Tensor:
     """Per-token log-probs `[B, S]`: entry t is log p(tokens[t] | tokens[<t]); entry 0 is 0.
     With `temperature`, of softmax(logits / temperature): the distribution rollout sampled
     from, as a tempered engine records it (`EngineSettings.tempered_logprobs`).
 
     Uses Megatron's vocab-parallel cross entropy, so it is exact at any TP size without
     gathering the full vocabulary. Padding positions get finite values the caller masks out.
+    With `choices`, the tokens drawn as tool choices get the log-probs of the distribution
+    they were drawn from (`choice_logits`; one rank's full vocabulary, tensor parallelism 1).
     """
-    return _sampled_logprobs(forward_logits(model, tokens_BS), tokens_BS, temperature)
+    return _sampled_logprobs(forward_logits(model, tokens_BS), tokens_BS, temperature, choices)
 
 
 def token_and_topk_logprobs(model, tokens_BS: torch.Tensor, ids_BSK: torch.Tensor,
-                            temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                            temperature: float = 1.0, choices: ToolChoices | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """`token_logprobs`, and from the same forward pass `[B, S, K]` log-probs of other tokens
     in each place: entry `[b, t, j]` is log p(ids[b, t, j] | tokens[b, <t]), entries of
     position 0 are 0 (dense distillation: `ids` is a teacher's top k). One rank's full
     vocabulary (tensor parallelism 1)."""
     logits_BSV = forward_logits(model, tokens_BS)
     topk = torch.log_softmax(_tempered(logits_BSV[:, :-1].float(), temperature), dim=-1).gather(-1, ids_BSK[:, 1:])
-    return _sampled_logprobs(logits_BSV, tokens_BS, temperature), F.pad(topk, (0, 0, 1, 0), value=0.0)
+    return (_sampled_logprobs(logits_BSV, tokens_BS, temperature, choices),
+            F.pad(topk, (0, 0, 1, 0), value=0.0))
 
 
 def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -304,7 +346,8 @@ def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return logits if temperature == 1.0 else logits / temperature
 
 
-def _sampled_logprobs(logits_BSV: torch.Tensor, tokens_BS: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def _sampled_logprobs(logits_BSV: torch.Tensor, tokens_BS: torch.Tensor, temperature: float = 1.0,
+                      choices: ToolChoices | None = None) -> torch.Tensor:
     from megatron.core import tensor_parallel
 
     targets_BS = tokens_BS[:, 1:]
@@ -313,8 +356,14 @@ def _sampled_logprobs(logits_BSV: torch.Tensor, tokens_BS: torch.Tensor, tempera
     nll_SB = tensor_parallel.vocab_parallel_cross_entropy(
         logits_SBV.contiguous(), targets_BS.transpose(0, 1).contiguous()
     )
-    logp_BS = -nll_SB.transpose(0, 1)
-    return F.pad(logp_BS, (1, 0), value=0.0)
+    logp_BS = F.pad(-nll_SB.transpose(0, 1), (1, 0), value=0.0)
+    if choices is None or not len(choices.rows):
+        return logp_BS
+    b, t = choices.rows, choices.cols
+    rows_NV = choice_logits(logits_BSV[b, t - 1].float(), choices.ids,
+                            temperature / choices.temperature[:, None], temperature)
+    chosen = torch.log_softmax(rows_NV, dim=-1).gather(-1, tokens_BS[b, t, None])[:, 0]
+    return logp_BS.index_put((b, t), chosen)
 
 
 def next_token_logprob(logits_V: torch.Tensor, token: int) -> float:

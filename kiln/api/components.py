@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from kiln.api.base import Model
+from kiln.api.sampling import VLLM_MAX_TEMPERATURE, SamplingSpec
 from kiln.api.scheduling import PodSettings
 
 
@@ -37,45 +38,6 @@ class Resources(Model):
 
 
 # --------------------------------------------------------------------------------------- rollout
-
-
-VLLM_MAX_TEMPERATURE = 2.0
-"""vLLM refuses a request sampling hotter than this."""
-
-
-class SamplingSpec(Model):
-    """How rollout samples actions."""
-
-    temperature: float = Field(1.0, ge=0)
-    """Sampling temperature; 0 is greedy. vLLM refuses more than 2 (the megatron engine does
-    not), so a job on vLLM is refused one before it starts. Each sampled token's log-prob is
-    recorded under the distribution it was drawn from, softmax(logits / temperature) (greedy:
-    the raw logits), and the trainer computes the same, so the importance ratios and masks of
-    an RL stage compare the policy that acted. A teacher's scores (opd, klCoef) stay at
-    temperature 1."""
-    top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling: sample from the smallest set of tokens whose probability reaches topP.
-    Log-probs are taken before it (the trainer does not truncate); so with a temperature other
-    than 0 or 1 it must be 1."""
-    max_tokens_per_turn: int = Field(256, ge=1)
-    """Tokens one action (a think block plus a tool call or an answer) may take."""
-    max_total_tokens: int = Field(1024, ge=16)
-    """Prompt, actions and observations together; the episode ends when it is reached."""
-
-    @property
-    def tempered(self) -> bool:
-        """Whether log-probs are of softmax(logits / temperature) rather than of the raw logits."""
-        return self.temperature not in (0.0, 1.0)
-
-    @model_validator(mode="after")
-    def _top_p_with_temperature(self) -> "SamplingSpec":
-        # vLLM's log-probs of a tempered distribution come after nucleus truncation too, which
-        # the trainer cannot reproduce: the ratios would be off by the truncated mass.
-        if self.tempered and self.top_p < 1:
-            raise ValueError(f"topP={self.top_p} with temperature={self.temperature}: with a "
-                             "temperature other than 0 or 1, topP must be 1 (log-probs are "
-                             "recorded at the temperature, and the trainer does not truncate)")
-        return self
 
 
 class AutoscaleSpec(Model):
@@ -176,6 +138,18 @@ class RolloutSpec(Model):
             raise ValueError(f"sampling.temperature={self.sampling.temperature}: vLLM samples at "
                              f"most at {VLLM_MAX_TEMPERATURE:g}; use a lower one, or engine "
                              "'megatron'")
+        return self
+
+    @model_validator(mode="after")
+    def _tool_choice_temperature(self) -> RolloutSpec:
+        if self.sampling.tool_choice_temperature is None:
+            return self
+        if self.sampling.temperature == 0:
+            raise ValueError("sampling.toolChoiceTemperature needs a sampling temperature above 0 "
+                             "(a greedy rollout samples nothing)")
+        if self.tool_call_format != "tags":
+            raise ValueError(f"sampling.toolChoiceTemperature needs toolCallFormat 'tags' (a tool's "
+                             f"name right after one <call> token); got {self.tool_call_format!r}")
         return self
 
     @model_validator(mode="after")

@@ -53,7 +53,7 @@ class SwarmSettings(Model):
 def swarm_problems(spec) -> list[str]:
     """Why a job's swarms cannot run: subagents naming a stage that does not come earlier, or
     sampling hotter than their engine allows."""
-    from kiln.api.components import VLLM_MAX_TEMPERATURE
+    from kiln.api.sampling import VLLM_MAX_TEMPERATURE
 
     names = [s.name for s in spec.stages]
     problems = []

@@ -18,7 +18,7 @@ from google.protobuf import message
 
 from kiln.protos.kiln.v1 import trajectory_pb2
 from kiln.routing import RoutedExperts
-from kiln.trajectory import Trajectory, VersionSpan
+from kiln.trajectory import ToolChoice, Trajectory, VersionSpan
 
 
 def span_to_proto(span: VersionSpan) -> trajectory_pb2.VersionSpan:
@@ -63,6 +63,11 @@ def to_proto(traj: Trajectory) -> trajectory_pb2.Trajectory:
         msg.routed_experts.CopyFrom(trajectory_pb2.RoutedExperts(
             layers=r.layers, topk=r.topk, num_experts=r.num_experts, start=r.start, rows=r.rows,
             packed=r.packed))
+    if traj.tool_choice is not None:
+        c = traj.tool_choice
+        msg.tool_choice.CopyFrom(trajectory_pb2.ToolChoice(
+            positions=c.positions, token_ids=c.token_ids, counts=c.counts,
+            temperatures=c.temperatures))
     return msg
 
 
@@ -87,6 +92,9 @@ def from_proto(msg: trajectory_pb2.Trajectory) -> Trajectory:
         engine_fingerprint=msg.engine_fingerprint,
         index_hashes=msg.index_hashes[:],
         routed_experts=_routed_from_proto(msg),
+        tool_choice=(ToolChoice(msg.tool_choice.positions[:], msg.tool_choice.token_ids[:],
+                                msg.tool_choice.counts[:], msg.tool_choice.temperatures[:])
+                     if msg.HasField("tool_choice") else None),
         teacher_logp=msg.teacher_logp[:],
         teacher_top_k=msg.teacher_top_k,
         teacher_topk_ids=msg.teacher_topk_ids[:],

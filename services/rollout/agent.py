@@ -33,10 +33,10 @@ from typing import Awaitable, Callable
 
 from kiln.episode import Demonstration, EpisodeInfo, StepResult
 from kiln.routing import RoutedExperts, merge_routing
-from kiln.services.rollout.engine import Engine, SamplingOptions
+from kiln.services.rollout.engine import Engine, SamplingOptions, ToolChoiceRule
 from kiln.services.rollout.formats import THINKING_MODES, Format, demonstration_tokens
 from kiln.services.sandbox.client import EnvClient
-from kiln.trajectory import Trajectory, spans_from_versions
+from kiln.trajectory import ToolChoice, Trajectory, spans_from_versions
 
 
 @dataclass
@@ -70,6 +70,9 @@ class _Segment:
     prompt_len: int = 0
     routed: RoutedExperts | None = None
     """MoE: the experts chosen for this segment's positions, merged over its generations."""
+    choices: list[tuple[int, tuple[int, ...], float]] = field(default_factory=list)
+    """(position, the tokens it was chosen among, at what temperature) of each token sampled
+    as a choice (`ToolChoiceRule`)."""
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.tokens)
@@ -99,6 +102,8 @@ async def run_episode(engine: Engine, env: EnvClient, fmt: Format, *, task_set: 
     ep = await env.open(task_set, index, limits.max_turns)
     try:
         conv = fmt.conversation(ep)
+        sampling = _with_tool_choice(sampling, conv, ep)
+        rule = sampling.tool_choice
         seg = _Segment(conv.prompt())
         segments = [seg]
         result = StepResult()
@@ -118,6 +123,9 @@ async def run_episode(engine: Engine, env: EnvClient, fmt: Format, *, task_set: 
             seg.context(prefix)
             gen = await engine.generate(seg.tokens, dataclasses.replace(
                 sampling, max_tokens=budget, stop_token_ids=tuple(fmt.stop_token_ids)))
+            if rule is not None:
+                seg.choices += [(len(seg.tokens) + i, ids, temp)
+                                for i, ids, temp in rule.positions(gen.token_ids)]
             seg.tokens += gen.token_ids
             seg.mask += [1] * len(gen.token_ids)
             seg.logp += gen.logprobs
@@ -155,9 +163,38 @@ async def run_episode(engine: Engine, env: EnvClient, fmt: Format, *, task_set: 
             flags=flags + list(result.flags) + ([f"segment:{i}"] if many else []),
             sandbox_image_digest=result.sandbox_image_digest,
             engine_fingerprint=engine.fingerprint, index_hashes=index_hashes if s is seg else [],
-            routed_experts=s.routed, created_at=time.time()) for i, s in enumerate(segments) if any(s.mask) or not many]
+            routed_experts=s.routed, created_at=time.time(),
+            tool_choice=_recorded(s.choices))
+            for i, s in enumerate(segments) if any(s.mask) or not many]
     finally:
         await env.close(ep.episode_id)
+
+
+def _with_tool_choice(sampling: SamplingOptions, conv, ep: EpisodeInfo) -> SamplingOptions:
+    """`sampling` with this episode's tool-choice rule when the job sets a tool-choice
+    temperature and the episode has tools. A greedy request (evaluation) takes the rule's
+    constraints alone: it decodes the policy that training sampled from."""
+    if sampling.tool_choice_temperature is None or not ep.tools:
+        return sampling
+    choice = getattr(conv, "tool_choice", None)
+    if choice is None:
+        raise ValueError(f"sampling.toolChoiceTemperature: the {type(conv).__name__} format has no "
+                         "single place where a reply names its tool; use toolCallFormat 'tags'")
+    # Tool names at the tool-choice temperature, an argument's values at the request's own;
+    # greedy requests take the argmax among them (recorded at temperature 1).
+    if sampling.temperature == 0:
+        temperature = {"tool": 1.0, "argument": 1.0}
+    else:
+        temperature = {"tool": sampling.tool_choice_temperature, "argument": sampling.temperature}
+    choices = tuple((tuple(opening), tuple(ids), temperature[what]) for opening, ids, what in choice())
+    return dataclasses.replace(sampling, tool_choice=ToolChoiceRule(choices))
+
+
+def _recorded(choices: list[tuple[int, tuple[int, ...], float]]) -> ToolChoice | None:
+    if not choices:
+        return None
+    return ToolChoice([i for i, _, _ in choices], [t for _, ids, _ in choices for t in ids],
+                      [len(ids) for _, ids, _ in choices], [temp for _, _, temp in choices])
 
 
 def demonstration_trajectory(demo: Demonstration, fmt: Format, *, version: int,

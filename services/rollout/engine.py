@@ -39,6 +39,38 @@ ENGINE_KINDS: tuple[str, ...] = ("vllm", "megatron", "torch")
 
 
 @dataclass(frozen=True)
+class ToolChoiceRule:
+    """Where a reply chooses among known tokens: each of `choices` is (opening, token ids,
+    temperature): the token right after `opening` (as generated in this request) is sampled at
+    that temperature from those token ids alone, and its log-prob recorded under that
+    distribution. The agent loop makes them from the format and the episode's tools: after a
+    call's opening, the first tokens of the tools' names at `toolChoiceTemperature`; after a
+    tool's name, the first tokens of its argument's enumerated values at the request's own
+    temperature (the schema's values only). A greedy request takes the argmax among them. The
+    rest of the reply is sampled as usual."""
+
+    choices: tuple[tuple[tuple[int, ...], tuple[int, ...], float], ...]
+
+    def allowed(self, generated: Sequence[int]) -> tuple[tuple[int, ...], float] | None:
+        """(the tokens the next one is chosen among, at what temperature), after `generated`
+        (this request's tokens so far); None where it is no choice. The longest opening that
+        matches wins."""
+        best = None
+        for opening, token_ids, temperature in self.choices:
+            n = len(opening)
+            if (len(generated) >= n and tuple(generated[len(generated) - n:]) == opening
+                    and (best is None or n > len(best[0]))):
+                best = (opening, token_ids, temperature)
+        return (best[1], best[2]) if best is not None else None
+
+    def positions(self, generated: Sequence[int]) -> list[tuple[int, tuple[int, ...], float]]:
+        """(index into `generated`, the tokens it was chosen among, the temperature) of each
+        choice."""
+        return [(i, *found) for i in range(len(generated))
+                if (found := self.allowed(generated[:i])) is not None]
+
+
+@dataclass(frozen=True)
 class SamplingOptions:
     temperature: float = 1.0
     """0 means greedy."""
@@ -51,6 +83,11 @@ class SamplingOptions:
     its engine ("CPU Generator does not use offset") when a seeded request's prefill is split
     over several steps, which happens once many long prompts are in flight: rollout and
     evaluation therefore leave it unset; short single prompts (tests, `kiln consistency`) are safe."""
+    tool_choice_temperature: float | None = None
+    """The job's `sampling.toolChoiceTemperature`: the agent loop makes each request's
+    `tool_choice` from it and the episode's tools."""
+    tool_choice: ToolChoiceRule | None = None
+    """This request's tool-choice rule (see ToolChoiceRule), if any."""
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -158,7 +195,7 @@ class EngineSettings(BaseModel):
                       "kv_cache_bytes": spec.rollout.kv_cache_bytes,
                       "enforce_eager": spec.rollout.enforce_eager, "seed": spec.seed,
                       "record_routing": spec.model.routing_replay != "off",
-                      "tempered_logprobs": spec.rollout.sampling.tempered, **overrides})
+                      "tempered_logprobs": spec.rollout.sampling.processed_logprobs, **overrides})
 
 
 def check_sequence(seq: Sequence[int], vocab_size: int) -> None:

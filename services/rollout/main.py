@@ -201,7 +201,8 @@ async def build(job: RLJob | None, args: argparse.Namespace):
     clients = [TeacherScorer(_addr(teacher_process(i).upper())) for i in range(len(teacher_refs(spec)))]
     teachers = teachers_by_task(job, clients)
     sampling = SamplingOptions(temperature=s.temperature, top_p=s.top_p,
-                               max_tokens=s.max_tokens_per_turn, seed=None)
+                               max_tokens=s.max_tokens_per_turn, seed=None,
+                               tool_choice_temperature=s.tool_choice_temperature)
     swarms = swarm_runs(job, fmt, sampling)  # subagents: at swarm.subagentTemperature if set
     judged = reward_models(job, fmt, clients)
     producer = Producer(

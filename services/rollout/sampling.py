@@ -1,8 +1,11 @@
 """Sampling one token from a row of logits, as the torch and megatron engines both do."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
+from kiln.models.megatron_model import choice_logits
 from kiln.services.rollout.engine import SamplingOptions
 
 
@@ -19,12 +22,35 @@ def tempered_logits(logits: torch.Tensor, sampling: SamplingOptions, tempered: b
     return logits
 
 
+def tool_choice_row(logits: torch.Tensor, sampling: SamplingOptions,
+                    generated: Sequence[int]) -> torch.Tensor | None:
+    """The row a tool choice samples from after `generated` (this request's tokens so far), as
+    vLLM's processor makes it (`tool_choice.py`, temperature applied; a greedy request's
+    unscaled); None where the next token is no tool choice."""
+    rule = sampling.tool_choice
+    if rule is None or (found := rule.allowed(generated)) is None:
+        return None
+    allowed, temperature = found
+    ids = torch.tensor(allowed, dtype=torch.long)
+    if sampling.temperature == 0:  # greedy: the choice's tokens alone, unscaled
+        return choice_logits(logits.float(), ids, 1.0, 1.0)
+    return choice_logits(logits.float(), ids, sampling.temperature / temperature,
+                         sampling.temperature)
+
+
 def sample_token(logits: torch.Tensor, sampling: SamplingOptions, gen: torch.Generator,
-                 tempered: bool = False) -> tuple[int, float]:
+                 tempered: bool = False, generated: Sequence[int] = ()) -> tuple[int, float]:
     """(token, its log-prob) sampled from one row of logits with vLLM's semantics: temperature
     0 is greedy, top-p keeps the smallest prefix of the sorted distribution whose mass reaches
     top_p. The log-prob is taken before either, or with `tempered` after the temperature (and
-    still before top-p, which a tempered job does not use)."""
+    still before top-p, which a tempered job does not use). A tool choice after `generated`
+    (`SamplingOptions.tool_choice`) is sampled, and its log-prob taken, from its own row."""
+    if (row := tool_choice_row(logits, sampling, generated)) is not None:
+        if sampling.temperature == 0:
+            token = int(torch.argmax(row))
+        else:
+            token = int(torch.multinomial(torch.softmax(row, dim=-1), 1, generator=gen))
+        return token, float(torch.log_softmax(row, dim=-1)[token])
     logp = torch.log_softmax(tempered_logits(logits, sampling, tempered), dim=-1)
     if sampling.temperature == 0:
         token = int(torch.argmax(logits))

@@ -96,7 +96,7 @@ class TorchEngine(EngineBase):
                 cached, past_version = len(tokens), version
                 if routed is not None:
                     rows.append(routed)
-            token, logp = sample_token(logits, sampling, gen, self.settings.tempered_logprobs)
+            token, logp = sample_token(logits, sampling, gen, self.settings.tempered_logprobs, out)
             tokens.append(token)
             out.append(token)
             logps.append(logp)

@@ -36,6 +36,10 @@ from kiln.services.rollout.engine import (
 from kiln.services.rollout.wire import MAX_TOP_K
 
 
+#: vLLM loads it by name in its engine process (see `tool_choice.py`).
+TOOL_CHOICE_PROCESSOR = "kiln.services.rollout.tool_choice:ToolChoiceLogitsProcessor"
+
+
 def _reload_in_worker(worker: Any, path: str) -> None:
     """Runs inside each vLLM worker: reload the weights in place from a safetensors file."""
     from safetensors import safe_open
@@ -164,6 +168,8 @@ class VllmEngine(EngineBase):
             # "processed": of the distribution sampled from (after temperature; greedy rows
             # keep the raw logits). Prompt log-probs (`score`) are raw in either mode.
             logprobs_mode="processed_logprobs" if settings.tempered_logprobs else "raw_logprobs",
+            # Tool choices (`rollout.sampling.toolChoiceTemperature`); requests opt in.
+            logits_processors=[TOOL_CHOICE_PROCESSOR],
         )
         llm = AsyncLLM.from_engine_args(args)
         await llm.update_weight_version(str(settings.initial_version))
@@ -179,10 +185,19 @@ class VllmEngine(EngineBase):
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
+        from kiln.services.rollout.tool_choice import extra_args as tool_choice_args
+
+        rule = sampling.tool_choice
+        if rule is not None and not self.settings.tempered_logprobs:
+            raise ValueError("sampling.tool_choice: this engine records raw log-probs, not the tool "
+                             "choice's; start it with tempered_logprobs (EngineSettings.from_job "
+                             "does for a job with toolChoiceTemperature)")
         params = SamplingParams(
             temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_tokens,
             stop_token_ids=list(sampling.stop_token_ids), seed=sampling.seed, logprobs=0,
             output_kind=RequestOutputKind.FINAL_ONLY,
+            extra_args=(tool_choice_args(rule.choices, sampling.temperature)
+                        if rule is not None else None),
         )
         final = None
         async for out in self._llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)),

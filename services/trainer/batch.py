@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.models.megatron_model import ToolChoices
 from kiln.routing import RoutedExperts
 from kiln.trajectory import Trajectory
 
@@ -46,6 +47,8 @@ class TensorBatch:
     """[B, S, K] float32, the teacher's log-probs of `topk_ids`."""
     has_topk: torch.Tensor | None = None
     """[B] bool: the sequence carries the teacher's top k."""
+    choices: ToolChoices | None = None
+    """Where tokens were drawn as tool choices, and among what; None when no sequence has one."""
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +67,7 @@ class TensorBatch:
             topk_ids=self.topk_ids[idx, :n] if self.topk_ids is not None else None,
             topk_logp=self.topk_logp[idx, :n] if self.topk_logp is not None else None,
             has_topk=self.has_topk[idx] if self.has_topk is not None else None,
+            choices=self.choices.select(idx, len(self.lengths)) if self.choices is not None else None,
         )
 
     def to(self, device: torch.device) -> "TensorBatch":
@@ -75,6 +79,7 @@ class TensorBatch:
             self.routing_valid.to(device) if self.routing_valid is not None else None,
             *(t.to(device) if t is not None else None
               for t in (self.topk_ids, self.topk_logp, self.has_topk)),
+            self.choices.to(device) if self.choices is not None else None,
         )
 
 
@@ -108,6 +113,7 @@ def collate(trajs: list[Trajectory]) -> TensorBatch:
                 topk_logp[i, :n] = torch.tensor(t.teacher_topk_logp, dtype=torch.float32).view(n, k)
         has_topk = torch.tensor([t.teacher_top_k == k for t in trajs])
     return TensorBatch(
+        choices=collate_choices(trajs),
         topk_ids=topk_ids,
         topk_logp=topk_logp,
         has_topk=has_topk,
@@ -121,6 +127,23 @@ def collate(trajs: list[Trajectory]) -> TensorBatch:
         has_teacher=torch.tensor([bool(t.teacher_logp) for t in trajs]),
         lengths=[len(t.tokens) for t in trajs],
     )
+
+
+def collate_choices(trajs: list[Trajectory]) -> ToolChoices | None:
+    """The batch's choices (`kiln.trajectory.ToolChoice`), or None when no sequence has one."""
+    entries = [(i, pos, allowed, temp)
+               for i, t in enumerate(trajs) if t.tool_choice is not None
+               for pos, allowed, temp in zip(t.tool_choice.positions, t.tool_choice.sets(),
+                                             t.tool_choice.temperatures)]
+    if not entries:
+        return None
+    a = max(len(allowed) for _, _, allowed, _ in entries)
+    return ToolChoices(
+        rows=torch.tensor([i for i, _, _, _ in entries], dtype=torch.long),
+        cols=torch.tensor([pos for _, pos, _, _ in entries], dtype=torch.long),
+        ids=torch.tensor([allowed + allowed[:1] * (a - len(allowed)) for _, _, allowed, _ in entries],
+                         dtype=torch.long),
+        temperature=torch.tensor([temp for _, _, _, temp in entries], dtype=torch.float32))
 
 
 def collate_routing(routed: list[RoutedExperts | None], s: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:

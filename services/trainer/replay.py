@@ -25,15 +25,15 @@ def routed_logprobs(model, tokens: torch.Tensor, lengths: list[int], routing: to
                     covered: torch.Tensor | None, mode: str) -> tuple[torch.Tensor, moe.RoutingFlips]:
     """`token_logprobs` of right-padded `tokens` [B, S] under routing `mode`, with the recorded
     `routing` [B, S, layers, topk] where `covered` [B, S]; and the flips counted."""
-    logp, _, flips = _routed(model, tokens, lengths, routing, covered, mode, None, 1.0)
+    logp, _, flips = _routed(model, tokens, lengths, routing, covered, mode, None, 1.0, None)
     return logp, flips
 
 
-def _routed(model, tokens, lengths, routing, covered, mode, topk_ids, temperature):
+def _routed(model, tokens, lengths, routing, covered, mode, topk_ids, temperature, choices):
     def forward():
         if topk_ids is None:
-            return token_logprobs(model, tokens, temperature), None
-        return token_and_topk_logprobs(model, tokens, topk_ids, temperature)
+            return token_logprobs(model, tokens, temperature, choices), None
+        return token_and_topk_logprobs(model, tokens, topk_ids, temperature, choices)
 
     if routing is None or mode == "off" or not moe.is_moe_model(model):
         return (*forward(), moe.RoutingFlips())
@@ -46,12 +46,12 @@ def _routed(model, tokens, lengths, routing, covered, mode, topk_ids, temperatur
 
 def batch_logprobs(model, mb: TensorBatch, mode: str, *, topk: bool = False, temperature: float = 1.0
                    ) -> tuple[torch.Tensor, moe.RoutingFlips, torch.Tensor | None]:
-    """`routed_logprobs` of a training micro-batch at the rollout's sampling `temperature`;
-    with `topk` and a batch that carries a teacher's top k, also the student's log-probs of
-    those tokens `[B, S, K]` (else None)."""
+    """`routed_logprobs` of a training micro-batch at the rollout's sampling `temperature`
+    (and its tool choices' where the batch has some); with `topk` and a batch that carries a
+    teacher's top k, also the student's log-probs of those tokens `[B, S, K]` (else None)."""
     ids = mb.topk_ids if topk else None
     logp, student_topk, flips = _routed(model, mb.tokens, mb.lengths, mb.routing,
-                                        mb.routing_valid, mode, ids, temperature)
+                                        mb.routing_valid, mode, ids, temperature, mb.choices)
     return logp, flips, student_topk
 
 

@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM
 from kiln.protos.kiln.v1 import weight_sync_pb2_grpc as pb_grpc
 from kiln.services.common.server import CHANNEL_OPTIONS, Registration, create_server
 from kiln.models.tiny import make_tiny_model, train_tokenizer
-from kiln.services.rollout.engine import EngineSettings, SamplingOptions
+from kiln.models.megatron_model import choice_logits
+from kiln.services.rollout.engine import EngineSettings, SamplingOptions, ToolChoiceRule
 from kiln.services.rollout.vllm_engine import VllmEngine
 from kiln.services.weight_sync import client as ws
 from kiln.services.weight_sync.servicer import SERVICE_NAME, WeightSyncServicer
@@ -217,7 +218,7 @@ def test_a_reload_that_fails_part_way_never_generates_again(env: Env, monkeypatc
     assert eng.policy_version == version  # not relabelled
 
 
-def test_a_tempered_engine_records_logprobs_at_the_sampling_temperature(env: Env) -> None:
+def test_a_tempered_engine_records_logprobs_at_the_sampling_temperature_and_its_choices(env: Env) -> None:
     # Its own engine: the log-prob mode is engine-wide (vLLM's `logprobs_mode`).
     eng = env.run(VllmEngine.start(EngineSettings(
         model=str(env.dirs[0]), dtype="float32", kv_cache_bytes=64 << 20, seed=0,
@@ -241,5 +242,37 @@ def test_a_tempered_engine_records_logprobs_at_the_sampling_temperature(env: Env
             assert (got - raw).abs().max().item() > 100 * ATOL  # not the raw distribution's
         got = torch.tensor(greedy.logprobs)
         assert (got - reference_logprobs(env.dirs[0], prompts[0], greedy.token_ids)).abs().max().item() < ATOL
+        check_tool_choices(env, eng)
     finally:
         env.run(eng.close())
+
+
+def check_tool_choices(env: Env, eng: VllmEngine) -> None:
+    """A request with a `ToolChoiceRule` (rollout.sampling.toolChoiceTemperature): after each
+    opening the token is one of its choices, recorded under softmax(logits / Tc) over them
+    alone (what the trainer computes); every other token as the request's temperature says."""
+    prompt = [1, 6, 9, 13]
+
+    async def first() -> list[int]:  # a seeded draw: the same seed draws it again below
+        return (await eng.generate(prompt, SamplingOptions(temperature=2.0, max_tokens=1, seed=5))).token_ids
+
+    opening = tuple(env.run(first()))
+    # After the opening one of 30, 31, 32; after each of those, one of its own pair.
+    rule = ToolChoiceRule(((opening, (30, 31, 32), 4.0),
+                           *(((*opening, k), (k + 10, k + 20), 1.5) for k in (30, 31, 32))))
+    gen = env.run(eng.generate(prompt, SamplingOptions(temperature=2.0, max_tokens=16, seed=5,
+                                                       tool_choice=rule)))
+    chosen = {i: (ids, temp) for i, ids, temp in rule.positions(gen.token_ids)}
+    assert gen.token_ids[0] == opening[0] and 1 in chosen and 2 in chosen
+    seq = torch.tensor([prompt + gen.token_ids])
+    with torch.no_grad():
+        logits = _models[env.dirs[0]](input_ids=seq).logits[0].float()
+    for i, tok in enumerate(gen.token_ids):
+        row = logits[len(prompt) + i - 1]
+        if i in chosen:
+            ids, temp = chosen[i]
+            assert tok in ids
+            ref = torch.log_softmax(choice_logits(row, torch.tensor(ids), 2.0 / temp, 2.0), -1)
+        else:
+            ref = torch.log_softmax(row / 2.0, -1)
+        assert abs(gen.logprobs[i] - float(ref[tok])) < ATOL, i

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kiln.protos.kiln.v1 import trajectory_pb2
 from kiln.services.common import codec
 from kiln.routing import RoutedExperts
-from kiln.trajectory import Trajectory, VersionSpan
+from kiln.trajectory import ToolChoice, Trajectory, VersionSpan
 
 
 def _f32(x: float) -> float:
@@ -43,6 +43,8 @@ def _full() -> Trajectory:
         teacher_top_k=2,
         teacher_topk_ids=[0, 0, 0, 0, 7, 70000, 8, 3, 0, 0, 9, 1],
         teacher_topk_logp=[0.0, 0.0, 0.0, 0.0, -0.5, -1.25, -0.125, -3.0, 0.0, 0.0, -0.25, -2.0],
+        tool_choice=ToolChoice(positions=[3, 5], token_ids=[8, 9, 70000, 4], counts=[2, 2],
+                               temperatures=[6.0, 1.5]),
         advantage=-0.125,
         created_at=1764400000.5,
     )

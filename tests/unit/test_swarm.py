@@ -107,7 +107,7 @@ def starts(manager) -> list[int]:
 
 
 def play(manager, tok, script, *, parl=Parl(0.5, 0.5, WIDTH), sub_engine=None, engine=None,
-         max_subagents=8, delay=0.05):
+         max_subagents=8, delay=0.05, sampling=SamplingOptions()):
     fmt = make_format("tags", tok)
     sub_engine = sub_engine or Scripted(tok, subagent_policy, delay)
     subagents = Subagents(sub_engine, fmt, SamplingOptions(), Limits(max_turns=4, max_tokens_per_turn=16),
@@ -115,7 +115,7 @@ def play(manager, tok, script, *, parl=Parl(0.5, 0.5, WIDTH), sub_engine=None, e
     engine = engine or Scripted(tok, orchestrator(script))
     trajs = asyncio.run(run_swarm_episode(
         engine, LocalEnvClient(manager), fmt, subagents, parl, task_set="wide", index=0,
-        sampling=SamplingOptions(), limits=Limits(max_turns=12, max_tokens_per_turn=16,
+        sampling=sampling, limits=Limits(max_turns=12, max_tokens_per_turn=16,
                                                   max_total_tokens=512)))
     return trajs[0], sub_engine
 
@@ -151,6 +151,52 @@ def test_assigning_before_waiting_runs_subagents_at_once_and_shortens_the_critic
     assert many.reward == pytest.approx(0.5 + 0.5 + 1.0)
 
 
+class Recording(Scripted):
+    """A scripted engine that keeps the tool-choice rule of every request."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rules = []
+
+    async def generate(self, prompt, sampling):
+        self.rules.append(sampling.tool_choice)
+        return await super().generate(prompt, sampling)
+
+
+def test_the_orchestrators_tool_choices_are_sampled_and_recorded(manager, tok):
+    # toolChoiceTemperature: each request names where a tool is chosen and among what; the
+    # trajectory records which of its tokens were such choices, for the trainer.
+    engine = Recording(tok, orchestrator(serial(manager)))
+    sub_engine = Recording(tok, subagent_policy, 0.05)
+    explore = SamplingOptions(temperature=1.0, tool_choice_temperature=6.0)
+    traj, _ = play(manager, tok, serial(manager), engine=engine, sub_engine=sub_engine,
+                   sampling=explore)
+    ids = lambda text: tok.encode(text, add_special_tokens=False)
+    call, assign, wait = ids("<call>"), ids("assign"), ids("wait")
+    (rule,) = set(engine.rules)
+    # The tools' names after `<call>`; after `assign`, the chains' places (its schema's enum).
+    places = sorted({ids(f"assign {k}")[len(assign) + 1] for k in range(1, WIDTH + 1)})
+    # Tools at the tool-choice temperature, the places at the orchestrator's own.
+    assert set(rule.choices) == {(tuple(call), tuple(sorted(assign[:1] + wait[:1])), 6.0),
+                                 (tuple(call + ids("assign ")), tuple(places), 1.0)}
+    assert set(sub_engine.rules) == {None}  # the subagents sample as their own options say
+    traj.check()
+    choice = traj.tool_choice
+    assert choice is not None and choice.temperatures == [6.0, 1.0, 6.0] * WIDTH
+    chosen = [tok.decode([traj.tokens[i]]).strip() for i in choice.positions]
+    assert chosen == [w for k in range(1, WIDTH + 1) for w in ("assign", str(k), "wait")]
+    tools, args = sorted(rule.choices, key=lambda c: len(c[0]))
+    assert choice.sets() == [list(c[1]) for _ in range(WIDTH) for c in (tools, args, tools)]
+    # Greedy episodes (evaluation) explore nothing, but decode under the same constraints: the
+    # argmax among the tools' names and among the places.
+    greedy = Recording(tok, orchestrator(serial(manager)))
+    traj, _ = play(manager, tok, serial(manager), engine=greedy,
+                   sampling=SamplingOptions(temperature=0.0, tool_choice_temperature=6.0))
+    assert {c[:2] for r in greedy.rules for c in r.choices} == {c[:2] for c in rule.choices}
+    assert {c[2] for r in greedy.rules for c in r.choices} == {1.0}
+    assert traj.tool_choice.temperatures == [1.0] * 3 * WIDTH
+
+
 def test_only_the_orchestrators_replies_are_trained_on(manager, tok):
     t, _ = play(manager, tok, parallel(manager))
     trained = tok.decode([x for x, m in zip(t.tokens, t.loss_mask) if m], skip_special_tokens=False)
@@ -163,17 +209,26 @@ def test_only_the_orchestrators_replies_are_trained_on(manager, tok):
 
 
 def test_limits_and_a_subagents_failure_become_observations(manager, tok):
+    lost = starts(manager)[1]
+
+    def failing(text: str) -> str:  # the second chain's subagent loses its engine
+        if f"end of {lost}," in text:
+            raise RuntimeError("engine lost")
+        return subagent_policy(text)
+
     script = ["<call>wait all</call>", "<call>assign 1</call>", "<call>assign 5</call>",
-              "<call>assign 3</call>", "<call>wait s9</call>", "<call>wait all</call>", "ANSWER"]
-    t, _ = play(manager, tok, script, max_subagents=2)
+              "<call>assign 2</call>", "<call>assign 3</call>", "<call>wait s9</call>",
+              "<call>wait all</call>", "ANSWER"]
+    t, _ = play(manager, tok, script, max_subagents=2, sub_engine=Scripted(tok, failing, 0.05))
     context = tok.decode(t.tokens, skip_special_tokens=False)
     obs = re.findall(r"<obs>(.*?)</obs>", context, re.S)
     assert obs[0] == "error: no subagent is working"
-    assert obs[1:3] == ["s1", "s2"]
-    assert obs[3] == "error: this episode may create at most 2 subagents"
-    assert obs[4] == "error: no subagent s9"
-    assert obs[5].splitlines()[0] == f"s1: {manager.task('wide', 0).ends[0]}"
-    assert obs[5].splitlines()[1].startswith("s2: error: ") and "'5' is not one of this task's chains (1..3)" in obs[5]
+    # A place the task does not have is refused by the tool's schema; nothing is assigned.
+    assert obs[1:4] == ["s1", "error: assign: arguments.task must be one of ['1', '2', '3']", "s2"]
+    assert obs[4] == "error: this episode may create at most 2 subagents"
+    assert obs[5] == "error: no subagent s9"
+    assert obs[6].splitlines() == [f"s1: {manager.task('wide', 0).ends[0]}",
+                                   "s2: error: RuntimeError: engine lost"]
     assert t.reward_parts["parl/finish"] == pytest.approx(1 / 2)
     assert t.reward_parts["parl/perf"] == 0.0  # two ends of three
 

@@ -24,13 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kiln/v1/trajectory.proto\x12\x07kiln.v1\"o\n\rRoutedExperts\x12\x0e\n\x06layers\x18\x01 \x01(\r\x12\x0c\n\x04topk\x18\x02 \x01(\r\x12\x13\n\x0bnum_experts\x18\x03 \x01(\r\x12\r\n\x05start\x18\x04 \x01(\r\x12\x0c\n\x04rows\x18\x05 \x01(\r\x12\x0e\n\x06packed\x18\x06 \x01(\x0c\"A\n\x0bVersionSpan\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\"\x93\x05\n\nTrajectory\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x0b\n\x03\x65nv\x18\x04 \x01(\t\x12\x12\n\x06tokens\x18\n \x03(\rB\x02\x10\x01\x12\x15\n\tloss_mask\x18\x0b \x03(\rB\x02\x10\x01\x12\x16\n\nlogp_infer\x18\x0c \x03(\x02\x42\x02\x10\x01\x12+\n\rversion_spans\x18\r \x03(\x0b\x32\x14.kiln.v1.VersionSpan\x12\x12\n\nprompt_len\x18\x0e \x01(\r\x12\x18\n\x0cteacher_logp\x18\x0f \x03(\x02\x42\x02\x10\x01\x12\x15\n\rteacher_top_k\x18\x10 \x01(\r\x12\x1c\n\x10teacher_topk_ids\x18\x11 \x03(\rB\x02\x10\x01\x12\x1d\n\x11teacher_topk_logp\x18\x12 \x03(\x02\x42\x02\x10\x01\x12\x0e\n\x06reward\x18\x14 \x01(\x01\x12:\n\x0creward_parts\x18\x15 \x03(\x0b\x32$.kiln.v1.Trajectory.RewardPartsEntry\x12\x17\n\x0fverifier_output\x18\x16 \x01(\t\x12\r\n\x05\x66lags\x18\x17 \x03(\t\x12\x11\n\tadvantage\x18\x18 \x01(\x01\x12\x1c\n\x14sandbox_image_digest\x18\x1e \x01(\t\x12\x1a\n\x12\x65ngine_fingerprint\x18\x1f \x01(\t\x12\x18\n\x0cindex_hashes\x18  \x03(\x04\x42\x02\x10\x01\x12.\n\x0erouted_experts\x18\" \x01(\x0b\x32\x16.kiln.v1.RoutedExperts\x12\x12\n\ncreated_at\x18( \x01(\x01\x1a\x32\n\x10RewardPartsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01J\x04\x08!\x10\"b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kiln/v1/trajectory.proto\x12\x07kiln.v1\"o\n\rRoutedExperts\x12\x0e\n\x06layers\x18\x01 \x01(\r\x12\x0c\n\x04topk\x18\x02 \x01(\r\x12\x13\n\x0bnum_experts\x18\x03 \x01(\r\x12\r\n\x05start\x18\x04 \x01(\r\x12\x0c\n\x04rows\x18\x05 \x01(\r\x12\x0e\n\x06packed\x18\x06 \x01(\x0c\"h\n\nToolChoice\x12\x15\n\tpositions\x18\x01 \x03(\rB\x02\x10\x01\x12\x15\n\ttoken_ids\x18\x02 \x03(\rB\x02\x10\x01\x12\x12\n\x06\x63ounts\x18\x03 \x03(\rB\x02\x10\x01\x12\x18\n\x0ctemperatures\x18\x04 \x03(\x01\x42\x02\x10\x01\"A\n\x0bVersionSpan\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\"\xbd\x05\n\nTrajectory\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x0b\n\x03\x65nv\x18\x04 \x01(\t\x12\x12\n\x06tokens\x18\n \x03(\rB\x02\x10\x01\x12\x15\n\tloss_mask\x18\x0b \x03(\rB\x02\x10\x01\x12\x16\n\nlogp_infer\x18\x0c \x03(\x02\x42\x02\x10\x01\x12+\n\rversion_spans\x18\r \x03(\x0b\x32\x14.kiln.v1.VersionSpan\x12\x12\n\nprompt_len\x18\x0e \x01(\r\x12\x18\n\x0cteacher_logp\x18\x0f \x03(\x02\x42\x02\x10\x01\x12\x15\n\rteacher_top_k\x18\x10 \x01(\r\x12\x1c\n\x10teacher_topk_ids\x18\x11 \x03(\rB\x02\x10\x01\x12\x1d\n\x11teacher_topk_logp\x18\x12 \x03(\x02\x42\x02\x10\x01\x12\x0e\n\x06reward\x18\x14 \x01(\x01\x12:\n\x0creward_parts\x18\x15 \x03(\x0b\x32$.kiln.v1.Trajectory.RewardPartsEntry\x12\x17\n\x0fverifier_output\x18\x16 \x01(\t\x12\r\n\x05\x66lags\x18\x17 \x03(\t\x12\x11\n\tadvantage\x18\x18 \x01(\x01\x12\x1c\n\x14sandbox_image_digest\x18\x1e \x01(\t\x12\x1a\n\x12\x65ngine_fingerprint\x18\x1f \x01(\t\x12\x18\n\x0cindex_hashes\x18  \x03(\x04\x42\x02\x10\x01\x12.\n\x0erouted_experts\x18\" \x01(\x0b\x32\x16.kiln.v1.RoutedExperts\x12(\n\x0btool_choice\x18# \x01(\x0b\x32\x13.kiln.v1.ToolChoice\x12\x12\n\ncreated_at\x18( \x01(\x01\x1a\x32\n\x10RewardPartsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01J\x04\x08!\x10\"b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kiln.v1.trajectory_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_TOOLCHOICE'].fields_by_name['positions']._loaded_options = None
+  _globals['_TOOLCHOICE'].fields_by_name['positions']._serialized_options = b'\020\001'
+  _globals['_TOOLCHOICE'].fields_by_name['token_ids']._loaded_options = None
+  _globals['_TOOLCHOICE'].fields_by_name['token_ids']._serialized_options = b'\020\001'
+  _globals['_TOOLCHOICE'].fields_by_name['counts']._loaded_options = None
+  _globals['_TOOLCHOICE'].fields_by_name['counts']._serialized_options = b'\020\001'
+  _globals['_TOOLCHOICE'].fields_by_name['temperatures']._loaded_options = None
+  _globals['_TOOLCHOICE'].fields_by_name['temperatures']._serialized_options = b'\020\001'
   _globals['_TRAJECTORY_REWARDPARTSENTRY']._loaded_options = None
   _globals['_TRAJECTORY_REWARDPARTSENTRY']._serialized_options = b'8\001'
   _globals['_TRAJECTORY'].fields_by_name['tokens']._loaded_options = None
@@ -49,10 +57,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAJECTORY'].fields_by_name['index_hashes']._serialized_options = b'\020\001'
   _globals['_ROUTEDEXPERTS']._serialized_start=37
   _globals['_ROUTEDEXPERTS']._serialized_end=148
-  _globals['_VERSIONSPAN']._serialized_start=150
-  _globals['_VERSIONSPAN']._serialized_end=215
-  _globals['_TRAJECTORY']._serialized_start=218
-  _globals['_TRAJECTORY']._serialized_end=877
-  _globals['_TRAJECTORY_REWARDPARTSENTRY']._serialized_start=821
-  _globals['_TRAJECTORY_REWARDPARTSENTRY']._serialized_end=871
+  _globals['_TOOLCHOICE']._serialized_start=150
+  _globals['_TOOLCHOICE']._serialized_end=254
+  _globals['_VERSIONSPAN']._serialized_start=256
+  _globals['_VERSIONSPAN']._serialized_end=321
+  _globals['_TRAJECTORY']._serialized_start=324
+  _globals['_TRAJECTORY']._serialized_end=1025
+  _globals['_TRAJECTORY_REWARDPARTSENTRY']._serialized_start=969
+  _globals['_TRAJECTORY_REWARDPARTSENTRY']._serialized_end=1019
 # @@protoc_insertion_point(module_scope)

@@ -22,6 +22,18 @@ class RoutedExperts(_message.Message):
     packed: bytes
     def __init__(self, layers: _Optional[int] = ..., topk: _Optional[int] = ..., num_experts: _Optional[int] = ..., start: _Optional[int] = ..., rows: _Optional[int] = ..., packed: _Optional[bytes] = ...) -> None: ...
 
+class ToolChoice(_message.Message):
+    __slots__ = ("positions", "token_ids", "counts", "temperatures")
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURES_FIELD_NUMBER: _ClassVar[int]
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    temperatures: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., temperatures: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class VersionSpan(_message.Message):
     __slots__ = ("start", "end", "policy_version")
     START_FIELD_NUMBER: _ClassVar[int]
@@ -33,7 +45,7 @@ class VersionSpan(_message.Message):
     def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("id", "task_id", "group_id", "env", "tokens", "loss_mask", "logp_infer", "version_spans", "prompt_len", "teacher_logp", "teacher_top_k", "teacher_topk_ids", "teacher_topk_logp", "reward", "reward_parts", "verifier_output", "flags", "advantage", "sandbox_image_digest", "engine_fingerprint", "index_hashes", "routed_experts", "created_at")
+    __slots__ = ("id", "task_id", "group_id", "env", "tokens", "loss_mask", "logp_infer", "version_spans", "prompt_len", "teacher_logp", "teacher_top_k", "teacher_topk_ids", "teacher_topk_logp", "reward", "reward_parts", "verifier_output", "flags", "advantage", "sandbox_image_digest", "engine_fingerprint", "index_hashes", "routed_experts", "tool_choice", "created_at")
     class RewardPartsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +75,7 @@ class Trajectory(_message.Message):
     ENGINE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     INDEX_HASHES_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     id: str
     task_id: str
@@ -86,5 +99,6 @@ class Trajectory(_message.Message):
     engine_fingerprint: str
     index_hashes: _containers.RepeatedScalarFieldContainer[int]
     routed_experts: RoutedExperts
+    tool_choice: ToolChoice
     created_at: float
-    def __init__(self, id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., env: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logp_infer: _Optional[_Iterable[float]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., prompt_len: _Optional[int] = ..., teacher_logp: _Optional[_Iterable[float]] = ..., teacher_top_k: _Optional[int] = ..., teacher_topk_ids: _Optional[_Iterable[int]] = ..., teacher_topk_logp: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., reward_parts: _Optional[_Mapping[str, float]] = ..., verifier_output: _Optional[str] = ..., flags: _Optional[_Iterable[str]] = ..., advantage: _Optional[float] = ..., sandbox_image_digest: _Optional[str] = ..., engine_fingerprint: _Optional[str] = ..., index_hashes: _Optional[_Iterable[int]] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ..., created_at: _Optional[float] = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., env: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logp_infer: _Optional[_Iterable[float]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., prompt_len: _Optional[int] = ..., teacher_logp: _Optional[_Iterable[float]] = ..., teacher_top_k: _Optional[int] = ..., teacher_topk_ids: _Optional[_Iterable[int]] = ..., teacher_topk_logp: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., reward_parts: _Optional[_Mapping[str, float]] = ..., verifier_output: _Optional[str] = ..., flags: _Optional[_Iterable[str]] = ..., advantage: _Optional[float] = ..., sandbox_image_digest: _Optional[str] = ..., engine_fingerprint: _Optional[str] = ..., index_hashes: _Optional[_Iterable[int]] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., created_at: _Optional[float] = ...) -> None: ...

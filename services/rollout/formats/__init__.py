@@ -44,6 +44,11 @@ class Conversation(Protocol):
     restarted: bool
     """The last `observation` returned a new context rather than tokens to append."""
 
+    # A format whose replies name their tool right after a fixed opening also has
+    # `tool_choice() -> [(opening ids, token ids, "tool" | "argument"), ...]`: where a reply
+    # chooses a tool's name or an enumerated argument, and among which first tokens (the tags
+    # format). `rollout.sampling.toolChoiceTemperature` needs it.
+
 
 class Format(Protocol):
     name: str

@@ -70,6 +70,26 @@ class TagsConversation:
         return Action(content=text, unparseable=True,
                       problem=f"not one <call>NAME ARG</call> or <answer>TEXT</answer>: {text[:80]!r}")
 
+    def tool_choice(self) -> list[tuple[list[int], list[int], str]]:
+        """Where a reply chooses among known tokens, among which, and what it chooses
+        (`rollout.sampling.toolChoiceTemperature`): after `<call>`, the first tokens of the
+        tools' names ("tool"); after a tool's name, the first tokens of its argument's
+        enumerated values (a JSON-schema `enum`), where it has them ("argument")."""
+        enc = lambda text: _encode(self.fmt.tokenizer, text)  # noqa: E731
+        opening = list(self.fmt.call_opening)
+        out = [(opening, sorted({enc(name)[0] for name in self.tools}), "tool")]
+        for name, tool in self.tools.items():
+            values = tool.parameters.get("properties", {}).get(_argument_name(tool), {}).get("enum")
+            if not values:
+                continue
+            # The call's tokens up to where the values part: what they all start with.
+            calls = [enc(f"{name} {v}") for v in values]
+            shared = 0
+            while all(len(c) > shared + 1 and c[shared] == calls[0][shared] for c in calls):
+                shared += 1
+            out.append((opening + calls[0][:shared], sorted({c[shared] for c in calls}), "argument"))
+        return out
+
     def observation(self, outputs: list[ToolOutput]) -> list[int]:
         return _encode(self.fmt.tokenizer, "".join(f"<obs>{o.content}</obs>" for o in outputs))
 
@@ -87,6 +107,7 @@ class TagsFormat:
                                  "tokenizer; the format's tags must be single (special) tokens")
             self.stop_token_ids.append(ids[0])
         self.prefix = _encode(tokenizer, EMPTY_THINK) if thinking == "off" else []
+        self.call_opening = _encode(tokenizer, "<call>")
 
     def conversation(self, episode: EpisodeInfo) -> TagsConversation:
         return TagsConversation(self, episode)

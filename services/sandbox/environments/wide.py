@@ -3,8 +3,8 @@
 A `wide` task: the files under notes/ hold a permutation of 10..99, as in `lookup`; the task
 names K start numbers, and the answer is where each one's chain ends after `hops` lookups, in
 the order given. The orchestrator has no shell: it can only hand each chain to a subagent
-(`kiln.swarm`'s tools; `assign 2` hands over the second start's chain), wait for the ends and
-answer with them.
+(`kiln.swarm`'s `assign` and `wait`; `assign 2` hands over the second start's chain), wait for
+the ends and answer with them.
 
     <task>ends of 37 52 18, 2 hops</task>
     <call>assign 1</call>  <obs>s1</obs>  <call>wait all</call>  <obs>s1: 10</obs>
@@ -104,7 +104,18 @@ class WideEnvironment(LookupEnvironment):
                 for r in records]
 
     def tools(self, task: WideTask) -> list[ToolSpec]:
-        return SHELL if isinstance(task, WideLookupTask) else swarm.TOOLS
+        if isinstance(task, WideLookupTask):
+            return SHELL
+        # `assign` takes a chain's place (1..K), listed in its schema so that rollout can
+        # explore which one (`sampling.toolChoiceTemperature`); a new subagent per assignment,
+        # so no `create_subagent`.
+        assign = next(t for t in swarm.TOOLS if t.name == swarm.ASSIGN)
+        places = [str(k) for k in range(1, len(task.starts) + 1)]
+        params = {**assign.parameters, "properties": {
+            **assign.parameters["properties"],
+            "task": {**assign.parameters["properties"]["task"], "enum": places}}}
+        return [ToolSpec(assign.name, assign.description, params),
+                next(t for t in swarm.TOOLS if t.name == swarm.WAIT)]
 
     def subtask(self, task: WideTask, role: str, instructions: str, assigned: str) -> WideTask:
         # A sub-task is named by its place in the task (`assign 2`: the second start's chain);
