@@ -192,11 +192,13 @@ class Environment(abc.ABC):
             return str(answer)
         return answer if isinstance(answer, str) else None
 
-    def subtask(self, task: Task, role: str, instructions: str, assigned: str) -> Task:
+    def subtask(self, task: Task, role: str, instructions: str, assigned: str, *,
+                index: int = 0) -> Task:
         """Agent swarms: the sub-task a subagent plays when an orchestrator working on `task`
         assigns it `assigned` (with the `role` and `instructions` it created the subagent
-        with). ValueError, with a message for the orchestrator, when the text names no
-        sub-task this environment can make."""
+        with); `index` counts the sub-tasks the episode opened before this one. ValueError,
+        with a message for the orchestrator, when the text names no sub-task this environment
+        can make."""
         raise NotImplementedError("this environment makes no sub-tasks for subagents")
 
     def demonstrate(self, task: Task, rng: random.Random) -> list[AssistantTurn] | None:

@@ -6,9 +6,9 @@ every turn that follows an `assign` call's observation (where a serial solver wa
 orchestrator's SFT checkpoint for the probability that the turn's call is another `assign`:
 - sampled like any token, at the rollout's temperature (over the whole vocabulary);
 - sampled as a tool choice (`rollout.sampling.toolChoiceTemperature`, default: the job's): at
-  that temperature among the tools' names alone, and then the probability that the place it
-  hands over is the next chain's (among the task's places, at the same temperature), which a
-  parallel move also needs.
+  that temperature among the tools' names alone, and then the probability that what it hands
+  over is the next chain (`next` or its place, among `next` and the task's places, at the
+  rollout's temperature), which a parallel move also needs.
 Printed: the number of such decision points, the mean, median and largest probability, the
 parallel moves to expect over the stage (the sum of the probabilities) and how many of the
 stage's episodes did run two subagents at once.
@@ -86,14 +86,17 @@ def main() -> None:
                 logits = model(torch.tensor([context])).logits[0, -1]
                 probs.append(float(torch.softmax(logits / args.temperature, -1)[assign]))
                 choice = torch.softmax(logits[[assign, wait]] / tc, -1)[0]
-                # The place after an explored `assign`: the next chain's, among the task's.
+                # What an explored `assign` hands over, among `next` and the task's places (at
+                # the rollout's temperature): right when it is `next` or the next chain's place.
                 text = tok.decode(context, skip_special_tokens=False)
                 width = len(text.split("ends of ", 1)[1].split(",")[0].split())
                 assigned = text.count("<call>assign")
-                places = [tok.encode(f"assign {k}", add_special_tokens=False)[len(space) + 1]
-                          for k in range(1, width + 1)]
+                values = ["next", *(str(k) for k in range(1, width + 1))]
+                firsts = [tok.encode(f"assign {v}", add_special_tokens=False)[len(space) + 1]
+                          for v in values]
                 after = model(torch.tensor([context + [assign, *space]])).logits[0, -1]
-                right = torch.softmax(after[places] / tc, -1)[min(assigned, width - 1)]
+                probs_v = torch.softmax(after[firsts] / args.temperature, -1)
+                right = probs_v[0] + probs_v[min(assigned, width - 1) + 1]
                 chosen.append(float(choice))
                 placed.append(float(choice * right))
     parallel = sum(1 for ep in episodes if ep["reward_parts"].get("swarm/peak_parallel", 0) >= 2)
@@ -103,7 +106,7 @@ def main() -> None:
     print(f"decision points: {len(probs)}")
     report(f"P(another assign) at temperature {args.temperature:g}, any token", probs)
     report(f"P(another assign) as a tool choice at {tc:g}", chosen)
-    report(f"P(another assign, the next chain's place) as choices at {tc:g}", placed)
+    report(f"P(another assign, of the next chain) as choices at {tc:g}", placed)
 
 
 if __name__ == "__main__":

@@ -35,8 +35,9 @@ class SamplingSpec(Model):
     demonstrations that always call the same tool next leaves the others no probability a
     uniform temperature can raise before it breaks the call's syntax; this one cannot break it.
     The trajectory records which tokens were such choices, and the trainer computes the same
-    distribution there, so RL trains the policy that acted. Evaluation stays greedy. Needs a
-    sampling temperature above 0 and toolCallFormat `tags`. Unset: tools are chosen like any
+    distribution there, so RL trains the policy that acted. Greedy evaluation takes the argmax
+    among the same tokens. Frozen swarm subagents sample without it. Needs a sampling
+    temperature above 0 and toolCallFormat `tags`. Unset: tools are chosen like any
     other token."""
     max_tokens_per_turn: int = Field(256, ge=1)
     """Tokens one action (a think block plus a tool call or an answer) may take."""

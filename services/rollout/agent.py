@@ -21,6 +21,10 @@ whose context only grew, each its own trajectory with the episode's reward and g
 buffer's group is then counted in trajectories, so a group's baseline weighs a segmented
 episode once per segment).
 
+With `sampling.toolChoiceTemperature` each request also carries the episode's tool-choice rule
+(where a reply names its tool or an enumerated argument, and among which tokens: the format's
+`tool_choice`), and each trajectory records the tokens that were such choices.
+
 Not covered: scheduling many episodes and shipping them (`producer.py`).
 """
 from __future__ import annotations

@@ -72,7 +72,7 @@ def teachers_by_task(job: RLJob, scorers: list) -> dict[tuple[str, str], object]
 def swarm_runs(job: RLJob, fmt, sampling) -> dict[str, object]:
     """Stage -> `SwarmRun` of the job's swarm stages, each one's subagents on the frozen
     deployment of its checkpoint (`kiln.api.distillation.teacher_refs` numbers them), sampling
-    at the stage's `subagentTemperature` where it sets one."""
+    at the stage's `subagentTemperature` where it sets one, without tool choices."""
     from kiln.services.rollout.agent import Limits
     from kiln.services.rollout.client import FrozenEngine
     from kiln.services.rollout.swarm import Subagents, SwarmRun
@@ -87,8 +87,11 @@ def swarm_runs(job: RLJob, fmt, sampling) -> dict[str, object]:
         limits = Limits(swarm.max_subagent_turns, s.max_tokens_per_turn, s.max_total_tokens,
                         thinking=spec.rollout.thinking)
         evaluated = stage.eval.tasks if stage.eval else []
-        own = sampling if swarm.subagent_temperature is None else dataclasses.replace(
-            sampling, temperature=swarm.subagent_temperature)
+        # The frozen subagents choose their tools as their checkpoint does: tool choices
+        # (`toolChoiceTemperature`) explore for the policy being trained.
+        own = dataclasses.replace(sampling, tool_choice_temperature=None)
+        if swarm.subagent_temperature is not None:
+            own = dataclasses.replace(own, temperature=swarm.subagent_temperature)
         out[stage.name] = SwarmRun(swarm, Subagents(engine, fmt, own, limits,
                                                     max_per_episode=swarm.max_subagents),
                                    stage.max_steps, frozenset(stage.tasks + evaluated))

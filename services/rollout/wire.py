@@ -52,6 +52,10 @@ def score_response(logprobs: list[list[float]], version: int,
 
 
 def generate_request(prompt: Sequence[int], sampling) -> rollout_pb2.GenerateRequest:
+    if getattr(sampling, "tool_choice", None) is not None:
+        # A served engine (a frozen deployment) samples plain requests only.
+        raise ValueError("sampling.tool_choice: a Generate request does not carry tool choices; "
+                         "sample them on the rollout's own engine")
     return rollout_pb2.GenerateRequest(
         token_ids=list(prompt), max_tokens=sampling.max_tokens, temperature=sampling.temperature,
         top_p=sampling.top_p, stop_token_ids=list(sampling.stop_token_ids))

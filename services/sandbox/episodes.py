@@ -79,6 +79,8 @@ class _Episode:
     done: bool = False
     turns: list[Turn] = field(default_factory=list)
     last_used: float = field(default_factory=time.monotonic)
+    subtasks: int = 0
+    """Sub-tasks opened for this episode's subagents so far."""
 
 
 def load_task_set(spec: TaskSetSpec, base_dir: Path) -> TaskSet:
@@ -203,11 +205,13 @@ class EpisodeManager:
             raise EpisodeError(f"episode {parent_episode_id!r} does not exist (closed or expired)")
         ts = parent.task_set
         try:
-            sub = ts.environment.subtask(parent.task, role, instructions, task)
+            sub = ts.environment.subtask(parent.task, role, instructions, task,
+                                         index=parent.subtasks)
         except NotImplementedError as exc:
             raise EpisodeError(f"environment {ts.env_name!r}: {exc}") from None
         except ValueError as exc:
             raise SubtaskRefused(str(exc)) from None
+        parent.subtasks += 1
         sub_ts = dataclasses.replace(ts, reward_fn=None, rules=None, latency=None)
         eid = uuid.uuid4().hex
         self._episodes[eid] = _Episode(eid, sub_ts, sub, max_actions or self.default_max_actions,

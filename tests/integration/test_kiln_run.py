@@ -292,6 +292,7 @@ def test_kiln_run_trains_a_swarm_orchestrator_with_frozen_subagents(tmp_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "model"))
+    tool_choices = 0
     for t in swarm:
         parts = t["reward_parts"]
         assert {"parl/parallel", "parl/finish", "parl/perf", "parl/total", "swarm/subagents",
@@ -302,8 +303,18 @@ def test_kiln_run_trains_a_swarm_orchestrator_with_frozen_subagents(tmp_path):
         # replies only (at most maxTurns x maxTokensPerTurn tokens), and every untrained stretch
         # after the prompt is one whole observation.
         traj = Trajectory.from_dict(t)
-        traj.check()
+        traj.check()  # a recorded tool choice is a generated token among its choices
         assert sum(traj.loss_mask) <= 10 * spec["rollout"]["sampling"]["maxTokensPerTurn"]
+        # Tool choices (toolChoiceTemperature): every generated token right after a generated
+        # `<call>` was sampled among the tools' names, at the job's tool-choice temperature.
+        call = tok.convert_tokens_to_ids("<call>")
+        after_call = [i for i in range(1, len(traj.tokens)) if traj.loss_mask[i]
+                      and traj.loss_mask[i - 1] and traj.tokens[i - 1] == call]
+        choice = traj.tool_choice
+        chosen = dict(zip(choice.positions, choice.temperatures)) if choice else {}
+        assert all(chosen.get(i) == spec["rollout"]["sampling"]["toolChoiceTemperature"]
+                   for i in after_call)
+        tool_choices += len(after_call)
         masked, stretch = [], []
         for token, mask in zip(traj.tokens[traj.prompt_len:], traj.loss_mask[traj.prompt_len:]):
             if mask:

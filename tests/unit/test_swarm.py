@@ -127,7 +127,8 @@ def serial(manager) -> list[str]:
 
 
 def parallel(manager) -> list[str]:
-    return ([f"<call>assign {k}</call>" for k in range(1, len(starts(manager)) + 1)]
+    # `next`: the k-th assignment takes the k-th chain (the example's demonstrations' form).
+    return (["<call>assign next</call>" for _ in starts(manager)]
             + ["<call>wait all</call>", "ANSWER"])
 
 
@@ -174,27 +175,31 @@ def test_the_orchestrators_tool_choices_are_sampled_and_recorded(manager, tok):
     ids = lambda text: tok.encode(text, add_special_tokens=False)
     call, assign, wait = ids("<call>"), ids("assign"), ids("wait")
     (rule,) = set(engine.rules)
-    # The tools' names after `<call>`; after `assign`, the chains' places (its schema's enum).
-    places = sorted({ids(f"assign {k}")[len(assign) + 1] for k in range(1, WIDTH + 1)})
-    # Tools at the tool-choice temperature, the places at the orchestrator's own.
-    assert set(rule.choices) == {(tuple(call), tuple(sorted(assign[:1] + wait[:1])), 6.0),
-                                 (tuple(call + ids("assign ")), tuple(places), 1.0)}
+    # The tools' names after `<call>`; after `assign`, `next` and the places; after `wait`,
+    # `all` and the names (their schemas' enums).
+    places = sorted({ids(f"assign {k}")[len(assign) + 1] for k in ["next", *range(1, WIDTH + 1)]})
+    names = sorted({ids(f"wait {k}")[len(wait) + 1]
+                    for k in ["all", *(f"s{i}" for i in range(1, WIDTH + 1))]})
+    # Tools at the tool-choice temperature, the arguments' values at the orchestrator's own.
+    tools, what, whom = ((tuple(call), tuple(sorted(assign[:1] + wait[:1])), 6.0),
+                         (tuple(call + ids("assign ")), tuple(places), 1.0),
+                         (tuple(call + ids("wait ")), tuple(names), 1.0))
+    assert set(rule.choices) == {tools, what, whom}
     assert set(sub_engine.rules) == {None}  # the subagents sample as their own options say
     traj.check()
     choice = traj.tool_choice
-    assert choice is not None and choice.temperatures == [6.0, 1.0, 6.0] * WIDTH
+    assert choice is not None and choice.temperatures == [6.0, 1.0, 6.0, 1.0] * WIDTH
     chosen = [tok.decode([traj.tokens[i]]).strip() for i in choice.positions]
-    assert chosen == [w for k in range(1, WIDTH + 1) for w in ("assign", str(k), "wait")]
-    tools, args = sorted(rule.choices, key=lambda c: len(c[0]))
-    assert choice.sets() == [list(c[1]) for _ in range(WIDTH) for c in (tools, args, tools)]
+    assert chosen == [w for k in range(1, WIDTH + 1) for w in ("assign", str(k), "wait", "all")]
+    assert choice.sets() == [list(c[1]) for _ in range(WIDTH) for c in (tools, what, tools, whom)]
     # Greedy episodes (evaluation) explore nothing, but decode under the same constraints: the
-    # argmax among the tools' names and among the places.
+    # argmax among the tools' names and among the arguments' values.
     greedy = Recording(tok, orchestrator(serial(manager)))
     traj, _ = play(manager, tok, serial(manager), engine=greedy,
                    sampling=SamplingOptions(temperature=0.0, tool_choice_temperature=6.0))
     assert {c[:2] for r in greedy.rules for c in r.choices} == {c[:2] for c in rule.choices}
     assert {c[2] for r in greedy.rules for c in r.choices} == {1.0}
-    assert traj.tool_choice.temperatures == [1.0] * 3 * WIDTH
+    assert traj.tool_choice.temperatures == [1.0] * 4 * WIDTH
 
 
 def test_only_the_orchestrators_replies_are_trained_on(manager, tok):
@@ -224,9 +229,9 @@ def test_limits_and_a_subagents_failure_become_observations(manager, tok):
     obs = re.findall(r"<obs>(.*?)</obs>", context, re.S)
     assert obs[0] == "error: no subagent is working"
     # A place the task does not have is refused by the tool's schema; nothing is assigned.
-    assert obs[1:4] == ["s1", "error: assign: arguments.task must be one of ['1', '2', '3']", "s2"]
+    assert obs[1:4] == ["s1", "error: assign: arguments.task must be one of ['next', '1', '2', '3']", "s2"]
     assert obs[4] == "error: this episode may create at most 2 subagents"
-    assert obs[5] == "error: no subagent s9"
+    assert obs[5] == "error: wait: arguments.subagents must be one of ['all', 's1', 's2', 's3']"
     assert obs[6].splitlines() == [f"s1: {manager.task('wide', 0).ends[0]}",
                                    "s2: error: RuntimeError: engine lost"]
     assert t.reward_parts["parl/finish"] == pytest.approx(1 / 2)
@@ -303,7 +308,7 @@ def test_subagents_sample_at_their_own_temperature(monkeypatch, tok):
     from kiln.services.rollout.main import swarm_runs
     monkeypatch.setenv("KILN_TEACHER_ADDR", "127.0.0.1:1")
     fmt = make_format("tags", tok)
-    hot = SamplingOptions(temperature=3.0, max_tokens=16)
+    hot = SamplingOptions(temperature=3.0, max_tokens=16, tool_choice_temperature=6.0)
 
     async def subagent_sampling(**settings) -> SamplingOptions:
         job = RLJob.model_validate(job_doc(subagents="subagents", **settings))
@@ -311,7 +316,9 @@ def test_subagents_sample_at_their_own_temperature(monkeypatch, tok):
         await run.subagents.engine.close()
         return run.subagents.sampling
 
-    assert asyncio.run(subagent_sampling()) == hot
+    # ... and choose their tools as their checkpoint does (tool choices explore for the
+    # orchestrator being trained).
+    assert asyncio.run(subagent_sampling()) == SamplingOptions(temperature=3.0, max_tokens=16)
     assert asyncio.run(subagent_sampling(subagentTemperature=0)) == SamplingOptions(
         temperature=0.0, max_tokens=16)
     with pytest.raises(ValidationError, match="subagentTemperature"):
@@ -331,6 +338,7 @@ def test_wide_demonstrations_solve_their_tasks_and_splits_never_meet():
         turns = env.demonstrate(task, random.Random(0))
         assert env.grade_demonstration(task, turns).reward == 1.0
         assert len(turns) == 2 * WIDTH + 1  # serial: assign, wait, for each start
+        assert {c.arguments["task"] for t in turns[::2][:-1] for c in t.tool_calls} == {"next"}
         # The answer copies the last results board; bare ends in order are right too.
         assert turns[-1].content == turns[-2].outputs[0]
         ends = [str(e) for e in task.ends]
@@ -344,3 +352,8 @@ def test_wide_demonstrations_solve_their_tasks_and_splits_never_meet():
         for bad in ("x", "0", str(WIDTH + 1), str(task.starts[0])):
             with pytest.raises(ValueError, match="not one of this task's chains"):
                 env.subtask(task, "worker", "", bad)
+        # `next`: the chain after the ones handed out so far, whatever the places named.
+        assert [env.subtask(task, "worker", "", "next", index=i).starts for i in range(WIDTH)] == [
+            [s] for s in task.starts]
+        with pytest.raises(ValueError, match="every chain of this task has been handed out"):
+            env.subtask(task, "worker", "", "next", index=WIDTH)

@@ -146,3 +146,10 @@ def test_a_tool_choice_temperature_is_checked_with_the_job():
     doc["spec"]["rollout"]["toolCallFormat"] = "hermes"
     with pytest.raises(ValidationError, match="toolChoiceTemperature needs toolCallFormat 'tags'"):
         RLJob.model_validate(doc)
+
+
+def test_a_served_engine_is_never_sent_a_rule_it_would_drop():
+    from kiln.services.rollout import wire
+    assert wire.generate_request([1, 2], SamplingOptions()).token_ids == [1, 2]
+    with pytest.raises(ValueError, match="does not carry tool choices"):
+        wire.generate_request([1, 2], SamplingOptions(tool_choice=RULE))

@@ -3,22 +3,26 @@
 A `wide` task: the files under notes/ hold a permutation of 10..99, as in `lookup`; the task
 names K start numbers, and the answer is where each one's chain ends after `hops` lookups, in
 the order given. The orchestrator has no shell: it can only hand each chain to a subagent
-(`kiln.swarm`'s `assign` and `wait`; `assign 2` hands over the second start's chain), wait for
-the ends and answer with them.
+(`kiln.swarm`'s `assign` and `wait`; `assign next` hands over the chain after those handed out
+so far, `assign 2` the second start's), wait for the ends and answer with them.
 
     <task>ends of 37 52 18, 2 hops</task>
-    <call>assign 1</call>  <obs>s1</obs>  <call>wait all</call>  <obs>s1: 10</obs>
-    <call>assign 2</call>  <obs>s2</obs>  <call>wait all</call>  <obs>s1: 10, s2: 64 (a line each)</obs>  ...
+    <call>assign next</call>  <obs>s1</obs>  <call>wait all</call>  <obs>s1: 10</obs>
+    <call>assign next</call>  <obs>s2</obs>  <call>wait all</call>  <obs>s1: 10, s2: 64 (a line each)</obs>  ...
     <answer>s1: 10
     s2: 64
     s3: 33</answer>
 
 `wait all` lists every answer so far, so the answer copies the last observation whether the
 chains ran one per wait or all before one (the grader skips the board's `sK:` labels; bare
-ends in order are right too).
+ends in order are right too). `next` keeps that true: the k-th assignment takes the k-th chain,
+so the board lists the ends in order however the assignments and waits interleave. The
+scripted orchestrator assigns `next`, one chain per wait: with places instead, a serial model's
+place follows the count of its waits, which assigning twice before a wait breaks.
 
-A sub-task (`subtask`: the text assigned is a chain's place, 1..K) is a `wide-lookup` task: one
-chain, in the same files, followed with the shell and answered in a reply.
+A sub-task (`subtask`: the text assigned is `next` or a chain's place, 1..K) is a
+`wide-lookup` task: one chain, in the same files, followed with the shell and answered in a
+reply.
 
     <task>end of 37, 2 hops</task>
     <call>bash cat notes/37</call>  <obs>82</obs>  <call>bash cat notes/82</call>  <obs>10</obs>
@@ -44,6 +48,8 @@ from kiln.env import AssistantTurn, Grade, SandboxHandle, ToolCall, ToolResult, 
 from .lookup import KEYS, TOOLS as SHELL, LookupEnvironment, follow, split_of
 
 HOPS = 2
+#: `assign next`: the chain after those handed out so far.
+NEXT = "next"
 _LABEL = re.compile(r"s\d+:")
 
 
@@ -62,6 +68,14 @@ class WideLookupTask(WideTask):
 
 def _ends(task: WideTask) -> str:
     return " ".join(str(e) for e in task.ends)
+
+
+def _enumerated(name: str, argument: str, values: list[str]) -> ToolSpec:
+    """The swarm tool `name` with `argument` limited to `values`."""
+    tool = next(t for t in swarm.TOOLS if t.name == name)
+    props = tool.parameters["properties"]
+    return ToolSpec(name, tool.description, {**tool.parameters, "properties": {
+        **props, argument: {**props[argument], "enum": values}}})
 
 
 def make_task(rng: random.Random, task_id: str, width: int, hops: int = HOPS,
@@ -106,27 +120,34 @@ class WideEnvironment(LookupEnvironment):
     def tools(self, task: WideTask) -> list[ToolSpec]:
         if isinstance(task, WideLookupTask):
             return SHELL
-        # `assign` takes a chain's place (1..K), listed in its schema so that rollout can
-        # explore which one (`sampling.toolChoiceTemperature`); a new subagent per assignment,
-        # so no `create_subagent`.
-        assign = next(t for t in swarm.TOOLS if t.name == swarm.ASSIGN)
-        places = [str(k) for k in range(1, len(task.starts) + 1)]
-        params = {**assign.parameters, "properties": {
-            **assign.parameters["properties"],
-            "task": {**assign.parameters["properties"]["task"], "enum": places}}}
-        return [ToolSpec(assign.name, assign.description, params),
-                next(t for t in swarm.TOOLS if t.name == swarm.WAIT)]
+        # The values each argument can take are listed in its schema, so that a call is
+        # checked against them and rollout can sample among them alone
+        # (`sampling.toolChoiceTemperature`): `assign` takes `next` or a chain's place, `wait`
+        # `all` or a subagent's name (one per chain). A new subagent per assignment, so no
+        # `create_subagent`.
+        width = len(task.starts)
+        return [_enumerated(swarm.ASSIGN, "task", [NEXT] + [str(k) for k in range(1, width + 1)]),
+                _enumerated(swarm.WAIT, "subagents", ["all"] + [f"s{k}" for k in range(1, width + 1)])]
 
-    def subtask(self, task: WideTask, role: str, instructions: str, assigned: str) -> WideTask:
-        # A sub-task is named by its place in the task (`assign 2`: the second start's chain);
-        # what the subagent sees is that chain alone.
-        try:
-            k = int(assigned.strip())
-        except ValueError:
-            k = 0
+    def subtask(self, task: WideTask, role: str, instructions: str, assigned: str, *,
+                index: int = 0) -> WideTask:
+        # A sub-task is named by its place in the task (`assign 2`: the second start's chain),
+        # or is `next`: the chain after those handed out so far, so that the k-th assignment of
+        # an episode takes the k-th chain and the results board lists the ends in order. What
+        # the subagent sees is that chain alone.
+        text = assigned.strip()
+        if text == NEXT:
+            if index >= len(task.starts):
+                raise ValueError(f"every chain of this task has been handed out ({len(task.starts)})")
+            k = index + 1
+        else:
+            try:
+                k = int(text)
+            except ValueError:
+                k = 0
         if not 1 <= k <= len(task.starts):
-            raise ValueError(f"{assigned.strip()!r} is not one of this task's chains "
-                             f"(1..{len(task.starts)})")
+            raise ValueError(f"{text!r} is not one of this task's chains "
+                             f"(1..{len(task.starts)}, or {NEXT})")
         start = task.starts[k - 1]
         end = task.ends[k - 1]
         return WideLookupTask(
@@ -164,7 +185,7 @@ class WideEnvironment(LookupEnvironment):
             return turns + [AssistantTurn(content=str(key))]
         turns, board = [], ""
         for i in range(1, len(task.ends) + 1):
-            turns.append(AssistantTurn(tool_calls=[ToolCall(swarm.ASSIGN, {"task": str(i)})],
+            turns.append(AssistantTurn(tool_calls=[ToolCall(swarm.ASSIGN, {"task": NEXT})],
                                        outputs=[f"s{i}"]))
             # `wait all` shows every answer collected so far (rollout's results board).
             board = "\n".join(f"s{j}: {e}" for j, e in enumerate(task.ends[:i], 1))
@@ -178,7 +199,7 @@ class WideEnvironment(LookupEnvironment):
         return self._grade(task, turns[-1].content)
 
     def tokenizer_words(self, tasks) -> list[str]:
-        return super().tokenizer_words(tasks) + [f"s{i}" for i in range(1, 9)] + ["all"]
+        return super().tokenizer_words(tasks) + [f"s{i}" for i in range(1, 9)] + ["all", NEXT]
 
 
 class WideLookupEnvironment(WideEnvironment):
