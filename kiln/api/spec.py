@@ -345,6 +345,9 @@ class RLJobSpec(_Model):
                     f"stages[{i}] ({stage.name}): batchSize ({stage.batch_size}) must be a "
                     f"multiple of rl.groupSize ({stage.rl.group_size})"
                 )
+        if self.rollout.sampling.tool_choice_temperature is not None and self.trainer.tensor_parallel > 1:
+            raise ValueError("rollout.sampling.toolChoiceTemperature needs trainer.tensorParallel 1 "
+                             "(a tool choice's log-softmax takes the whole vocabulary on one rank)")
         problems = teacher_problems(self) + swarm_problems(self)
         if problems:
             raise ValueError(problems[0])

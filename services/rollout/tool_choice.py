@@ -4,18 +4,18 @@ A request that carries a `ToolChoiceRule` samples the token right after each of 
 from that opening's tokens alone, at that choice's temperature: after a call's opening (`<call>`
 in the tags format), the first tokens of the tools' names at the tool-choice temperature; after
 a tool's name, the first tokens of its argument's enumerated values at the request's own. Every
-other token is sampled as the request says. Why: a policy that imitated serial
-demonstrations gives the tool it was never shown next a probability near 1e-9; a uniform
-temperature high enough to raise it (about 6 here) puts most of the mass on tokens that are no
+other token is sampled as the request says. Why: a policy that imitated serial demonstrations
+gives the tool it was never shown next a probability near 1e-9; a uniform temperature high
+enough to raise it (about 6 in the swarm example) puts most of the mass on tokens that are no
 tool name at all, so the calls break before the choice moves (benchmarks/swarm/exploration.py).
 
 vLLM applies it as a custom logits processor (`ToolChoiceLogitsProcessor`, loaded by its
 qualified name in every engine; requests opt in through `SamplingParams.extra_args`). It runs
 before vLLM divides by the request's temperature T, so it scales the kept logits by T / Tc (Tc:
 the choice's temperature): the row vLLM samples from, and whose log-softmax it records in
-"processed_logprobs" mode, is softmax(logits / Tc) over the choice's tokens. `kiln.models.megatron_model.choice_logits` computes
-that row with vLLM's float32 operations, here, in the torch and megatron engines and in the
-trainer.
+"processed_logprobs" mode, is softmax(logits / Tc) over the choice's tokens.
+`kiln.models.megatron_model.choice_logits` computes that row with vLLM's float32 operations,
+here, in the torch and megatron engines and in the trainer.
 """
 from __future__ import annotations
 

@@ -146,6 +146,10 @@ def test_a_tool_choice_temperature_is_checked_with_the_job():
     doc["spec"]["rollout"]["toolCallFormat"] = "hermes"
     with pytest.raises(ValidationError, match="toolChoiceTemperature needs toolCallFormat 'tags'"):
         RLJob.model_validate(doc)
+    doc = _job(toolChoiceTemperature=6)
+    doc["spec"]["trainer"] = {"tensorParallel": 2}
+    with pytest.raises(ValidationError, match="toolChoiceTemperature needs trainer.tensorParallel 1"):
+        RLJob.model_validate(doc)
 
 
 def test_a_served_engine_is_never_sent_a_rule_it_would_drop():
