@@ -326,6 +326,7 @@ def test_kiln_run_trains_a_swarm_orchestrator_with_frozen_subagents(tmp_path):
         for stretch in masked:
             text = tok.decode(stretch, skip_special_tokens=False)
             assert text.startswith("<obs>") and text.endswith("</obs>"), text
+    assert tool_choices > 0  # 7 over the 84 kept trajectories when this was written
     summary = json.loads((run / "summary.json").read_text())
     for key in ("heldout_success_before_rl", "heldout_success_after_rl",
                 "critical_path_steps_before_rl", "critical_path_steps_after_rl"):
