@@ -21,6 +21,7 @@ transformers on the CPU (tags tool-call format, as the example uses).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 from pathlib import Path
@@ -77,6 +78,12 @@ def main() -> None:
                 if r["stage"] == args.rl_stage and "demonstration" not in r["flags"]]
     if not episodes:
         raise SystemExit(f"{args.run_dir}: no episodes of stage {args.rl_stage!r} yet")
+    @functools.cache
+    def first_tokens(width: int) -> list[int]:
+        """The first token of each value an `assign` takes: `next`, then places 1..width."""
+        return [tok.encode(f"assign {v}", add_special_tokens=False)[len(space) + 1]
+                for v in ["next", *(str(k) for k in range(1, width + 1))]]
+
     probs, chosen, placed = [], [], []
     with torch.no_grad():
         for ep in episodes:
@@ -91,9 +98,7 @@ def main() -> None:
                 text = tok.decode(context, skip_special_tokens=False)
                 width = len(text.split("ends of ", 1)[1].split(",")[0].split())
                 assigned = text.count("<call>assign")
-                values = ["next", *(str(k) for k in range(1, width + 1))]
-                firsts = [tok.encode(f"assign {v}", add_special_tokens=False)[len(space) + 1]
-                          for v in values]
+                firsts = first_tokens(width)
                 after = model(torch.tensor([context + [assign, *space]])).logits[0, -1]
                 probs_v = torch.softmax(after[firsts] / args.temperature, -1)
                 right = probs_v[0] + probs_v[min(assigned, width - 1) + 1]

@@ -51,14 +51,16 @@ class ToolChoiceRule:
 
     choices: tuple[tuple[tuple[int, ...], tuple[int, ...], float], ...]
 
-    def allowed(self, generated: Sequence[int]) -> tuple[tuple[int, ...], float] | None:
+    def allowed(self, generated: Sequence[int], end: int | None = None
+                ) -> tuple[tuple[int, ...], float] | None:
         """(the tokens the next one is chosen among, at what temperature), after `generated`
-        (this request's tokens so far); None where it is no choice. The longest opening that
-        matches wins."""
+        (this request's tokens so far; its first `end` when given); None where it is no
+        choice. The longest opening that matches wins."""
+        end = len(generated) if end is None else end
         best = None
         for opening, token_ids, temperature in self.choices:
             n = len(opening)
-            if (len(generated) >= n and tuple(generated[len(generated) - n:]) == opening
+            if (end >= n and all(generated[end - n + j] == t for j, t in enumerate(opening))
                     and (best is None or n > len(best[0]))):
                 best = (opening, token_ids, temperature)
         return (best[1], best[2]) if best is not None else None
@@ -67,7 +69,7 @@ class ToolChoiceRule:
         """(index into `generated`, the tokens it was chosen among, the temperature) of each
         choice."""
         return [(i, *found) for i in range(len(generated))
-                if (found := self.allowed(generated[:i])) is not None]
+                if (found := self.allowed(generated, i)) is not None]
 
 
 @dataclass(frozen=True)

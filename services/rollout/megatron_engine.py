@@ -43,7 +43,8 @@ from kiln.routing import RoutedExperts
 from kiln.services.rollout.engine import (
     EngineBase, EngineSettings, Generation, NamedTensors, SamplingOptions, TopKScores, check_sequence,
     topk_scores)
-from kiln.services.rollout.sampling import logprobs_mode, sample_token, tempered_logits, tool_choice_row
+from kiln.services.rollout.sampling import (logprobs_mode, sample_choice, sample_token, tempered_logits,
+                                            tool_choice_row)
 
 ENGINE_NAME = "megatron"
 
@@ -108,8 +109,10 @@ class MegatronEngine(EngineBase):
                 version = self.policy_version
                 logits, indices, routed = await asyncio.to_thread(self._step, tokens)
             logits = logits.float()
-            token, logp = sample_token(logits, sampling, gen, generated=out)
-            if tool_choice_row(logits, sampling, out) is None:
+            if (row := tool_choice_row(logits, sampling, out)) is not None:
+                token, logp = sample_choice(row, sampling, gen)
+            else:
+                token, _ = sample_token(logits, sampling, gen)
                 # Megatron's cross entropy, row by row: the trainer's bits.
                 logp = next_token_logprob(
                     tempered_logits(logits, sampling, self.settings.tempered_logprobs), token)

@@ -38,6 +38,17 @@ def tool_choice_row(logits: torch.Tensor, sampling: SamplingOptions,
                          sampling.temperature)
 
 
+def sample_choice(row: torch.Tensor, sampling: SamplingOptions,
+                  gen: torch.Generator) -> tuple[int, float]:
+    """(token, its log-prob) drawn from a tool choice's `row` (`tool_choice_row`): its argmax
+    for a greedy request."""
+    if sampling.temperature == 0:
+        token = int(torch.argmax(row))
+    else:
+        token = int(torch.multinomial(torch.softmax(row, dim=-1), 1, generator=gen))
+    return token, float(torch.log_softmax(row, dim=-1)[token])
+
+
 def sample_token(logits: torch.Tensor, sampling: SamplingOptions, gen: torch.Generator,
                  tempered: bool = False, generated: Sequence[int] = ()) -> tuple[int, float]:
     """(token, its log-prob) sampled from one row of logits with vLLM's semantics: temperature
@@ -46,11 +57,7 @@ def sample_token(logits: torch.Tensor, sampling: SamplingOptions, gen: torch.Gen
     still before top-p, which a tempered job does not use). A tool choice after `generated`
     (`SamplingOptions.tool_choice`) is sampled, and its log-prob taken, from its own row."""
     if (row := tool_choice_row(logits, sampling, generated)) is not None:
-        if sampling.temperature == 0:
-            token = int(torch.argmax(row))
-        else:
-            token = int(torch.multinomial(torch.softmax(row, dim=-1), 1, generator=gen))
-        return token, float(torch.log_softmax(row, dim=-1)[token])
+        return sample_choice(row, sampling, gen)
     logp = torch.log_softmax(tempered_logits(logits, sampling, tempered), dim=-1)
     if sampling.temperature == 0:
         token = int(torch.argmax(logits))
