@@ -32,7 +32,9 @@ The reward: `r = lambda_parallel * r_parallel + lambda_finish * r_finish + r_per
   when nothing was assigned;
 - `r_perf`: the task's own reward.
 Both lambdas anneal linearly to 0 over the stage (`anneal`), so that late in training only the
-outcome counts.
+outcome counts. A stage may also hold its training episodes to a latency budget in
+critical-path steps (`SwarmSettings.max_critical_steps`): one that would pass it ends with no
+answer, so r_perf pays only the answers that came in time.
 """
 from __future__ import annotations
 
@@ -134,10 +136,13 @@ class SwarmStats:
     peak: int = 0
     path: CriticalPath = field(default_factory=CriticalPath)
     wall_seconds: float = 0.0
+    over_budget: bool = False
+    """Ended by the critical-path budget before it answered."""
 
     def parts(self) -> dict[str, float]:
         return {"swarm/subagents": float(self.subagents), "swarm/assigned": float(self.assigned),
                 "swarm/finished": float(self.finished), "swarm/peak_parallel": float(self.peak),
                 "swarm/critical_path_steps": float(self.path.length),
                 "swarm/total_steps": float(self.path.total),
-                "swarm/wall_seconds": self.wall_seconds}
+                "swarm/wall_seconds": self.wall_seconds,
+                "swarm/over_budget": float(self.over_budget)}

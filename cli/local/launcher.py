@@ -119,7 +119,9 @@ def main(args: argparse.Namespace) -> int:
     if not args.resume:
         job = _resolve(job, args.job)
         run_dir = (args.run_dir or Path("runs") / job.metadata.name).resolve()
-        if (run_dir / "state.json").exists():
+        # A run stopped during its first stage has no state.json yet, but its job.yaml (and
+        # maybe checkpoints) would be mixed into this one's.
+        if (run_dir / "state.json").exists() or (run_dir / "job.yaml").exists():
             print(f"kiln run: {run_dir} holds a previous run; use --resume {run_dir} or another "
                   "--run-dir", file=sys.stderr)
             return 2

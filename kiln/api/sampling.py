@@ -30,10 +30,12 @@ class SamplingSpec(Model):
     """Explore which tool to call, and with which of its enumerated arguments, without heating
     anything else. The token that names the tool in a call (the first after the format's call
     opening) is sampled at this temperature from the first tokens of the tools' names alone.
-    The same holds for the first token of a tool's argument where its schema enumerates the
-    values (`enum`). The rest of the reply is sampled at `temperature`. Why: a policy imitating
-    demonstrations that always call the same tool next leaves the others no probability a
-    uniform temperature can raise before it breaks the call's syntax; this one cannot break it.
+    Where a tool's schema enumerates its argument's values (`enum`), every later token of its
+    call is sampled, at `temperature`, among those that keep it one of the schema's calls (the
+    value, then the closing tag); so is a reply's first token, among the format's openings.
+    The rest of the reply is sampled at `temperature`. Why: a policy imitating demonstrations
+    that always call the same tool next leaves the others no probability a uniform temperature
+    can raise before it breaks the call's syntax; this one cannot break it.
     The trajectory records which tokens were such choices, and the trainer computes the same
     distribution there, so RL trains the policy that acted. Greedy evaluation takes the argmax
     among the same tokens. Frozen swarm subagents sample without it. Needs a sampling

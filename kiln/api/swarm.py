@@ -30,6 +30,22 @@ class SwarmSettings(Model):
     parallel_target: int | None = Field(None, ge=1)
     """r_parallel is min(peak, target) / target for the most subagents running at once;
     unset: maxSubagents."""
+    max_critical_steps: int | None = Field(None, ge=2)
+    """A latency budget for the stage's training episodes, in critical-path steps (the longest
+    chain of dependent model calls, `kiln.swarm`): an episode whose next orchestrator call
+    would pass it ends there with no answer (r_perf 0), as a deadline would end it. PARL's
+    shaping terms anneal away; this is what keeps paying for parallelism after them, because
+    a serial solver that would answer right answers too late. Evaluations run without it, so
+    that held-out success and critical paths compare under the same conditions before and
+    after training. Mind the shaping terms beside it: serial play cut off by the budget earns
+    them alone, and parallel moves that never answer can outscore it (measured in the README,
+    "Agent swarms"). Unset: no budget."""
+    max_critical_steps_start: int | None = Field(None, ge=2)
+    """A looser budget for the stage's first step, tightening linearly (in whole steps) to
+    `maxCriticalSteps` at `annealStart`, while the shaping terms are at full weight: a budget
+    that one parallel move meets asks less of a policy that imitated serial play than one that
+    only the fully parallel schedule meets. Unset: the budget is `maxCriticalSteps` from the
+    start."""
     anneal_start: int = Field(0, ge=0)
     """Step of the stage at which both lambdas start falling linearly..."""
     anneal_end: int | None = Field(None, ge=1)
@@ -40,6 +56,13 @@ class SwarmSettings(Model):
         if self.anneal_end is not None and self.anneal_end <= self.anneal_start:
             raise ValueError(f"annealEnd ({self.anneal_end}) must come after annealStart "
                              f"({self.anneal_start})")
+        if self.max_critical_steps_start is not None:
+            if self.max_critical_steps is None or self.max_critical_steps_start < self.max_critical_steps:
+                raise ValueError(f"maxCriticalStepsStart ({self.max_critical_steps_start}) needs a "
+                                 f"maxCriticalSteps at most as large (got {self.max_critical_steps})")
+            if self.anneal_start < 1:
+                raise ValueError("maxCriticalStepsStart tightens the budget until annealStart, "
+                                 "which is 0: set annealStart")
         if self.parallel_target is not None and self.parallel_target > self.max_subagents:
             raise ValueError(f"parallelTarget ({self.parallel_target}) exceeds maxSubagents "
                              f"({self.max_subagents}): r_parallel could never reach 1")
@@ -48,6 +71,13 @@ class SwarmSettings(Model):
     @property
     def target(self) -> int:
         return self.parallel_target or self.max_subagents
+
+    def budget(self, step: int) -> int | None:
+        """The critical-path budget of the stage's training episodes at `step`."""
+        end, start = self.max_critical_steps, self.max_critical_steps_start
+        if end is None or start is None or step >= self.anneal_start:
+            return end
+        return end + int((start - end) * (self.anneal_start - step) / self.anneal_start + 0.5)
 
 
 def swarm_problems(spec) -> list[str]:

@@ -41,13 +41,15 @@ ENGINE_KINDS: tuple[str, ...] = ("vllm", "megatron", "torch")
 @dataclass(frozen=True)
 class ToolChoiceRule:
     """Where a reply chooses among known tokens: each of `choices` is (opening, token ids,
-    temperature): the token right after `opening` (as generated in this request) is sampled at
-    that temperature from those token ids alone, and its log-prob recorded under that
-    distribution. The agent loop makes them from the format and the episode's tools: after a
-    call's opening, the first tokens of the tools' names at `toolChoiceTemperature`; after a
-    tool's name, the first tokens of its argument's enumerated values at the request's own
-    temperature (the schema's values only). A greedy request takes the argmax among them. The
-    rest of the reply is sampled as usual."""
+    temperature): the token right after `opening` (as generated in this request; an empty
+    opening: the request's first token) is sampled at that temperature from those token ids
+    alone, and its log-prob recorded under that distribution. The agent loop makes them from
+    the format and the episode's tools: after a call's opening, the first tokens of the tools'
+    names at `toolChoiceTemperature`; at the request's own temperature, a reply's first token
+    (call or answer) and, after each further token of a call whose argument is enumerated,
+    the tokens that keep it one of the schema's calls (the closing tag, after a whole value: a
+    choice of one). A greedy request takes the argmax among them. The rest of the reply is
+    sampled as usual."""
 
     choices: tuple[tuple[tuple[int, ...], tuple[int, ...], float], ...]
 
@@ -61,7 +63,7 @@ class ToolChoiceRule:
         for opening, token_ids, temperature in self.choices:
             n = len(opening)
             if (end >= n and all(generated[end - n + j] == t for j, t in enumerate(opening))
-                    and (best is None or n > len(best[0]))):
+                    and (n or not end) and (best is None or n > len(best[0]))):
                 best = (opening, token_ids, temperature)
         return (best[1], best[2]) if best is not None else None
 

@@ -298,8 +298,8 @@ class Producer:
                 self._slots.release()
 
     async def _episode(self, stage: str, rescore: bool = False, **kwargs) -> list[Trajectory]:
-        """One episode of the stage: an orchestrator's in a swarm stage, else the agent's,
-        rescored by its task set's reward models when `rescore` (RL, not evaluation)."""
+        """One episode of the stage: an orchestrator's in a swarm stage, else the agent's. When
+        `rescore` (RL, not evaluation), reward models rescore it or a swarm's budget binds."""
         swarm = self.swarms.get(stage)
         if swarm is None:
             score = self.reward_models.get(kwargs["task_set"]) if rescore else None
@@ -307,7 +307,8 @@ class Producer:
         step = self.engine.policy_version - self._stage_start.get(stage, self.engine.policy_version)
         trajs = await run_swarm_episode(
             self.engine, self.env.env, self.fmt, swarm.subagents, swarm.parl(step),
-            wrap=lambda env: EnvTimer(env, self.occupancy), **kwargs)
+            wrap=lambda env: EnvTimer(env, self.occupancy),
+            budget=swarm.settings.budget(step) if rescore else None, **kwargs)
         swarm.observe(trajs)
         return trajs
 

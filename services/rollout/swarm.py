@@ -13,6 +13,8 @@ orchestrator's context as an observation; the orchestrator's trajectory is the o
 shipped, so nothing a subagent wrote is trained on. Subagents cannot create subagents (depth 1:
 the swarm tools are taken off their tool lists).
 
+A training episode held to a critical-path budget (`SwarmSettings.max_critical_steps`) ends,
+with no answer, before the orchestrator call that would pass it (`SwarmEnv._deadline`).
 When the orchestrator's episode is closed, subagents still running are cancelled, and the
 reward becomes PARL's (`kiln.swarm.Parl`, `SwarmEnv.rewarded`) with every part, and the
 episode's measurements (subagents, critical-path and total steps, wall time), in
@@ -102,8 +104,9 @@ class SwarmEnv:
     """One orchestrator episode's environment: the job's, plus the swarm tools. One per episode
     (it holds the episode's subagents)."""
 
-    def __init__(self, env: EnvClient, subagents: Subagents, parl: Parl) -> None:
-        self.env, self.subagents, self.parl = env, subagents, parl
+    def __init__(self, env: EnvClient, subagents: Subagents, parl: Parl,
+                 budget: int | None = None) -> None:
+        self.env, self.subagents, self.parl, self.budget = env, subagents, parl, budget
         self.stats = SwarmStats()
         self._agents: dict[str, _Subagent] = {}
         self._running = 0
@@ -129,7 +132,8 @@ class SwarmEnv:
         depth = self.stats.path.orchestrator_call()
         swarm = [c for c in action.tool_calls if c.name in TOOL_NAMES]
         if action.unparseable or not swarm:
-            return self._scored(await self.env.step(episode_id, action))
+            result = await self.env.step(episode_id, action)
+            return self._scored(result) if result.done else self._deadline() or result
         outputs: list[ToolOutput] = []
         others = [c for c in action.tool_calls if c.name not in TOOL_NAMES]
         if others:
@@ -141,7 +145,19 @@ class SwarmEnv:
             outputs += result.outputs
         for call in swarm:
             outputs.append(ToolOutput(call.id, call.name, await self._tool(call, depth)))
-        return StepResult(outputs=outputs)
+        return self._deadline() or StepResult(outputs=outputs)
+
+    def _deadline(self) -> StepResult | None:
+        """The episode's end when its next orchestrator call would pass the critical-path
+        budget: ended before that call is generated, so the move that spent the budget (a
+        wait, typically) is what the reward answers for, never a right answer given late."""
+        if self.budget is None or self.stats.path.context + 1 <= self.budget:
+            return None
+        self.stats.over_budget = True
+        self.stats.wall_seconds = time.monotonic() - self._t0
+        return StepResult(done=True, reward=0.0, reward_parts={"answered": 0.0},
+                          verifier_output=f"no answer within {self.budget} critical-path steps",
+                          flags=["critical_path_budget"])
 
     # ------------------------------------------------------------------ tools
     async def _tool(self, call: ToolCall, depth: int) -> str:
@@ -255,12 +271,14 @@ class SwarmEnv:
 
 
 async def run_swarm_episode(engine: Engine, env: EnvClient, fmt: Format, subagents: Subagents,
-                            parl: Parl, *, wrap=None, **kwargs) -> list[Trajectory]:
+                            parl: Parl, *, wrap=None, budget: int | None = None,
+                            **kwargs) -> list[Trajectory]:
     """`run_episode` (same arguments) of an orchestrator: the swarm tools answered, subagents
     played on `subagents`' engine (on `env` itself), the reward PARL's. `wrap` wraps the
     orchestrator's environment (the producer's occupancy timer: an orchestrator waiting on its
-    subagents is stepping, not occupying the engine)."""
-    swarm = SwarmEnv(env, subagents, parl)
+    subagents is stepping, not occupying the engine); `budget`, the critical-path steps it may
+    take (`SwarmSettings.max_critical_steps`)."""
+    swarm = SwarmEnv(env, subagents, parl, budget)
     played = await run_episode(engine, wrap(swarm) if wrap else swarm, fmt, **kwargs)
     return swarm.rewarded(played)
 

@@ -1,10 +1,11 @@
 """Tool-choice sampling (`rollout.sampling.toolChoiceTemperature`) inside vLLM.
 
 A request that carries a `ToolChoiceRule` samples the token right after each of its openings
-from that opening's tokens alone, at that choice's temperature: after a call's opening (`<call>`
-in the tags format), the first tokens of the tools' names at the tool-choice temperature; after
-a tool's name, the first tokens of its argument's enumerated values at the request's own. Every
-other token is sampled as the request says. Why: a policy that imitated serial demonstrations
+from that opening's tokens alone, at that choice's temperature: after a call's opening, the
+first tokens of the tools' names, at the tool-choice temperature; at the request's own, a
+reply's first token (`<call>` or `<answer>`) and each further token of a call whose argument
+is enumerated, among those that keep it a valid call. Every other token is
+sampled as the request says. Why: a policy that imitated serial demonstrations
 gives the tool it was never shown next a probability near 1e-9; a uniform temperature high
 enough to raise it (about 6 in the swarm example) puts most of the mass on tokens that are no
 tool name at all, so the calls break before the choice moves (benchmarks/swarm/exploration.py).
@@ -61,9 +62,9 @@ class ToolChoiceLogitsProcessor(LogitsProcessor):
         if spec is None:
             return
         choices = spec.get("choices") or []
-        if not choices or not all(o and ids and scale > 0 for o, ids, scale in choices):
-            raise ValueError(f"extra_args[{EXTRA_ARG!r}] needs choices (a non-empty opening, "
-                             f"token ids and a positive scale each); got {spec!r}")
+        if not choices or not all(ids and scale > 0 for _, ids, scale in choices):
+            raise ValueError(f"extra_args[{EXTRA_ARG!r}] needs choices (an opening, token ids "
+                             f"and a positive scale each); got {spec!r}")
 
     def is_argmax_invariant(self) -> bool:
         return False
@@ -84,7 +85,8 @@ class ToolChoiceLogitsProcessor(LogitsProcessor):
         for row, (choices, output) in self.rows.items():
             for opening, ids, scale in choices:
                 n = len(opening)
-                if len(output) >= n and tuple(output[-n:]) == opening:
+                # An empty opening is the request's first token.
+                if (tuple(output[-n:]) == opening) if n else not output:
                     logits[row] = choice_logits(logits[row], ids, scale, 1.0)
                     break
         return logits

@@ -276,3 +276,12 @@ def check_tool_choices(env: Env, eng: VllmEngine) -> None:
         else:
             ref = torch.log_softmax(row / 2.0, -1)
         assert abs(gen.logprobs[i] - float(ref[tok])) < ATOL, i
+    # An empty opening is the reply's first token (act or answer) and no later one.
+    rule = ToolChoiceRule((((), (40, 41, 42), 4.0),))
+    gen = env.run(eng.generate(prompt, SamplingOptions(temperature=2.0, max_tokens=8, seed=7,
+                                                       tool_choice=rule)))
+    assert [i for i, _, _ in rule.positions(gen.token_ids)] == [0]
+    assert gen.token_ids[0] in (40, 41, 42)
+    ref = torch.log_softmax(choice_logits(logits[len(prompt) - 1], torch.tensor((40, 41, 42)),
+                                          2.0 / 4.0, 2.0), -1)
+    assert abs(gen.logprobs[0] - float(ref[gen.token_ids[0]])) < ATOL

@@ -278,6 +278,7 @@ def test_kiln_run_trains_a_swarm_orchestrator_with_frozen_subagents(tmp_path):
     sft.update(maxSteps=4, batchSize=8, microBatchSize=8, warmupSteps=0)
     rl.update(maxSteps=2, batchSize=8, microBatchSize=8)
     rl["rl"]["groupSize"] = 4
+    rl["swarm"]["maxCriticalSteps"] = 9  # binds training episodes, not evaluations
     spec["rollout"]["sampleEvery"] = 1
     spec["sandbox"]["maxConcurrent"] = 32
     job = tmp_path / "job.yaml"
@@ -299,6 +300,12 @@ def test_kiln_run_trains_a_swarm_orchestrator_with_frozen_subagents(tmp_path):
                 "swarm/critical_path_steps", "swarm/total_steps"} <= set(parts)
         assert t["reward"] == pytest.approx(parts["parl/total"])
         assert parts["swarm/critical_path_steps"] <= parts["swarm/total_steps"]
+        # No orchestrator call past the budget: an episode whose next one would pass it ended
+        # there, unanswered; any other stayed within it.
+        if parts["swarm/over_budget"]:
+            assert "critical_path_budget" in t["flags"] and parts["parl/perf"] == 0.0
+        else:
+            assert parts["swarm/critical_path_steps"] <= 9
         # Subagent answers come back in `wait`'s observation: the orchestrator trains on its own
         # replies only (at most maxTurns x maxTokensPerTurn tokens), and every untrained stretch
         # after the prompt is one whole observation.
@@ -306,14 +313,19 @@ def test_kiln_run_trains_a_swarm_orchestrator_with_frozen_subagents(tmp_path):
         traj.check()  # a recorded tool choice is a generated token among its choices
         assert sum(traj.loss_mask) <= 10 * spec["rollout"]["sampling"]["maxTokensPerTurn"]
         # Tool choices (toolChoiceTemperature): every generated token right after a generated
-        # `<call>` was sampled among the tools' names, at the job's tool-choice temperature.
+        # `<call>` (the tool's name) was sampled among the tools' names at the job's tool-choice
+        # temperature; a reply's first token (call or answer) among its own, at the job's
+        # temperature.
         call = tok.convert_tokens_to_ids("<call>")
         after_call = [i for i in range(1, len(traj.tokens)) if traj.loss_mask[i]
                       and traj.loss_mask[i - 1] and traj.tokens[i - 1] == call]
+        starts = [i for i in range(1, len(traj.tokens)) if traj.loss_mask[i]
+                  and not traj.loss_mask[i - 1]]
         choice = traj.tool_choice
         chosen = dict(zip(choice.positions, choice.temperatures)) if choice else {}
         assert all(chosen.get(i) == spec["rollout"]["sampling"]["toolChoiceTemperature"]
                    for i in after_call)
+        assert all(chosen.get(i) == spec["rollout"]["sampling"]["temperature"] for i in starts)
         tool_choices += len(after_call)
         masked, stretch = [], []
         for token, mask in zip(traj.tokens[traj.prompt_len:], traj.loss_mask[traj.prompt_len:]):
@@ -324,8 +336,11 @@ def test_kiln_run_trains_a_swarm_orchestrator_with_frozen_subagents(tmp_path):
             else:
                 stretch.append(token)
         for stretch in masked:
-            text = tok.decode(stretch, skip_special_tokens=False)
-            assert text.startswith("<obs>") and text.endswith("</obs>"), text
+            # With thinking off, every reply follows an empty thought it did not write.
+            # (the first reply's alone, after the prompt).
+            text = tok.decode(stretch, skip_special_tokens=False).removesuffix("<think></think>")
+            assert text == "" and stretch is masked[0] or (
+                text.startswith("<obs>") and text.endswith("</obs>")), text
     assert tool_choices > 0  # 7 over the 84 kept trajectories when this was written
     summary = json.loads((run / "summary.json").read_text())
     for key in ("heldout_success_before_rl", "heldout_success_after_rl",

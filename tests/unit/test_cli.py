@@ -6,6 +6,7 @@ import argparse
 import subprocess
 import sys
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 
@@ -86,3 +87,17 @@ def test_trajectories_prints_turns_spans_and_reward(tmp_path, capsys) -> None:
     assert f"versions [{len(prompt)},{len(prompt) + len(action)})@v3" in out
     assert "prompt: <task>7</task>" in out and "action: <call>step 7</call>" in out
     assert "observation: <obs>54</obs>" in out
+
+
+def test_kiln_run_refuses_a_run_directory_a_stopped_run_left(tmp_path) -> None:
+    # Stopped during its first stage: a job.yaml and checkpoints, no state.json yet. A new run
+    # there would pick up that run's checkpoints as its own.
+    run = tmp_path / "run"
+    (run / "trainer" / "checkpoints" / "step_00000100").mkdir(parents=True)
+    (run / "job.yaml").write_text("kind: RLJob\n")
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "kiln.cli", "run",
+                          str(repo / "deploy" / "examples" / "swarm.yaml"), "--run-dir", str(run)],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 2 and "holds a previous run; use --resume" in out.stderr
+    assert (run / "job.yaml").read_text() == "kind: RLJob\n"

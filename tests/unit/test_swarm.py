@@ -107,7 +107,7 @@ def starts(manager) -> list[int]:
 
 
 def play(manager, tok, script, *, parl=Parl(0.5, 0.5, WIDTH), sub_engine=None, engine=None,
-         max_subagents=8, delay=0.05, sampling=SamplingOptions()):
+         max_subagents=8, delay=0.05, sampling=SamplingOptions(), budget=None):
     fmt = make_format("tags", tok)
     sub_engine = sub_engine or Scripted(tok, subagent_policy, delay)
     subagents = Subagents(sub_engine, fmt, SamplingOptions(), Limits(max_turns=4, max_tokens_per_turn=16),
@@ -115,7 +115,7 @@ def play(manager, tok, script, *, parl=Parl(0.5, 0.5, WIDTH), sub_engine=None, e
     engine = engine or Scripted(tok, orchestrator(script))
     trajs = asyncio.run(run_swarm_episode(
         engine, LocalEnvClient(manager), fmt, subagents, parl, task_set="wide", index=0,
-        sampling=sampling, limits=Limits(max_turns=12, max_tokens_per_turn=16,
+        budget=budget, sampling=sampling, limits=Limits(max_turns=12, max_tokens_per_turn=16,
                                                   max_total_tokens=512)))
     return trajs[0], sub_engine
 
@@ -173,25 +173,40 @@ def test_the_orchestrators_tool_choices_are_sampled_and_recorded(manager, tok):
     traj, _ = play(manager, tok, serial(manager), engine=engine, sub_engine=sub_engine,
                    sampling=explore)
     ids = lambda text: tok.encode(text, add_special_tokens=False)
-    call, assign, wait = ids("<call>"), ids("assign"), ids("wait")
+    call, assign, wait, close = ids("<call>"), ids("assign"), ids("wait"), ids("</call>")
     (rule,) = set(engine.rules)
-    # The tools' names after `<call>`; after `assign`, `next` and the places; after `wait`,
-    # `all` and the names (their schemas' enums).
-    places = sorted({ids(f"assign {k}")[len(assign) + 1] for k in ["next", *range(1, WIDTH + 1)]})
-    names = sorted({ids(f"wait {k}")[len(wait) + 1]
-                    for k in ["all", *(f"s{i}" for i in range(1, WIDTH + 1))]})
-    # Tools at the tool-choice temperature, the arguments' values at the orchestrator's own.
-    tools, what, whom = ((tuple(call), tuple(sorted(assign[:1] + wait[:1])), 6.0),
-                         (tuple(call + ids("assign ")), tuple(places), 1.0),
-                         (tuple(call + ids("wait ")), tuple(names), 1.0))
-    assert set(rule.choices) == {tools, what, whom}
+    # The tools' names after `<call>`, at the tool-choice temperature.
+    assert rule.allowed(call) == (tuple(sorted(assign[:1] + wait[:1])), 6.0)
+    # Every call the schemas' enums allow is chosen token by token at the orchestrator's own
+    # temperature: after `assign`, `next` or a place; after `wait`, `all` or a name; after a
+    # whole value, the closing tag alone.
+    valid = ([f"assign {k}" for k in ["next", *range(1, WIDTH + 1)]]
+             + [f"wait {k}" for k in ["all", *(f"s{i}" for i in range(1, WIDTH + 1))]])
+    calls = [ids(c) + close for c in valid]
+    for c in calls:
+        for n in range(1, len(c)):
+            ids_, temp = rule.allowed(call + c[:n])
+            assert c[n] in ids_ and temp == 1.0
+            assert set(ids_) == {d[n] for d in calls if d[:n] == c[:n]}
+    assert rule.allowed(call + ids("wait all")) == (tuple(close), 1.0)
+    assert rule.allowed(call + ids("assign next") + close) is None  # the reply is over
     assert set(sub_engine.rules) == {None}  # the subagents sample as their own options say
     traj.check()
     choice = traj.tool_choice
-    assert choice is not None and choice.temperatures == [6.0, 1.0, 6.0, 1.0] * WIDTH
-    chosen = [tok.decode([traj.tokens[i]]).strip() for i in choice.positions]
-    assert chosen == [w for k in range(1, WIDTH + 1) for w in ("assign", str(k), "wait", "all")]
-    assert choice.sets() == [list(c[1]) for _ in range(WIDTH) for c in (tools, what, tools, whom)]
+    # A reply's first token calls, answers or thinks, and is never anything else; it is
+    # sampled at the orchestrator's own temperature.
+    act = tuple(sorted(ids("<call>") + ids("<answer>") + ids("<think>")))
+    assert rule.allowed([]) == (act, 1.0)
+    assert rule.allowed(ids("<answer>")) is None  # what an answer says is free
+    # Serial: each call's every token was a choice, the tool's name at the tool-choice
+    # temperature, the rest at the orchestrator's own. The answer's opening too.
+    replies = [ids(r) for r in serial(manager)[:-1]]
+    assert choice.temperatures == ([t for r in replies for t in [1.0, 6.0] + [1.0] * (len(r) - 2)]
+                                   + [1.0])
+    chosen = [traj.tokens[i] for i in choice.positions]
+    assert chosen == [t for r in replies for t in r] + ids("<answer>")
+    assert choice.sets()[:3] == [list(act), list(rule.allowed(call)[0]),
+                                 list(rule.allowed(call + assign)[0])]
     # Greedy episodes (evaluation) explore nothing, but decode under the same constraints: the
     # argmax among the tools' names and among the arguments' values.
     greedy = Recording(tok, orchestrator(serial(manager)))
@@ -199,7 +214,28 @@ def test_the_orchestrators_tool_choices_are_sampled_and_recorded(manager, tok):
                    sampling=SamplingOptions(temperature=0.0, tool_choice_temperature=6.0))
     assert {c[:2] for r in greedy.rules for c in r.choices} == {c[:2] for c in rule.choices}
     assert {c[2] for r in greedy.rules for c in r.choices} == {1.0}
-    assert traj.tool_choice.temperatures == [1.0] * 4 * WIDTH
+    assert traj.tool_choice.temperatures == [1.0] * len(choice.temperatures)
+
+
+def test_a_critical_path_budget_ends_a_serial_episode_before_its_late_answer(manager, tok):
+    # The parallel schedule's path (WIDTH + 4) as the budget: it answers within it.
+    many, _ = play(manager, tok, parallel(manager), budget=WIDTH + 4)
+    assert many.reward_parts["parl/perf"] == 1.0 and many.reward_parts["swarm/over_budget"] == 0.0
+    # Serial: after the second wait its context is 8 deep, so its next call would be the 9th
+    # step on the path; it ends there, after its second wait, with no answer.
+    one, _ = play(manager, tok, serial(manager), budget=WIDTH + 4)
+    assert one.reward_parts["parl/perf"] == 0.0
+    assert one.reward_parts["swarm/over_budget"] == 1.0
+    assert "critical_path_budget" in one.flags
+    trained = tok.decode([x for x, m in zip(one.tokens, one.loss_mask) if m], skip_special_tokens=False)
+    assert trained == "".join(serial(manager)[:4])
+    assert one.reward_parts["swarm/critical_path_steps"] == 8
+    # PARL's shaping terms still pay what the episode did.
+    assert one.reward_parts["parl/finish"] == 1.0
+    assert one.reward == pytest.approx(0.5 / WIDTH + 0.5)
+    # Without a budget the same script answers, late.
+    late, _ = play(manager, tok, serial(manager))
+    assert late.reward_parts["parl/perf"] == 1.0 and late.reward_parts["swarm/over_budget"] == 0.0
 
 
 def test_only_the_orchestrators_replies_are_trained_on(manager, tok):
@@ -289,6 +325,11 @@ def test_parl_reward_and_annealing_by_hand():
     assert parl.reward(0.0, peak=0, assigned=0, finished=0)["parl/total"] == 0.0
     assert [annealed(0.4, s, 10, 30) for s in (0, 10, 20, 25, 30, 99)] == pytest.approx(
         [0.4, 0.4, 0.2, 0.1, 0.0, 0.0])
+    # The critical-path budget tightens from its start to its end by annealStart, then holds.
+    swarm = RLJob.model_validate(job_doc(subagents="subagents", maxCriticalSteps=8,
+                                         maxCriticalStepsStart=14, annealStart=12)).spec.stages[1].swarm
+    assert [swarm.budget(s) for s in (0, 3, 6, 9, 12, 30)] == [14, 13, 11, 10, 8, 8]
+    assert RLJob.model_validate(job_doc(subagents="subagents")).spec.stages[1].swarm.budget(0) is None
 
 
 @pytest.mark.parametrize("swarm, message", [
@@ -296,6 +337,12 @@ def test_parl_reward_and_annealing_by_hand():
     ({"subagents": "nowhere"}, "neither an earlier stage"),
     ({"subagents": "subagents", "annealStart": 5, "annealEnd": 5}, "annealEnd (5) must come after"),
     ({"subagents": "subagents", "maxSubagents": 2, "parallelTarget": 3}, "parallelTarget (3) exceeds"),
+    ({"subagents": "subagents", "maxCriticalStepsStart": 14, "annealStart": 8},
+     "maxCriticalStepsStart (14) needs a maxCriticalSteps"),
+    ({"subagents": "subagents", "maxCriticalSteps": 8, "maxCriticalStepsStart": 6, "annealStart": 8},
+     "maxCriticalStepsStart (6) needs a maxCriticalSteps at most as large (got 8)"),
+    ({"subagents": "subagents", "maxCriticalSteps": 8, "maxCriticalStepsStart": 14},
+     "tightens the budget until annealStart, which is 0"),
 ])
 def test_bad_swarm_settings_are_named(swarm, message):
     with pytest.raises(ValidationError, match=re.escape(message)):

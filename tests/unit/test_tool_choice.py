@@ -33,6 +33,10 @@ def test_a_rule_applies_right_after_its_openings():
     assert RULE.allowed([7, 8, 3, 4]) is None and RULE.allowed([8]) is None and RULE.allowed([]) is None
     assert RULE.positions([7, 8, 3, 4, 1, 7, 8, 11, 8]) == [
         (2, (3, 11, 20), 4.0), (3, (4, 5), 0.5), (7, (3, 11, 20), 4.0)]
+    # An empty opening: the reply's first token, and no other.
+    first = ToolChoiceRule((((), (7, 9), 4.0),) + RULE.choices)
+    assert first.allowed([]) == ((7, 9), 4.0) and first.allowed([9]) is None
+    assert first.positions([7, 8, 3, 4]) == [(0, (7, 9), 4.0), (2, (3, 11, 20), 4.0), (3, (4, 5), 0.5)]
 
 
 def test_a_tool_choice_is_sampled_among_the_tools_at_its_own_temperature():

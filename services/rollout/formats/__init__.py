@@ -46,8 +46,8 @@ class Conversation(Protocol):
 
     # A format whose replies name their tool right after a fixed opening also has
     # `tool_choice() -> [(opening ids, token ids, "tool" | "argument"), ...]`: where a reply
-    # chooses a tool's name or an enumerated argument, and among which first tokens (the tags
-    # format). `rollout.sampling.toolChoiceTemperature` needs it.
+    # chooses a tool's name (among their first tokens) or writes a call whose argument is
+    # enumerated (among the tokens that keep it valid), in the tags format. `rollout.sampling.toolChoiceTemperature` needs it.
 
 
 class Format(Protocol):

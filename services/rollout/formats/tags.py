@@ -72,22 +72,42 @@ class TagsConversation:
 
     def tool_choice(self) -> list[tuple[list[int], list[int], str]]:
         """Where a reply chooses among known tokens, among which, and what it chooses
-        (`rollout.sampling.toolChoiceTemperature`): after `<call>`, the first tokens of the
-        tools' names ("tool"); after a tool's name, the first tokens of its argument's
-        enumerated values (a JSON-schema `enum`), where it has them ("argument")."""
+        (`rollout.sampling.toolChoiceTemperature`):
+        - after `<call>`, the first tokens of the tools' names ("tool": the tool-choice
+          temperature);
+        - a reply's first token, `<call>` or `<answer>` (or `<think>` where it may think), and
+          every later token of a call whose argument enumerates its values (a JSON-schema
+          `enum`: its calls `NAME VALUE</call>` are a finite set), among those that keep it
+          one of them, the closing tag after a whole value being a choice of one ("argument":
+          the reply's own temperature).
+        So a call cannot come out malformed in a context its policy never saw (`wait all`
+        trailing off into text after more assignments than its demonstrations made). Answering
+        is not explored at the tool-choice temperature: tried at every turn, it ended episodes
+        early, and the penalties on those partial answers taught the policy not to write what
+        a right one says."""
         enc = lambda text: _encode(self.fmt.tokenizer, text)  # noqa: E731
         opening = list(self.fmt.call_opening)
-        out = [(opening, sorted({enc(name)[0] for name in self.tools}), "tool")]
+        close = self.fmt.stop_token_ids[STOP_TAGS.index("</call>")]
+        starts = ["<call>", "<answer>"] + (["<think>"] if self.fmt.thinking != "off" else [])
+        out = [([], sorted(enc(tag)[0] for tag in starts), "argument"),
+               (opening, sorted({enc(name)[0] for name in self.tools}), "tool")]
+        closed, free = [], []  # every call of an enumerated tool; names of the others
         for name, tool in self.tools.items():
             values = tool.parameters.get("properties", {}).get(_argument_name(tool), {}).get("enum")
-            if not values:
-                continue
-            # The call's tokens up to where the values part: what they all start with.
-            calls = [enc(f"{name} {v}") for v in values]
-            shared = 0
-            while all(len(c) > shared + 1 and c[shared] == calls[0][shared] for c in calls):
-                shared += 1
-            out.append((opening + calls[0][:shared], sorted({c[shared] for c in calls}), "argument"))
+            if values:
+                closed += [enc(f"{name} {v}") + [close] for v in values]
+            else:
+                free.append(enc(name))
+        # Every proper prefix past the name's first token (the tool choice above) opens a
+        # choice among the tokens that can follow it, unless it is, or runs past, the whole
+        # name of a tool whose argument is free text.
+        following: dict[tuple[int, ...], set[int]] = {}
+        for seq in closed + free:
+            for n in range(1, len(seq)):
+                following.setdefault(tuple(seq[:n]), set()).add(seq[n])
+        for prefix, ids in following.items():
+            if not any(prefix[:len(f)] == tuple(f) for f in free):
+                out.append((opening + list(prefix), sorted(ids), "argument"))
         return out
 
     def observation(self, outputs: list[ToolOutput]) -> list[int]:
@@ -107,6 +127,7 @@ class TagsFormat:
                                  "tokenizer; the format's tags must be single (special) tokens")
             self.stop_token_ids.append(ids[0])
         self.prefix = _encode(tokenizer, EMPTY_THINK) if thinking == "off" else []
+        self.thinking = thinking
         self.call_opening = _encode(tokenizer, "<call>")
 
     def conversation(self, episode: EpisodeInfo) -> TagsConversation:
