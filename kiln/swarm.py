@@ -28,8 +28,9 @@ The reward: `r = lambda_parallel * r_parallel + lambda_finish * r_finish + r_per
   target (the episode's subagent limit unless the job sets one); it pays for instantiating
   subagents side by side, against collapse into one serial agent;
 - `r_finish`: the fraction of assigned sub-tasks that were really completed (the subagent
-  answered and its sub-task's verifier passed), against spawning many useless subagents; 0
-  when nothing was assigned;
+  answered and its sub-task's verifier passed), against spawning many useless subagents; an
+  assignment the tool refused (past the subagent limit) counts as one not completed; 0 when
+  nothing was assigned;
 - `r_perf`: the task's own reward.
 Both lambdas anneal linearly to 0 over the stage (`anneal`), so that late in training only the
 outcome counts. A stage may also hold its training episodes to a latency budget in
@@ -132,6 +133,8 @@ class SwarmStats:
 
     subagents: int = 0
     assigned: int = 0
+    refused: int = 0
+    """Assignments the tool refused (past the subagent limit, an unknown or busy subagent)."""
     finished: int = 0
     peak: int = 0
     path: CriticalPath = field(default_factory=CriticalPath)
@@ -141,6 +144,7 @@ class SwarmStats:
 
     def parts(self) -> dict[str, float]:
         return {"swarm/subagents": float(self.subagents), "swarm/assigned": float(self.assigned),
+                "swarm/refused": float(self.refused),
                 "swarm/finished": float(self.finished), "swarm/peak_parallel": float(self.peak),
                 "swarm/critical_path_steps": float(self.path.length),
                 "swarm/total_steps": float(self.path.total),

@@ -1,8 +1,8 @@
 """Whether the swarm example's orchestrator answers after a schedule it was never shown.
 
-Its demonstrations are serial (assign, wait, four times over, then the answer). A parallel
-schedule ends in the same results board, four lines, but after fewer waits; RL can only pay
-for a parallel episode that then answers. This builds, for each held-out task's prompt in a
+Its demonstrations are serial (assign, wait, four times over, now and then a second wait on
+the same board, then the answer). A parallel schedule ends in the same results board, four
+lines, but after fewer waits; RL can only pay for a parallel episode that then answers. This builds, for each held-out task's prompt in a
 run of deploy/examples/swarm.yaml, the context every schedule of the four chains leads to
 (groups of assignments between waits: 1+1+1+1 is serial, 4 is all at once), with the board's
 right ends, and asks the checkpoint for the logit of `<answer>` minus that of `<call>` at the

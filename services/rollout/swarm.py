@@ -178,23 +178,37 @@ class SwarmEnv:
         return name
 
     def _assign(self, task: str, name: str, depth: int) -> str:
-        if not task:
-            return "error: assign needs a non-empty `task`"
+        refusal = self._refusal(task, name)
+        if refusal:
+            # A refused assignment is a sub-task asked for and never done: r_finish counts it
+            # (`SwarmStats.refused`), so that assigning past the limit costs, not only a turn.
+            self.stats.refused += 1
+            return refusal
         if not name:
             name = self._create("worker", "")
-            if name.startswith("error:"):
-                return name
-        agent = self._agents.get(name)
-        if agent is None:
-            return f"error: no subagent {name!r} (created: {', '.join(self._agents) or 'none'})"
-        if agent.task is not None and not agent.collected:
-            return f"error: {name} is still on its last task; wait for it first"
+        agent = self._agents[name]
         agent.assigned_at, agent.collected = depth, False
         agent.task = asyncio.ensure_future(self._play(agent, task))
         self.stats.assigned += 1
         self._running += 1
         self.stats.peak = max(self.stats.peak, self._running)
         return name
+
+    def _refusal(self, task: str, name: str) -> str:
+        """Why `assign(task, name)` is refused, or "" when it can run."""
+        if not task:
+            return "error: assign needs a non-empty `task`"
+        if not name:
+            if len(self._agents) >= self.subagents.max_per_episode:
+                return (f"error: this episode may create at most {self.subagents.max_per_episode} "
+                        "subagents")
+            return ""
+        agent = self._agents.get(name)
+        if agent is None:
+            return f"error: no subagent {name!r} (created: {', '.join(self._agents) or 'none'})"
+        if agent.task is not None and not agent.collected:
+            return f"error: {name} is still on its last task; wait for it first"
+        return ""
 
     async def _play(self, agent: _Subagent, task: str) -> tuple[str, int, bool]:
         """(what the subagent hands back, its model calls, whether it completed its sub-task)."""
@@ -223,7 +237,8 @@ class SwarmEnv:
         running subagent, then list every answer collected so far, in creation order, the
         earlier ones included: the results board. So the observation an answer is read from
         has the same form however the sub-tasks were scheduled (all four after one wait, or one
-        per wait), and combining them is a copy of the last observation."""
+        per wait), and combining them is a copy of the last observation. With none running it
+        shows the board as it stands: an error only when nothing has answered yet."""
         pending = [a for a in self._agents.values() if a.task is not None and not a.collected]
         board = not names or names == "all"
         if not board:
@@ -235,7 +250,7 @@ class SwarmEnv:
             if idle:
                 return f"error: {', '.join(idle)} has no task to wait for"
             pending = [self._agents[n] for n in wanted]
-        if not pending:
+        if not pending and not (board and any(a.output is not None for a in self._agents.values())):
             return "error: no subagent is working"
         for agent in pending:
             output, calls, finished = await agent.task
@@ -263,8 +278,8 @@ class SwarmEnv:
         if not self.stats.wall_seconds:
             self.stats.wall_seconds = time.monotonic() - self._t0
         for t in trajs:
-            parts = self.parl.reward(t.reward, self.stats.peak, self.stats.assigned,
-                                     self.stats.finished)
+            parts = self.parl.reward(t.reward, self.stats.peak,
+                                     self.stats.assigned + self.stats.refused, self.stats.finished)
             t.reward = parts["parl/total"]
             t.reward_parts = {**t.reward_parts, **parts, **self.stats.parts()}
         return trajs

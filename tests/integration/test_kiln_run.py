@@ -279,6 +279,7 @@ def test_kiln_run_trains_a_swarm_orchestrator_with_frozen_subagents(tmp_path):
     rl.update(maxSteps=2, batchSize=8, microBatchSize=8)
     rl["rl"]["groupSize"] = 4
     rl["swarm"]["maxCriticalSteps"] = 9  # binds training episodes, not evaluations
+    rl["swarm"].pop("maxCriticalStepsStart", None)  # from the first step
     spec["rollout"]["sampleEvery"] = 1
     spec["sandbox"]["maxConcurrent"] = 32
     job = tmp_path / "job.yaml"
@@ -297,7 +298,7 @@ def test_kiln_run_trains_a_swarm_orchestrator_with_frozen_subagents(tmp_path):
     for t in swarm:
         parts = t["reward_parts"]
         assert {"parl/parallel", "parl/finish", "parl/perf", "parl/total", "swarm/subagents",
-                "swarm/critical_path_steps", "swarm/total_steps"} <= set(parts)
+                "swarm/refused", "swarm/critical_path_steps", "swarm/total_steps"} <= set(parts)
         assert t["reward"] == pytest.approx(parts["parl/total"])
         assert parts["swarm/critical_path_steps"] <= parts["swarm/total_steps"]
         # No orchestrator call past the budget: an episode whose next one would pass it ended

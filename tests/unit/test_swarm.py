@@ -270,7 +270,10 @@ def test_limits_and_a_subagents_failure_become_observations(manager, tok):
     assert obs[5] == "error: wait: arguments.subagents must be one of ['all', 's1', 's2', 's3']"
     assert obs[6].splitlines() == [f"s1: {manager.task('wide', 0).ends[0]}",
                                    "s2: error: RuntimeError: engine lost"]
-    assert t.reward_parts["parl/finish"] == pytest.approx(1 / 2)
+    # Of three assignments asked for (the schema's refusal never reached the tool), one was
+    # refused past the limit and one failed: r_finish 1/3.
+    assert t.reward_parts["swarm/assigned"] == 2 and t.reward_parts["swarm/refused"] == 1
+    assert t.reward_parts["parl/finish"] == pytest.approx(1 / 3)
     assert t.reward_parts["parl/perf"] == 0.0  # two ends of three
 
 
@@ -288,6 +291,26 @@ def test_wait_all_shows_every_answer_so_far_and_a_named_wait_only_those(manager,
     t, _ = play(manager, tok, script)
     obs = re.findall(r"<obs>(.*?)</obs>", tok.decode(t.tokens, skip_special_tokens=False), re.S)
     assert obs[2:] == [f"s2: {ends[1]}", f"s1: {ends[0]}"]
+
+
+def test_a_demonstration_sees_what_rollout_returns_a_second_wait_included(manager, tok):
+    import random
+    env, task = WideEnvironment(), manager.task("wide", 0)
+    seed = next(i for i in range(100) if len(env.demonstrate(task, random.Random(i))) > 2 * WIDTH + 1)
+    turns = env.demonstrate(task, random.Random(seed))
+    script = [f"<call>{c.name} {next(iter(c.arguments.values()))}</call>"
+              for t in turns[:-1] for c in t.tool_calls] + [f"<answer>{turns[-1].content}</answer>"]
+    t, _ = play(manager, tok, script)
+    obs = re.findall(r"<obs>(.*?)</obs>", tok.decode(t.tokens, skip_special_tokens=False), re.S)
+    assert obs == [o for turn in turns[:-1] for o in turn.outputs]
+    assert t.reward_parts["parl/perf"] == 1.0
+    # Waiting again with nothing running shows the board; a named wait on a collected
+    # subagent, or any wait before an assignment, is an error.
+    t, _ = play(manager, tok, ["<call>assign next</call>", "<call>wait all</call>",
+                               "<call>wait all</call>", "<call>wait s1</call>", "ANSWER"])
+    obs = re.findall(r"<obs>(.*?)</obs>", tok.decode(t.tokens, skip_special_tokens=False), re.S)
+    assert obs[1] == obs[2] == f"s1: {task.ends[0]}"
+    assert obs[3] == "error: s1 has no task to wait for"
 
 
 def test_subagents_stay_on_their_pinned_version(manager, tok):
@@ -381,11 +404,21 @@ def test_wide_demonstrations_solve_their_tasks_and_splits_never_meet():
     train = env.generate_tasks(spec)
     held = env.generate_tasks(spec.model_copy(update={"split": "heldout"}))
     assert not {tuple(t.starts) for t in train} & {tuple(t.starts) for t in held}
-    for task in train:
-        turns = env.demonstrate(task, random.Random(0))
+    rechecked = 0
+    for i, task in enumerate(train):
+        turns = env.demonstrate(task, random.Random(i))
         assert env.grade_demonstration(task, turns).reward == 1.0
-        assert len(turns) == 2 * WIDTH + 1  # serial: assign, wait, for each start
-        assert {c.arguments["task"] for t in turns[::2][:-1] for c in t.tool_calls} == {"next"}
+        # Serial: each `assign next` is followed by a wait on it before the next one; now and
+        # then the same board is waited on once more.
+        calls = [(c.name, *c.arguments.values()) for t in turns[:-1] for c in t.tool_calls]
+        assert calls[0] == ("assign", "next") and calls.count(("assign", "next")) == WIDTH
+        assert set(calls) == {("assign", "next"), ("wait", "all")}
+        assert (("assign", "next"),) * 2 not in zip(calls, calls[1:])
+        assert calls[-1] == ("wait", "all")
+        boards = [t.outputs[0] for t in turns[:-1] if t.tool_calls[0].name == "wait"]
+        assert len(boards) == len(calls) - WIDTH
+        assert [len(b.splitlines()) for b in boards] == sorted(len(b.splitlines()) for b in boards)
+        rechecked += len(boards) > WIDTH
         # The answer copies the last results board; bare ends in order are right too.
         assert turns[-1].content == turns[-2].outputs[0]
         ends = [str(e) for e in task.ends]
@@ -404,3 +437,4 @@ def test_wide_demonstrations_solve_their_tasks_and_splits_never_meet():
             [s] for s in task.starts]
         with pytest.raises(ValueError, match="every chain of this task has been handed out"):
             env.subtask(task, "worker", "", "next", index=WIDTH)
+    assert 0 < rechecked < len(train)

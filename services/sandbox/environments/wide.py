@@ -30,7 +30,9 @@ reply.
 
 `wide-lookup` task sets train the subagents' checkpoint; `wide` ones the orchestrator. The
 scripted orchestrator is serial (assign one chain, wait, assign the next): parallelism has to
-come from RL. The scripted subagent makes no mistakes. Both are graded on the answer alone:
+come from RL. After a wait it now and then waits once more (`RECHECK`), nothing running, and
+sees the same board: so its answer follows a full board, not a count of waits, and a policy
+taught by it answers after a parallel schedule's board too. The scripted subagent makes no mistakes. Both are graded on the answer alone:
 1 when every end is right, with the fraction right in `ends_correct`.
 
 Train and held-out tasks are told apart as `lookup`'s are, by a hash of the map and starts.
@@ -48,6 +50,8 @@ from kiln.env import AssistantTurn, Grade, SandboxHandle, ToolCall, ToolResult, 
 from .lookup import KEYS, TOOLS as SHELL, LookupEnvironment, follow, split_of
 
 HOPS = 2
+#: How often the scripted orchestrator waits again on a board with nothing running.
+RECHECK = 0.25
 #: `assign next`: the chain after those handed out so far.
 NEXT = "next"
 _LABEL = re.compile(r"s\d+:")
@@ -183,14 +187,21 @@ class WideEnvironment(LookupEnvironment):
                                            outputs=[str(value)]))
                 key = value
             return turns + [AssistantTurn(content=str(key))]
+        def wait(board: str) -> AssistantTurn:
+            return AssistantTurn(tool_calls=[ToolCall(swarm.WAIT, {"subagents": "all"})], outputs=[board])
+
         turns, board = [], ""
         for i in range(1, len(task.ends) + 1):
             turns.append(AssistantTurn(tool_calls=[ToolCall(swarm.ASSIGN, {"task": NEXT})],
                                        outputs=[f"s{i}"]))
             # `wait all` shows every answer collected so far (rollout's results board).
             board = "\n".join(f"s{j}: {e}" for j, e in enumerate(task.ends[:i], 1))
-            turns.append(AssistantTurn(tool_calls=[ToolCall(swarm.WAIT, {"subagents": "all"})],
-                                       outputs=[board]))
+            turns.append(wait(board))
+            # Now and then the board is looked at once more (nothing is running; the same
+            # board comes back), so that the count of waits does not tell when to answer:
+            # the board does, as it would after chains handed out several at a time.
+            if rng.random() < RECHECK:
+                turns.append(wait(board))
         # The answer is the last board as it stands: a verbatim copy, which a tiny model learns
         # reliably, where picking the ends out from between the labels stalled its SFT.
         return turns + [AssistantTurn(content=board)]
