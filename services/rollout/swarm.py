@@ -168,10 +168,16 @@ class SwarmEnv:
             return self._assign(args.get("task", ""), args.get("subagent", ""), depth)
         return await self._wait(args.get("subagents", ""))
 
-    def _create(self, role: str, instructions: str) -> str:
+    def _over_limit(self) -> str:
+        """The refusal of one more subagent, or "" while the episode may create one."""
         if len(self._agents) >= self.subagents.max_per_episode:
             return (f"error: this episode may create at most {self.subagents.max_per_episode} "
                     "subagents")
+        return ""
+
+    def _create(self, role: str, instructions: str) -> str:
+        if refusal := self._over_limit():
+            return refusal
         name = f"s{len(self._agents) + 1}"
         self._agents[name] = _Subagent(name, role or "worker", instructions)
         self.stats.subagents += 1
@@ -199,10 +205,7 @@ class SwarmEnv:
         if not task:
             return "error: assign needs a non-empty `task`"
         if not name:
-            if len(self._agents) >= self.subagents.max_per_episode:
-                return (f"error: this episode may create at most {self.subagents.max_per_episode} "
-                        "subagents")
-            return ""
+            return self._over_limit()
         agent = self._agents.get(name)
         if agent is None:
             return f"error: no subagent {name!r} (created: {', '.join(self._agents) or 'none'})"

@@ -32,8 +32,9 @@ reply.
 scripted orchestrator is serial (assign one chain, wait, assign the next): parallelism has to
 come from RL. After a wait it now and then waits once more (`RECHECK`), nothing running, and
 sees the same board: so its answer follows a full board, not a count of waits, and a policy
-taught by it answers after a parallel schedule's board too. The scripted subagent makes no mistakes. Both are graded on the answer alone:
-1 when every end is right, with the fraction right in `ends_correct`.
+taught by it answers after a parallel schedule's board too. The scripted subagent makes no
+mistakes. Both are graded on the answer alone: 1 when every end is right, with the fraction
+right in `ends_correct`.
 
 Train and held-out tasks are told apart as `lookup`'s are, by a hash of the map and starts.
 """
