@@ -2,7 +2,9 @@
 
 Shows each turn (prompt, actions, observations) decoded with the run's tokenizer, the policy
 version spans, the reward and its parts, and the verifier's output. Reads the samples rollout
-keeps in `RUN_DIR/rollout/trajectories.jsonl`.
+keeps in `RUN_DIR/rollout/trajectories.jsonl`, or with `--evaluations` every held-out
+evaluation episode (`RUN_DIR/rollout/evaluations.jsonl`; stage `eval/<task set>`, greedy ones
+at temperature 0).
 """
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stage", help="only trajectories of this stage")
     p.add_argument("--reward", type=float, help="only trajectories with this reward")
     p.add_argument("--last", action="store_true", help="the most recent ones instead of the first")
+    p.add_argument("--evaluations", action="store_true",
+                   help="evaluation episodes (every one) instead of training samples")
+    p.add_argument("--greedy", action="store_true", help="with --evaluations: only greedy ones")
     p.set_defaults(func=main)
 
 
@@ -41,7 +46,8 @@ def _segments(t: dict) -> list[tuple[str, list[int]]]:
 
 
 def main(args: argparse.Namespace) -> int:
-    path = args.run_dir / "rollout" / "trajectories.jsonl"
+    name = "evaluations.jsonl" if args.evaluations else "trajectories.jsonl"
+    path = args.run_dir / "rollout" / name
     if not path.exists():
         print(f"kiln trajectories: {path} does not exist (is {args.run_dir} a run directory?)", file=sys.stderr)
         return 2
@@ -53,6 +59,8 @@ def main(args: argparse.Namespace) -> int:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if args.stage:
         rows = [r for r in rows if r["stage"] == args.stage]
+    if args.greedy:
+        rows = [r for r in rows if r.get("temperature") == 0]
     if args.reward is not None:
         rows = [r for r in rows if r["reward"] == args.reward]
     if args.last:
@@ -62,7 +70,8 @@ def main(args: argparse.Namespace) -> int:
     for t in rows:
         spans = ", ".join(f"[{s['start']},{s['end']})@v{s['policy_version']}" for s in t["version_spans"])
         parts = ", ".join(f"{k}={v:g}" for k, v in t["reward_parts"].items())
-        print(f"=== {t['id'][:12]}  stage {t['stage']}  task {t['task_id']}  group {t['group_id'][:8]}")
+        sampled = f"  temperature {t['temperature']:g} at v{t['version']}" if "temperature" in t else ""
+        print(f"=== {t['id'][:12]}  stage {t['stage']}  task {t['task_id']}  group {t['group_id'][:8]}{sampled}")
         print(f"    reward {t['reward']:g} ({parts})  verifier: {t['verifier_output']}  flags: {t['flags']}")
         print(f"    {len(t['tokens'])} tokens, {sum(t['loss_mask'])} trained; versions {spans}")
         for kind, ids in _segments(t):

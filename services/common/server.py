@@ -26,7 +26,7 @@ import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -77,15 +77,29 @@ class Registration:
     name: str
 
 
+async def _starting(_requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                        "the service is starting (its health says NOT_SERVING); retry")
+    yield b""  # never reached: a response stream is an async generator
+
+
+# A stream-stream handler fits any call: it aborts before reading or writing a message.
+_STARTING = grpc.stream_stream_rpc_method_handler(_starting)
+
+
 class _LateHandlers(grpc.GenericRpcHandler):
     """Servicers added after the server has started (grpc.aio cannot add them later itself).
 
     Generated `add_XServicer_to_server(servicer, server)` functions are pointed at this object
-    instead of the server; it records their handlers and serves them from then on.
+    instead of the server; it records their handlers and serves them from then on. Until the
+    service is ready, a call to one of Kiln's methods gets UNAVAILABLE, the status clients
+    retry, rather than UNIMPLEMENTED: a frozen deployment still loading its checkpoint is a
+    peer to wait for, not one without the method.
     """
 
     def __init__(self) -> None:
         self._handlers: list[grpc.GenericRpcHandler] = []
+        self.starting = True
 
     def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
         self._handlers.extend(handlers)
@@ -98,6 +112,8 @@ class _LateHandlers(grpc.GenericRpcHandler):
             found = h.service(details)
             if found is not None:
                 return found
+        if self.starting and details.method.startswith("/kiln."):
+            return _STARTING
         return None
 
 
@@ -114,6 +130,7 @@ class Served:
         for reg in registrations:
             reg.add(reg.servicer, self.late)
             self.names.append(reg.name)
+        self.late.starting = not ready
         await set_serving(self.health, self.names, ready)
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import json
 import logging
 import random
 import time
@@ -43,6 +42,7 @@ from kiln.services.rollout.engine import Engine, SamplingOptions
 from kiln.services.rollout.formats import Format
 from kiln.services.rollout.occupancy import EngineTimer, EnvTimer, Occupancy
 from kiln.services.rollout.reward_models import RewardModels
+from kiln.services.rollout.samples import Samples
 from kiln.services.rollout.swarm import SwarmRun, run_swarm_episode
 from kiln.services.rollout.wire import ModeRequest, RolloutMode
 from kiln.services.sandbox.client import EnvClient
@@ -127,9 +127,7 @@ class Producer:
         self.recent_rewards: collections.deque[float] = collections.deque(maxlen=256)
         self._token_times: collections.deque[tuple[float, int]] = collections.deque(maxlen=512)
         self._main: asyncio.Task | None = None
-        # Every `sample_every`-th finished trajectory is also kept as JSON for `kiln
-        # trajectories` (the buffer compacts what has been trained on).
-        self.samples_path, self.sample_every = samples_path, sample_every
+        self.samples = Samples(samples_path, sample_every)
         self._demos: dict[tuple[str, int], Demonstration] = {}
 
     # ---------------------------------------------------------------- control
@@ -281,7 +279,7 @@ class Producer:
                 metrics.EPISODES.labels("ok").inc()
                 metrics.EPISODE_REWARD.observe(t.reward)
                 self.recent_rewards.append(t.reward)
-            self._keep_samples(mode, trajs)
+            self.samples.keep(mode.stage, trajs, self.episodes)
             self.episodes += len(trajs)
             stored = await self.buffer.put_async(trajs, len(trajs),
                                                  still_wanted=lambda: self.mode is mode)
@@ -359,14 +357,6 @@ class Producer:
             demo = self._demos[key] = await self.env.demonstrate(task_set, index, index)
         return demo
 
-    def _keep_samples(self, mode: Mode, trajs: list[Trajectory]) -> None:
-        if self.samples_path is None:
-            return
-        with open(self.samples_path, "a") as f:
-            for i, t in enumerate(trajs):
-                if (self.episodes + i) % self.sample_every == 0:
-                    f.write(json.dumps({"stage": mode.stage, **t.to_dict()}) + "\n")
-
     # ---------------------------------------------------------------- evaluation
     async def evaluate(self, task_set: str, size: int, *, max_tasks: int, samples: int,
                        greedy: bool) -> tuple[int, float, float, float]:
@@ -377,6 +367,7 @@ class Producer:
 
         # A task set a swarm stage trains or evaluates on is played by orchestrators.
         stage = next((name for name, run in self.swarms.items() if task_set in run.task_sets), "")
+        version = self.engine.policy_version  # the version the evaluation reports
 
         async def one(index: int, temperature: float) -> tuple[float, float]:
             async with sem:
@@ -384,6 +375,7 @@ class Producer:
                     stage, task_set=task_set, index=index,
                     sampling=dataclasses.replace(self.sampling, temperature=temperature, seed=None),
                     limits=self.limits)
+                self.samples.keep_evaluation(task_set, temperature, version, trajs[0])
                 parts = trajs[0].reward_parts
                 # Success is the task's own outcome, not PARL's shaped total (evaluation asks no
                 # reward model either).

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -117,6 +118,13 @@ def test_kiln_run_end_to_end_with_a_buffer_kill(tmp_path):
     assert 0 <= summary["heldout_success_before_rl"] <= 1
     assert 0 <= summary["heldout_success_after_rl"] <= 1
     assert summary["max_staleness"] <= TAU
+    # Every evaluation episode is kept, and its greedy ones are the reported greedy success.
+    evals = [json.loads(line) for line in (run / "rollout" / "evaluations.jsonl").read_text().splitlines()]
+    for when in ("before", "after"):
+        detail = summary["evaluation_details"][f"rl/{when}/chain-heldout"]
+        greedy = [e for e in evals if e["temperature"] == 0 and e["version"] == detail["policy_version"]]
+        assert len(greedy) == detail["tasks"] and {e["stage"] for e in greedy} == {"eval/chain-heldout"}
+        assert sum(e["reward"] >= 1 for e in greedy) / len(greedy) == detail["greedy_success"]
 
     records = _records(run)
     assert any(r.get("event") == "restart" and r["services"] == ["buffer"] for r in records)
@@ -343,6 +351,13 @@ def test_kiln_run_trains_a_swarm_orchestrator_with_frozen_subagents(tmp_path):
             assert text == "" and stretch is masked[0] or (
                 text.startswith("<obs>") and text.endswith("</obs>")), text
     assert tool_choices > 0  # 7 over the 84 kept trajectories when this was written
+    # The before-evaluation starts as soon as the subagents' checkpoint exists, while their
+    # process may still be loading it: its episodes wait for it, and no subagent call fails.
+    evals = [json.loads(line) for line in (run / "rollout" / "evaluations.jsonl").read_text().splitlines()]
+    assert len({e["version"] for e in evals}) == 2  # before and after RL
+    failed = [e for e in evals
+              if re.search(r"s\d+: error", tok.decode(e["tokens"], skip_special_tokens=False))]
+    assert not failed, tok.decode(failed[0]["tokens"], skip_special_tokens=False)
     summary = json.loads((run / "summary.json").read_text())
     for key in ("heldout_success_before_rl", "heldout_success_after_rl",
                 "critical_path_steps_before_rl", "critical_path_steps_after_rl"):

@@ -56,6 +56,10 @@ def test_readiness_rpc_metrics_and_graceful_stop(echo_process):
     channel = grpc.insecure_channel(f"127.0.0.1:{info['port']}")
     # Bound and answering, but not ready while the build runs.
     assert _health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+    # Its methods meanwhile answer UNAVAILABLE, which clients retry (UNIMPLEMENTED they would not).
+    with pytest.raises(grpc.RpcError) as starting:
+        channel.unary_unary("/kiln.test.Echo/Echo")(b"early", timeout=5)
+    assert starting.value.code() == grpc.StatusCode.UNAVAILABLE, starting.value
     deadline = time.monotonic() + 20
     while _health(channel) != health_pb2.HealthCheckResponse.SERVING:
         assert time.monotonic() < deadline, "never became SERVING"
@@ -69,6 +73,9 @@ def test_readiness_rpc_metrics_and_graceful_stop(echo_process):
     with pytest.raises(grpc.RpcError) as err:
         echo(b"fail", timeout=5)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as missing:
+        channel.unary_unary("/kiln.test.Echo/Nope")(b"x", timeout=5)
+    assert missing.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
     # Reflection lists the standard services.
     refl = reflection_pb2_grpc.ServerReflectionStub(channel)

@@ -88,6 +88,19 @@ def test_trajectories_prints_turns_spans_and_reward(tmp_path, capsys) -> None:
     assert "prompt: <task>7</task>" in out and "action: <call>step 7</call>" in out
     assert "observation: <obs>54</obs>" in out
 
+    # Evaluation episodes, as rollout keeps them: every one, greedy ones at temperature 0.
+    from kiln.services.rollout.samples import Samples
+
+    kept = Samples(run / "rollout" / "trajectories.jsonl")
+    kept.keep_evaluation("chain-heldout", 0.0, 5, dataclasses.replace(traj, id="greedy1", reward=0.0))
+    kept.keep_evaluation("chain-heldout", 1.0, 5, dataclasses.replace(traj, id="sampled1"))
+    assert main(["trajectories", str(run), "--evaluations", "--greedy"]) == 0
+    out = capsys.readouterr().out
+    assert "=== greedy1  stage eval/chain-heldout" in out and "temperature 0 at v5" in out
+    assert "sampled1" not in out and "abc123" not in out
+    assert main(["trajectories", str(run), "--evaluations", "-n", "0"]) == 0
+    assert "=== sampled1" in capsys.readouterr().out
+
 
 def test_kiln_run_refuses_a_run_directory_a_stopped_run_left(tmp_path) -> None:
     # Stopped during its first stage: a job.yaml and checkpoints, no state.json yet. A new run
