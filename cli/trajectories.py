@@ -46,6 +46,10 @@ def _segments(t: dict) -> list[tuple[str, list[int]]]:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.greedy and not args.evaluations:
+        print("kiln trajectories: --greedy selects evaluation episodes; add --evaluations "
+              "(training samples are all sampled)", file=sys.stderr)
+        return 2
     name = "evaluations.jsonl" if args.evaluations else "trajectories.jsonl"
     path = args.run_dir / "rollout" / name
     if not path.exists():

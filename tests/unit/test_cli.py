@@ -98,6 +98,8 @@ def test_trajectories_prints_turns_spans_and_reward(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "=== greedy1  stage eval/chain-heldout" in out and "temperature 0 at v5" in out
     assert "sampled1" not in out and "abc123" not in out
+    assert main(["trajectories", str(run), "--greedy"]) == 2
+    assert "add --evaluations" in capsys.readouterr().err
     assert main(["trajectories", str(run), "--evaluations", "-n", "0"]) == 0
     assert "=== sampled1" in capsys.readouterr().out
 
