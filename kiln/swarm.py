@@ -32,7 +32,12 @@ The reward: `r = lambda_parallel * r_parallel + lambda_finish * r_finish + r_per
   assignment the tool refused (past the subagent limit) counts as one not completed; 0 when
   nothing was assigned;
 - `r_perf`: the task's own reward.
-Both lambdas anneal linearly to 0 over the stage (`anneal`), so that late in training only the
+A job may pay r_parallel only for what the episode achieved (`parallelReward: outcome`): it is
+scaled by r_perf clipped to [0, 1], so a wrong answer earns none of it, however parallel its
+way there, and a right one earns it in full. r_finish needs no such scale: it pays sub-tasks
+that were really completed, and it is what charges an assignment refused past the limit (an
+episode that never answers would otherwise lose nothing by assigning forever). Both lambdas
+anneal linearly to 0 over the stage (`anneal`), so that late in training only the
 outcome counts. A stage may also hold its training episodes to a latency budget in
 critical-path steps (`SwarmSettings.max_critical_steps`): one that would pass it ends with no
 answer, so r_perf pays only the answers that came in time.
@@ -105,17 +110,23 @@ class Parl:
     lambda_parallel: float
     lambda_finish: float
     target: int
+    parallel_by_outcome: bool = False
+    """Scale r_parallel by r_perf clipped to [0, 1] (`SwarmSettings.parallel_reward`)."""
 
     def reward(self, r_perf: float, peak: int, assigned: int, finished: int) -> dict[str, float]:
-        """The reward's parts (`parl/...`) and total (`parl/total`)."""
+        """The reward's parts (`parl/...`) and total (`parl/total`). The parts are the terms
+        before their weights and before the outcome scale (`parl/outcome_scale`), so that a
+        run's report shows what the episode did, not only what it was paid."""
         if self.target < 1:
             raise ValueError(f"the parallelism target is {self.target}; it must be at least 1")
         r_parallel = min(peak, self.target) / self.target
         r_finish = finished / assigned if assigned else 0.0
-        total = self.lambda_parallel * r_parallel + self.lambda_finish * r_finish + r_perf
+        scale = min(max(r_perf, 0.0), 1.0) if self.parallel_by_outcome else 1.0
+        total = self.lambda_parallel * scale * r_parallel + self.lambda_finish * r_finish + r_perf
         return {"parl/parallel": r_parallel, "parl/finish": r_finish, "parl/perf": r_perf,
                 "parl/lambda_parallel": self.lambda_parallel,
-                "parl/lambda_finish": self.lambda_finish, "parl/total": total}
+                "parl/lambda_finish": self.lambda_finish, "parl/outcome_scale": scale,
+                "parl/total": total}
 
 
 def annealed(value: float, step: int, start: int, end: int) -> float:

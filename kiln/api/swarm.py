@@ -2,6 +2,8 @@
 delegates to, their limits, and the PARL reward's weights (`kiln.swarm`). Torch-free."""
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from kiln.api.components import Model
@@ -27,6 +29,15 @@ class SwarmSettings(Model):
     """lambda1: weight of r_parallel (subagents running side by side) before annealing."""
     lambda_finish: float = Field(0.5, ge=0)
     """lambda2: weight of r_finish (assigned sub-tasks really completed) before annealing."""
+    parallel_reward: Literal["always", "outcome"] = "always"
+    """How r_parallel is paid. `always`: as PARL states it, whatever the outcome. `outcome`:
+    scaled by r_perf clipped to [0, 1], so that only an episode that solved its task earns it
+    (r_finish is paid as before: it already asks that sub-tasks were completed, and it charges
+    for assignments refused past the limit). It is for an orchestrator that can reach a wrong
+    answer by a parallel route: with `always`, such an episode outscores a serial one cut off
+    by the latency budget, and RL can reinforce the wrong answers. Measured in the README
+    ("Agent swarms"): it kept answers that `always` lost on one seed, and left another seed's
+    greedy orchestrator serial."""
     parallel_target: int | None = Field(None, ge=1)
     """r_parallel is min(peak, target) / target for the most subagents running at once;
     unset: maxSubagents."""

@@ -315,7 +315,8 @@ class SwarmRun:
         s = self.settings
         end = s.anneal_end or self.max_steps
         return Parl(annealed(s.lambda_parallel, step, s.anneal_start, end),
-                    annealed(s.lambda_finish, step, s.anneal_start, end), s.target)
+                    annealed(s.lambda_finish, step, s.anneal_start, end), s.target,
+                    parallel_by_outcome=s.parallel_reward == "outcome")
 
     def observe(self, trajs: list[Trajectory]) -> None:
         """The episode's measurements into Prometheus."""

@@ -346,6 +346,22 @@ def test_parl_reward_and_annealing_by_hand():
     assert parts["parl/total"] == pytest.approx(0.4 * 0.5 + 0.2 * 0.75 + 1.0)
     assert parl.reward(0.0, peak=9, assigned=0, finished=0)["parl/parallel"] == 1.0
     assert parl.reward(0.0, peak=0, assigned=0, finished=0)["parl/total"] == 0.0
+    # r_parallel paid by outcome: a wrong answer reached in parallel earns none of it, a right
+    # one earns it in full, partial credit in part; r_finish is paid as always (so assignments
+    # refused past the limit still cost); the parts still say what the episode did.
+    gated = Parl(lambda_parallel=0.4, lambda_finish=0.2, target=4, parallel_by_outcome=True)
+    wrong = gated.reward(r_perf=0.0, peak=4, assigned=4, finished=4)
+    assert (wrong["parl/parallel"], wrong["parl/outcome_scale"]) == (1.0, 0.0)
+    assert wrong["parl/total"] == pytest.approx(0.2)
+    assert gated.reward(0.0, peak=4, assigned=8, finished=0)["parl/total"] == 0.0
+    assert gated.reward(1.0, peak=4, assigned=4, finished=4)["parl/total"] == pytest.approx(1.6)
+    assert gated.reward(1.0, peak=4, assigned=6, finished=4)["parl/total"] == pytest.approx(
+        0.4 + 0.2 * 4 / 6 + 1.0)
+    assert gated.reward(0.5, peak=4, assigned=4, finished=2)["parl/total"] == pytest.approx(
+        0.5 * 0.4 + 0.2 * 0.5 + 0.5)
+    assert gated.reward(-1.0, peak=4, assigned=4, finished=0)["parl/total"] == -1.0
+    assert gated.reward(2.0, peak=2, assigned=2, finished=2)["parl/total"] == pytest.approx(
+        0.4 * 0.5 + 0.2 + 2.0)
     assert [annealed(0.4, s, 10, 30) for s in (0, 10, 20, 25, 30, 99)] == pytest.approx(
         [0.4, 0.4, 0.2, 0.1, 0.0, 0.0])
     # The critical-path budget tightens from its start to its end by annealStart, then holds.
@@ -353,11 +369,18 @@ def test_parl_reward_and_annealing_by_hand():
                                          maxCriticalStepsStart=14, annealStart=12)).spec.stages[1].swarm
     assert [swarm.budget(s) for s in (0, 3, 6, 9, 12, 30)] == [14, 13, 11, 10, 8, 8]
     assert RLJob.model_validate(job_doc(subagents="subagents")).spec.stages[1].swarm.budget(0) is None
+    # The job chooses how the shaping terms are paid; rollout's weights follow it.
+    from kiln.services.rollout.swarm import SwarmRun
+    for paid, by_outcome in (("always", False), ("outcome", True)):
+        settings = RLJob.model_validate(
+            job_doc(subagents="subagents", parallelReward=paid)).spec.stages[1].swarm
+        assert SwarmRun(settings, subagents=None, max_steps=10).parl(0).parallel_by_outcome is by_outcome
 
 
 @pytest.mark.parametrize("swarm, message", [
     ({"subagents": "swarm"}, "does not come before this one"),
     ({"subagents": "nowhere"}, "neither an earlier stage"),
+    ({"subagents": "subagents", "parallelReward": "sometimes"}, "parallelReward"),
     ({"subagents": "subagents", "annealStart": 5, "annealEnd": 5}, "annealEnd (5) must come after"),
     ({"subagents": "subagents", "maxSubagents": 2, "parallelTarget": 3}, "parallelTarget (3) exceeds"),
     ({"subagents": "subagents", "maxCriticalStepsStart": 14, "annealStart": 8},
