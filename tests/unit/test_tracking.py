@@ -53,13 +53,17 @@ def test_trainer_step_metrics_map_to_tags() -> None:
 
 
 def test_wandb_offline_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_SILENT", "true")
     t = Tracker(tmp_path / "tb", run_name="trainer", group="job",
                 spec=TrackingSpec(wandb=WandbSpec(mode="offline")), config={"lr": 1e-3})
     for step in range(3):
         t.log(step, {"train/loss": 1.0 / (step + 1)})
     t.close()
+    # finish() only tells wandb's service process to close the run; the service writes the
+    # .wandb file on its own time (at interpreter exit, wandb's atexit hook waits for it).
+    # teardown() waits for the service to exit, so the file is complete when read below.
+    wandb.teardown()
     runs = glob.glob(str(tmp_path / "tb" / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(runs) == 1
     assert b"train/loss" in Path(runs[0]).read_bytes()
