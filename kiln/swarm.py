@@ -34,9 +34,12 @@ The reward: `r = lambda_parallel * r_parallel + lambda_finish * r_finish + r_per
 - `r_perf`: the task's own reward.
 A job may pay r_parallel only for what the episode achieved (`parallelReward: outcome`): it is
 scaled by r_perf clipped to [0, 1], so a wrong answer earns none of it, however parallel its
-way there, and a right one earns it in full. r_finish needs no such scale: it pays sub-tasks
-that were really completed, and it is what charges an assignment refused past the limit (an
-episode that never answers would otherwise lose nothing by assigning forever). Both lambdas
+way there, and a right one earns it in full. Or only for subagents whose answers the
+orchestrator read (`parallelReward: collected`): the peak counts those running at once that a
+`wait` later collected, so assigning everything and answering without waiting earns none of
+it. r_finish needs no such scale: it pays sub-tasks that were really completed, and it is
+what charges an assignment refused past the limit (an episode that never answers would
+otherwise lose nothing by assigning forever). Both lambdas
 anneal linearly to 0 over the stage (`anneal`), so that late in training only the
 outcome counts. A stage may also hold its training episodes to a latency budget in
 critical-path steps (`SwarmSettings.max_critical_steps`): one that would pass it ends with no
@@ -110,18 +113,26 @@ class Parl:
     lambda_parallel: float
     lambda_finish: float
     target: int
-    parallel_by_outcome: bool = False
-    """Scale r_parallel by r_perf clipped to [0, 1] (`SwarmSettings.parallel_reward`)."""
+    paid: str = "always"
+    """How r_parallel is paid (`SwarmSettings.parallel_reward`): `always`; `outcome`, scaled by
+    r_perf clipped to [0, 1]; `collected`, counting the subagents whose answers were read."""
 
-    def reward(self, r_perf: float, peak: int, assigned: int, finished: int) -> dict[str, float]:
-        """The reward's parts (`parl/...`) and total (`parl/total`). The parts are the terms
-        before their weights and before the outcome scale (`parl/outcome_scale`), so that a
-        run's report shows what the episode did, not only what it was paid."""
+    def reward(self, r_perf: float, peak: int, assigned: int, finished: int,
+               peak_collected: int | None = None) -> dict[str, float]:
+        """The reward's parts (`parl/...`) and total (`parl/total`). `peak`: the most subagents
+        running at once; `peak_collected`: the most of those whose answers a `wait` then
+        collected (what `collected` counts). The parts are the terms before their weights and
+        before the outcome scale (`parl/outcome_scale`), so that a run's report shows what the
+        episode did, not only what it was paid."""
         if self.target < 1:
             raise ValueError(f"the parallelism target is {self.target}; it must be at least 1")
+        if self.paid == "collected":
+            if peak_collected is None:
+                raise ValueError("r_parallel paid for collected subagents needs peak_collected")
+            peak = peak_collected
         r_parallel = min(peak, self.target) / self.target
         r_finish = finished / assigned if assigned else 0.0
-        scale = min(max(r_perf, 0.0), 1.0) if self.parallel_by_outcome else 1.0
+        scale = min(max(r_perf, 0.0), 1.0) if self.paid == "outcome" else 1.0
         total = self.lambda_parallel * scale * r_parallel + self.lambda_finish * r_finish + r_perf
         return {"parl/parallel": r_parallel, "parl/finish": r_finish, "parl/perf": r_perf,
                 "parl/lambda_parallel": self.lambda_parallel,
@@ -148,6 +159,9 @@ class SwarmStats:
     """Assignments the tool refused (past the subagent limit, an unknown or busy subagent)."""
     finished: int = 0
     peak: int = 0
+    """The most subagents running at once."""
+    peak_collected: int = 0
+    """The most running at once whose answers the orchestrator then collected (`wait`)."""
     path: CriticalPath = field(default_factory=CriticalPath)
     wall_seconds: float = 0.0
     over_budget: bool = False
@@ -157,6 +171,7 @@ class SwarmStats:
         return {"swarm/subagents": float(self.subagents), "swarm/assigned": float(self.assigned),
                 "swarm/refused": float(self.refused),
                 "swarm/finished": float(self.finished), "swarm/peak_parallel": float(self.peak),
+                "swarm/peak_parallel_collected": float(self.peak_collected),
                 "swarm/critical_path_steps": float(self.path.length),
                 "swarm/total_steps": float(self.path.total),
                 "swarm/wall_seconds": self.wall_seconds,

@@ -29,7 +29,7 @@ class SwarmSettings(Model):
     """lambda1: weight of r_parallel (subagents running side by side) before annealing."""
     lambda_finish: float = Field(0.5, ge=0)
     """lambda2: weight of r_finish (assigned sub-tasks really completed) before annealing."""
-    parallel_reward: Literal["always", "outcome"] = "always"
+    parallel_reward: Literal["always", "outcome", "collected"] = "always"
     """How r_parallel is paid. `always`: as PARL states it, whatever the outcome. `outcome`:
     scaled by r_perf clipped to [0, 1], so that only an episode that solved its task earns it
     (r_finish is paid as before: it already asks that sub-tasks were completed, and it charges
@@ -37,7 +37,11 @@ class SwarmSettings(Model):
     answer by a parallel route: with `always`, such an episode outscores a serial one cut off
     by the latency budget, and RL can reinforce the wrong answers. Measured in the README
     ("Agent swarms"): it kept answers that `always` lost on one seed, and left another seed's
-    greedy orchestrator serial."""
+    greedy orchestrator serial. `collected`: the peak counts only subagents whose answers a
+    `wait` later brought back, so an orchestrator that assigns everything and answers
+    without waiting earns none of it (with `always` it earns it in full). Measured: it all but
+    stopped that on the seed that learned it, and another seed's greedy orchestrator then
+    assigned past the limit before its wait until its answer no longer fit the episode."""
     parallel_target: int | None = Field(None, ge=1)
     """r_parallel is min(peak, target) / target for the most subagents running at once;
     unset: maxSubagents."""

@@ -69,6 +69,8 @@ class _Subagent:
     instructions: str = ""
     task: asyncio.Task | None = None
     assigned_at: int = 0
+    assignment: int = -1
+    """The episode's count of assignments when its current sub-task was assigned (its id)."""
     collected: bool = True
     output: str | None = None
     """What its last collected sub-task handed back."""
@@ -109,7 +111,12 @@ class SwarmEnv:
         self.env, self.subagents, self.parl, self.budget = env, subagents, parl, budget
         self.stats = SwarmStats()
         self._agents: dict[str, _Subagent] = {}
-        self._running = 0
+        self._running: set[int] = set()
+        """The assignments (ids) whose subagents are still working."""
+        self._overlaps: list[frozenset[int]] = []
+        """The running set each time it grew: who ran side by side."""
+        self._collected: set[int] = set()
+        """The assignments whose output a `wait` brought into the orchestrator's context."""
         self._episode = ""
         self._t0 = 0.0
 
@@ -194,10 +201,12 @@ class SwarmEnv:
             name = self._create("worker", "")
         agent = self._agents[name]
         agent.assigned_at, agent.collected = depth, False
+        agent.assignment = self.stats.assigned
         agent.task = asyncio.ensure_future(self._play(agent, task))
         self.stats.assigned += 1
-        self._running += 1
-        self.stats.peak = max(self.stats.peak, self._running)
+        self._running.add(agent.assignment)
+        self._overlaps.append(frozenset(self._running))
+        self.stats.peak = max(self.stats.peak, len(self._running))
         return name
 
     def _refusal(self, task: str, name: str) -> str:
@@ -233,7 +242,7 @@ class SwarmEnv:
         except Exception as exc:  # the subagent's failure is the orchestrator's observation
             return f"error: {type(exc).__name__}: {exc}", sub.calls, False
         finally:
-            self._running -= 1
+            self._running.discard(agent.assignment)
 
     async def _wait(self, names: str) -> str:
         """`wait s1 s2`: those subagents' answers. `wait all` (or nothing named): wait for every
@@ -258,6 +267,7 @@ class SwarmEnv:
         for agent in pending:
             output, calls, finished = await agent.task
             agent.collected, agent.output = True, output
+            self._collected.add(agent.assignment)
             self.stats.path.observed(self.stats.path.subagent_done(agent.assigned_at, calls))
             self.stats.finished += finished
         shown = [a for a in self._agents.values() if a.output is not None] if board else pending
@@ -280,9 +290,14 @@ class SwarmEnv:
         episode that ran out of turns has the environment's "no answer" reward (0) as r_perf."""
         if not self.stats.wall_seconds:
             self.stats.wall_seconds = time.monotonic() - self._t0
+        # Of each set of subagents that ran side by side, those whose answers a wait brought
+        # back (`parallelReward: collected` counts no others).
+        self.stats.peak_collected = max(
+            (len(running & self._collected) for running in self._overlaps), default=0)
         for t in trajs:
             parts = self.parl.reward(t.reward, self.stats.peak,
-                                     self.stats.assigned + self.stats.refused, self.stats.finished)
+                                     self.stats.assigned + self.stats.refused, self.stats.finished,
+                                     peak_collected=self.stats.peak_collected)
             t.reward = parts["parl/total"]
             t.reward_parts = {**t.reward_parts, **parts, **self.stats.parts()}
         return trajs
@@ -316,7 +331,7 @@ class SwarmRun:
         end = s.anneal_end or self.max_steps
         return Parl(annealed(s.lambda_parallel, step, s.anneal_start, end),
                     annealed(s.lambda_finish, step, s.anneal_start, end), s.target,
-                    parallel_by_outcome=s.parallel_reward == "outcome")
+                    paid=s.parallel_reward)
 
     def observe(self, trajs: list[Trajectory]) -> None:
         """The episode's measurements into Prometheus."""

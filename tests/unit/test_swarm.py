@@ -152,6 +152,32 @@ def test_assigning_before_waiting_runs_subagents_at_once_and_shortens_the_critic
     assert many.reward == pytest.approx(0.5 + 0.5 + 1.0)
 
 
+def test_collected_r_parallel_counts_only_subagents_whose_answers_were_read(manager, tok):
+    collected = Parl(0.5, 0.5, WIDTH, paid="collected")
+    # All three assigned, then an answer without a wait: three ran at once, none was read.
+    blind_script = parallel(manager)[:-2] + ["<answer>10 11 12</answer>"]
+    blind, _ = play(manager, tok, blind_script, parl=collected)
+    assert blind.reward_parts["swarm/peak_parallel"] == WIDTH
+    assert blind.reward_parts["swarm/peak_parallel_collected"] == 0
+    assert blind.reward_parts["parl/parallel"] == 0.0
+    assert blind.reward_parts["parl/finish"] == 0.0  # none of its sub-tasks reached it
+    assert blind.reward == pytest.approx(blind.reward_parts["parl/perf"])
+    # PARL as stated pays the same episode r_parallel in full.
+    paid, _ = play(manager, tok, blind_script)
+    assert paid.reward_parts["parl/parallel"] == 1.0
+    assert paid.reward == pytest.approx(0.5 + paid.reward_parts["parl/perf"])
+    # Two side by side, one of them read: one counts.
+    half, _ = play(manager, tok, ["<call>assign next</call>", "<call>assign next</call>",
+                                  "<call>wait s1</call>", "ANSWER"], parl=collected)
+    assert half.reward_parts["swarm/peak_parallel"] == 2
+    assert half.reward_parts["swarm/peak_parallel_collected"] == 1
+    assert half.reward_parts["parl/parallel"] == pytest.approx(1 / WIDTH)
+    # All three read after one wait: the same as `always`.
+    many, _ = play(manager, tok, parallel(manager), parl=collected)
+    assert many.reward_parts["swarm/peak_parallel_collected"] == WIDTH
+    assert many.reward == pytest.approx(0.5 + 0.5 + 1.0)
+
+
 class Recording(Scripted):
     """A scripted engine that keeps the tool-choice rule of every request."""
 
@@ -349,7 +375,7 @@ def test_parl_reward_and_annealing_by_hand():
     # r_parallel paid by outcome: a wrong answer reached in parallel earns none of it, a right
     # one earns it in full, partial credit in part; r_finish is paid as always (so assignments
     # refused past the limit still cost); the parts still say what the episode did.
-    gated = Parl(lambda_parallel=0.4, lambda_finish=0.2, target=4, parallel_by_outcome=True)
+    gated = Parl(lambda_parallel=0.4, lambda_finish=0.2, target=4, paid="outcome")
     wrong = gated.reward(r_perf=0.0, peak=4, assigned=4, finished=4)
     assert (wrong["parl/parallel"], wrong["parl/outcome_scale"]) == (1.0, 0.0)
     assert wrong["parl/total"] == pytest.approx(0.2)
@@ -362,6 +388,13 @@ def test_parl_reward_and_annealing_by_hand():
     assert gated.reward(-1.0, peak=4, assigned=4, finished=0)["parl/total"] == -1.0
     assert gated.reward(2.0, peak=2, assigned=2, finished=2)["parl/total"] == pytest.approx(
         0.4 * 0.5 + 0.2 + 2.0)
+    # r_parallel paid for collected subagents counts the peak of those alone.
+    read = Parl(lambda_parallel=0.4, lambda_finish=0.2, target=4, paid="collected")
+    assert read.reward(0.0, peak=4, assigned=5, finished=0, peak_collected=0)["parl/total"] == 0.0
+    assert read.reward(1.0, peak=4, assigned=4, finished=4, peak_collected=2)["parl/parallel"] == 0.5
+    assert parl.reward(1.0, peak=4, assigned=4, finished=4, peak_collected=2)["parl/parallel"] == 1.0
+    with pytest.raises(ValueError, match="peak_collected"):
+        read.reward(1.0, peak=4, assigned=4, finished=4)
     assert [annealed(0.4, s, 10, 30) for s in (0, 10, 20, 25, 30, 99)] == pytest.approx(
         [0.4, 0.4, 0.2, 0.1, 0.0, 0.0])
     # The critical-path budget tightens from its start to its end by annealStart, then holds.
@@ -371,10 +404,10 @@ def test_parl_reward_and_annealing_by_hand():
     assert RLJob.model_validate(job_doc(subagents="subagents")).spec.stages[1].swarm.budget(0) is None
     # The job chooses how the shaping terms are paid; rollout's weights follow it.
     from kiln.services.rollout.swarm import SwarmRun
-    for paid, by_outcome in (("always", False), ("outcome", True)):
+    for paid in ("always", "outcome", "collected"):
         settings = RLJob.model_validate(
             job_doc(subagents="subagents", parallelReward=paid)).spec.stages[1].swarm
-        assert SwarmRun(settings, subagents=None, max_steps=10).parl(0).parallel_by_outcome is by_outcome
+        assert SwarmRun(settings, subagents=None, max_steps=10).parl(0).paid == paid
 
 
 @pytest.mark.parametrize("swarm, message", [
