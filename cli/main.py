@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from importlib import metadata
 
@@ -74,7 +75,14 @@ def main(argv: list[str] | None = None) -> int:
         top.add_argument("command", choices=sorted(COMMANDS), metavar="COMMAND")
         top.parse_args(argv[:1])  # prints the usage error and exits 2
     args = command_parser(name).parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:
+        # The reader went away (`kiln trajectories RUN | head`): stop quietly, as a pipeline
+        # expects. Python would otherwise fail again flushing stdout at exit, so stdout is
+        # pointed at /dev/null first. 141 is what a shell reports for a SIGPIPE death.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

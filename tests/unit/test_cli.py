@@ -116,3 +116,20 @@ def test_kiln_run_refuses_a_run_directory_a_stopped_run_left(tmp_path) -> None:
                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert out.returncode == 2 and "holds a previous run; use --resume" in out.stderr
     assert (run / "job.yaml").read_text() == "kind: RLJob\n"
+
+
+def test_a_reader_that_went_away_ends_the_command_quietly() -> None:
+    # `kiln trajectories RUN | head -1`: here the reader is gone before the first write, so
+    # every write fails as the later ones do once `head` has its line.
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "kiln.cli", "crd"], stdout=write_end,
+                              stderr=subprocess.PIPE, timeout=120)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141
+    err = proc.stderr.decode()
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
