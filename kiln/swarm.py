@@ -39,11 +39,11 @@ orchestrator read (`parallelReward: collected`): the peak counts those running a
 `wait` later collected, so assigning everything and answering without waiting earns none of
 it. r_finish needs no such scale: it pays sub-tasks that were really completed, and it is
 what charges an assignment refused past the limit (an episode that never answers would
-otherwise lose nothing by assigning forever). Both lambdas
-anneal linearly to 0 over the stage (`anneal`), so that late in training only the
-outcome counts. A stage may also hold its training episodes to a latency budget in
-critical-path steps (`SwarmSettings.max_critical_steps`): one that would pass it ends with no
-answer, so r_perf pays only the answers that came in time.
+otherwise lose nothing by assigning forever). Both lambdas anneal linearly to 0 over the
+stage (`anneal`), so that late in training only the outcome counts. A stage may also hold its
+training episodes to a latency budget in critical-path steps
+(`SwarmSettings.max_critical_steps`): one that would pass it ends with no answer, so r_perf
+pays only the answers that came in time.
 """
 from __future__ import annotations
 
