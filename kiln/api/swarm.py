@@ -55,12 +55,28 @@ class SwarmSettings(Model):
     after training. Mind the shaping terms beside it: serial play cut off by the budget earns
     them alone, and parallel moves that never answer can outscore it (measured in the README,
     "Agent swarms"). Unset: no budget."""
+    end_on_refusal: bool = False
+    """A training episode ends, unanswered (r_perf 0, flag `refused`), at the first assignment
+    its limits refuse (past `maxSubagents`, an unknown or busy subagent); evaluations, and
+    training with it off, get the refusal as an observation and go on. An assignment refused
+    past the limit costs the critical path nothing while subagents run, and r_finish charges
+    it only a fraction: a policy reinforced for assigning learned to assign past the limit
+    until its answer no longer fit the episode (README, "Agent swarms")."""
     max_critical_steps_start: int | None = Field(None, ge=2)
     """A looser budget for the stage's first step, tightening linearly (in whole steps) to
     `maxCriticalSteps` at `annealStart`, while the shaping terms are at full weight: a budget
     that one parallel move meets asks less of a policy that imitated serial play than one that
     only the fully parallel schedule meets. Unset: the budget is `maxCriticalSteps` from the
     start."""
+    tool_choice_temperature_end: float | None = Field(None, gt=0, le=100)
+    """The tool-choice temperature (`spec.rollout.sampling.toolChoiceTemperature`) of the
+    stage's training episodes falls linearly from the rollout's at the stage's first step to
+    this one at `annealStart`, while the budget tightens, and holds there. A hot tool choice
+    finds parallel moves, but while it stays hot the episodes RL scores are nearly a coin toss
+    at each choice, whatever the policy prefers: under a tight budget hardly one of them
+    answers, and nothing tests what the policy's most likely choices do (what a greedy
+    evaluation runs). Cooled, training plays the policy's own choices. Unset: the rollout's
+    all stage long."""
     anneal_start: int = Field(0, ge=0)
     """Step of the stage at which both lambdas start falling linearly..."""
     anneal_end: int | None = Field(None, ge=1)
@@ -87,6 +103,16 @@ class SwarmSettings(Model):
     def target(self) -> int:
         return self.parallel_target or self.max_subagents
 
+    def tool_choice_temperature(self, step: int, base: float) -> float:
+        """The tool-choice temperature of the stage's training episodes at `step`, `base`
+        the rollout's."""
+        low = self.tool_choice_temperature_end
+        if low is None:
+            return base
+        if self.anneal_start < 1 or step >= self.anneal_start:
+            return low
+        return low + (base - low) * (self.anneal_start - step) / self.anneal_start
+
     def budget(self, step: int) -> int | None:
         """The critical-path budget of the stage's training episodes at `step`."""
         end, start = self.max_critical_steps, self.max_critical_steps_start
@@ -110,6 +136,10 @@ def swarm_problems(spec) -> list[str]:
         if spec.rollout.engine == "vllm" and hot is not None and hot > VLLM_MAX_TEMPERATURE:
             problems.append(f"stages[{i}] ({stage.name}).swarm.subagentTemperature={hot:g}: vLLM "
                             f"samples at most at {VLLM_MAX_TEMPERATURE:g}")
+        if swarm.tool_choice_temperature_end is not None:
+            if spec.rollout.sampling.tool_choice_temperature is None:
+                problems.append(f"stages[{i}] ({stage.name}).swarm.toolChoiceTemperatureEnd "
+                                "anneals rollout.sampling.toolChoiceTemperature, which is unset")
         ref = swarm.subagents
         if ref in names and names.index(ref) >= i:
             problems.append(f"stages[{i}] ({stage.name}).swarm.subagents: stage {ref!r} does not "

@@ -14,7 +14,8 @@ shipped, so nothing a subagent wrote is trained on. Subagents cannot create suba
 the swarm tools are taken off their tool lists).
 
 A training episode held to a critical-path budget (`SwarmSettings.max_critical_steps`) ends,
-with no answer, before the orchestrator call that would pass it (`SwarmEnv._deadline`).
+with no answer, before the orchestrator call that would pass it (`SwarmEnv._deadline`); one
+held to its limits (`SwarmSettings.end_on_refusal`), at the first assignment they refuse.
 When the orchestrator's episode is closed, subagents still running are cancelled, and the
 reward becomes PARL's (`kiln.swarm.Parl`, `SwarmEnv.rewarded`) with every part, and the
 episode's measurements (subagents, critical-path and total steps, wall time), in
@@ -107,8 +108,9 @@ class SwarmEnv:
     (it holds the episode's subagents)."""
 
     def __init__(self, env: EnvClient, subagents: Subagents, parl: Parl,
-                 budget: int | None = None) -> None:
+                 budget: int | None = None, end_on_refusal: bool = False) -> None:
         self.env, self.subagents, self.parl, self.budget = env, subagents, parl, budget
+        self.end_on_refusal = end_on_refusal
         self.stats = SwarmStats()
         self._agents: dict[str, _Subagent] = {}
         self._running: set[int] = set()
@@ -150,8 +152,11 @@ class SwarmEnv:
             if result.done:
                 return self._scored(result)
             outputs += result.outputs
+        refused = self.stats.refused
         for call in swarm:
             outputs.append(ToolOutput(call.id, call.name, await self._tool(call, depth)))
+            if self.end_on_refusal and self.stats.refused > refused:
+                return self._ended(outputs[-1].content, "refused")
         return self._deadline() or StepResult(outputs=outputs)
 
     def _deadline(self) -> StepResult | None:
@@ -161,10 +166,14 @@ class SwarmEnv:
         if self.budget is None or self.stats.path.context + 1 <= self.budget:
             return None
         self.stats.over_budget = True
+        return self._ended(f"no answer within {self.budget} critical-path steps",
+                           "critical_path_budget")
+
+    def _ended(self, why: str, flag: str) -> StepResult:
+        """The episode's end, unanswered (r_perf 0), for `why`."""
         self.stats.wall_seconds = time.monotonic() - self._t0
         return StepResult(done=True, reward=0.0, reward_parts={"answered": 0.0},
-                          verifier_output=f"no answer within {self.budget} critical-path steps",
-                          flags=["critical_path_budget"])
+                          verifier_output=why, flags=[flag])
 
     # ------------------------------------------------------------------ tools
     async def _tool(self, call: ToolCall, depth: int) -> str:
@@ -274,7 +283,10 @@ class SwarmEnv:
         return "\n".join(f"{a.name}: {a.output}" for a in shown)
 
     async def _cancel_running(self) -> None:
-        tasks = [a.task for a in self._agents.values() if a.task is not None and not a.task.done()]
+        # Finished ones are gathered too: one that failed where no wait read it (a wait raised
+        # on another's SubagentNotFrozen first) would otherwise hold an exception that no one
+        # retrieves, which asyncio reports when the task is collected, at an arbitrary point.
+        tasks = [a.task for a in self._agents.values() if a.task is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -305,13 +317,14 @@ class SwarmEnv:
 
 async def run_swarm_episode(engine: Engine, env: EnvClient, fmt: Format, subagents: Subagents,
                             parl: Parl, *, wrap=None, budget: int | None = None,
-                            **kwargs) -> list[Trajectory]:
+                            end_on_refusal: bool = False, **kwargs) -> list[Trajectory]:
     """`run_episode` (same arguments) of an orchestrator: the swarm tools answered, subagents
     played on `subagents`' engine (on `env` itself), the reward PARL's. `wrap` wraps the
     orchestrator's environment (the producer's occupancy timer: an orchestrator waiting on its
     subagents is stepping, not occupying the engine); `budget`, the critical-path steps it may
-    take (`SwarmSettings.max_critical_steps`)."""
-    swarm = SwarmEnv(env, subagents, parl, budget)
+    take (`SwarmSettings.max_critical_steps`); `end_on_refusal`, whether an assignment its
+    limits refuse ends it (`SwarmSettings.end_on_refusal`)."""
+    swarm = SwarmEnv(env, subagents, parl, budget, end_on_refusal)
     played = await run_episode(engine, wrap(swarm) if wrap else swarm, fmt, **kwargs)
     return swarm.rewarded(played)
 

@@ -107,7 +107,8 @@ def starts(manager) -> list[int]:
 
 
 def play(manager, tok, script, *, parl=Parl(0.5, 0.5, WIDTH), sub_engine=None, engine=None,
-         max_subagents=8, delay=0.05, sampling=SamplingOptions(), budget=None):
+         max_subagents=8, delay=0.05, sampling=SamplingOptions(), budget=None,
+         end_on_refusal=False):
     fmt = make_format("tags", tok)
     sub_engine = sub_engine or Scripted(tok, subagent_policy, delay)
     subagents = Subagents(sub_engine, fmt, SamplingOptions(), Limits(max_turns=4, max_tokens_per_turn=16),
@@ -115,7 +116,7 @@ def play(manager, tok, script, *, parl=Parl(0.5, 0.5, WIDTH), sub_engine=None, e
     engine = engine or Scripted(tok, orchestrator(script))
     trajs = asyncio.run(run_swarm_episode(
         engine, LocalEnvClient(manager), fmt, subagents, parl, task_set="wide", index=0,
-        budget=budget, sampling=sampling, limits=Limits(max_turns=12, max_tokens_per_turn=16,
+        budget=budget, end_on_refusal=end_on_refusal, sampling=sampling, limits=Limits(max_turns=12, max_tokens_per_turn=16,
                                                   max_total_tokens=512)))
     return trajs[0], sub_engine
 
@@ -243,6 +244,46 @@ def test_the_orchestrators_tool_choices_are_sampled_and_recorded(manager, tok):
     assert traj.tool_choice.temperatures == [1.0] * len(choice.temperatures)
 
 
+def test_training_episodes_cool_their_tool_choice_and_evaluations_do_not(manager, tok):
+    # toolChoiceTemperatureEnd: the producer plays a swarm stage's training episodes at a
+    # tool-choice temperature falling from the rollout's to the end one by annealStart; an
+    # evaluation's sampled episodes stay at the rollout's.
+    from kiln.services.rollout.producer import Producer
+    from kiln.services.rollout.swarm import SwarmRun
+    doc = job_doc(subagents="subagents", toolChoiceTemperatureEnd=2.0, annealStart=4)
+    doc["spec"]["rollout"] = {"toolCallFormat": "tags",
+                              "sampling": {"temperature": 1.0, "toolChoiceTemperature": 6.0}}
+    settings = RLJob.model_validate(doc).spec.stages[1].swarm
+    fmt = make_format("tags", tok)
+    subagents = Subagents(Scripted(tok, subagent_policy), fmt, SamplingOptions(),
+                          Limits(max_turns=4, max_tokens_per_turn=16), max_per_episode=8)
+    engine = Recording(tok, orchestrator(parallel(manager)))
+    explore = SamplingOptions(temperature=1.0, tool_choice_temperature=6.0)
+    limits = Limits(max_turns=12, max_tokens_per_turn=16, max_total_tokens=512)
+    producer = Producer(engine, LocalEnvClient(manager), fmt, None, sampling=explore,
+                        limits=limits, max_concurrent=1,
+                        swarms={"swarm": SwarmRun(settings, subagents, max_steps=8)})
+    producer._stage_start["swarm"] = 10
+
+    def tool_temperature(step: int, rescore: bool) -> float:
+        engine.policy_version = 10 + step
+        (traj,) = asyncio.run(producer._episode("swarm", rescore=rescore, task_set="wide",
+                                                index=0, sampling=explore, limits=limits))
+        assert traj.reward_parts["parl/perf"] == 1.0
+        return max(traj.tool_choice.temperatures)  # the others are the orchestrator's own, 1
+
+    assert [tool_temperature(s, True) for s in (0, 2, 4, 7)] == pytest.approx([6.0, 4.0, 2.0, 2.0])
+    assert tool_temperature(7, False) == 6.0
+    assert [settings.tool_choice_temperature(s, 6.0) for s in (0, 1, 4)] == [6.0, 5.0, 2.0]
+    # Unset, the rollout's holds; set without one to anneal, the job is refused.
+    assert SwarmRun(RLJob.model_validate(job_doc(subagents="subagents")).spec.stages[1].swarm,
+                    subagents, 8).settings.tool_choice_temperature(3, 6.0) == 6.0
+    with pytest.raises(ValidationError, match=re.escape(
+            "swarm.toolChoiceTemperatureEnd anneals rollout.sampling.toolChoiceTemperature, "
+            "which is unset")):
+        RLJob.model_validate(job_doc(subagents="subagents", toolChoiceTemperatureEnd=2.0))
+
+
 def test_a_critical_path_budget_ends_a_serial_episode_before_its_late_answer(manager, tok):
     # The parallel schedule's path (WIDTH + 4) as the budget: it answers within it.
     many, _ = play(manager, tok, parallel(manager), budget=WIDTH + 4)
@@ -301,6 +342,38 @@ def test_limits_and_a_subagents_failure_become_observations(manager, tok):
     assert t.reward_parts["swarm/assigned"] == 2 and t.reward_parts["swarm/refused"] == 1
     assert t.reward_parts["parl/finish"] == pytest.approx(1 / 3)
     assert t.reward_parts["parl/perf"] == 0.0  # two ends of three
+
+
+def test_a_training_episode_held_to_its_limits_ends_at_the_first_refused_assignment(manager, tok):
+    # endOnRefusal: the assignment past maxSubagents ends the episode unanswered, where it
+    # would otherwise be an observation and the episode would go on.
+    script = ["<call>assign 1</call>", "<call>assign 2</call>", "<call>assign 3</call>",
+              "<call>wait all</call>", "ANSWER"]
+    t, _ = play(manager, tok, script, max_subagents=2, end_on_refusal=True)
+    assert re.findall(r"<obs>(.*?)</obs>", tok.decode(t.tokens, skip_special_tokens=False)) == ["s1", "s2"]
+    assert (t.flags, t.verifier_output) == (["refused"], "error: this episode may create at most 2 subagents")
+    parts = t.reward_parts
+    assert (parts["answered"], parts["parl/perf"], parts["swarm/refused"], parts["swarm/assigned"]) == (0, 0, 1, 2)
+    assert parts["swarm/peak_parallel_collected"] == 0  # nothing was waited for
+    t, _ = play(manager, tok, script, max_subagents=2)
+    assert t.flags == [] and t.reward_parts["swarm/refused"] == 1
+    assert "error: this episode may create at most 2 subagents" in tok.decode(t.tokens, skip_special_tokens=False)
+    assert t.verifier_output.startswith("answered")
+    # The producer holds training episodes to it, never an evaluation's.
+    from kiln.services.rollout.producer import Producer
+    from kiln.services.rollout.swarm import SwarmRun
+    settings = RLJob.model_validate(job_doc(subagents="subagents", endOnRefusal=True)).spec.stages[1].swarm
+    fmt = make_format("tags", tok)
+    subagents = Subagents(Scripted(tok, subagent_policy), fmt, SamplingOptions(),
+                          Limits(max_turns=4, max_tokens_per_turn=16), max_per_episode=2)
+    limits = Limits(max_turns=12, max_tokens_per_turn=16, max_total_tokens=512)
+    producer = Producer(Scripted(tok, orchestrator(script)), LocalEnvClient(manager), fmt, None,
+                        sampling=SamplingOptions(), limits=limits, max_concurrent=1,
+                        swarms={"swarm": SwarmRun(settings, subagents, max_steps=8)})
+    flags = [asyncio.run(producer._episode("swarm", rescore=rescore, task_set="wide", index=0,
+                                           sampling=SamplingOptions(), limits=limits))[0].flags
+             for rescore in (True, False)]
+    assert flags == [["refused"], []]
 
 
 def test_wait_all_shows_every_answer_so_far_and_a_named_wait_only_those(manager, tok):
