@@ -106,6 +106,10 @@ def starts(manager) -> list[int]:
     return manager.task("wide", 0).starts
 
 
+EPISODE = Limits(max_turns=12, max_tokens_per_turn=16, max_total_tokens=512)
+"""The orchestrator's limits in these tests."""
+
+
 def play(manager, tok, script, *, parl=Parl(0.5, 0.5, WIDTH), sub_engine=None, engine=None,
          max_subagents=8, delay=0.05, sampling=SamplingOptions(), budget=None,
          end_on_refusal=False):
@@ -116,9 +120,21 @@ def play(manager, tok, script, *, parl=Parl(0.5, 0.5, WIDTH), sub_engine=None, e
     engine = engine or Scripted(tok, orchestrator(script))
     trajs = asyncio.run(run_swarm_episode(
         engine, LocalEnvClient(manager), fmt, subagents, parl, task_set="wide", index=0,
-        budget=budget, end_on_refusal=end_on_refusal, sampling=sampling, limits=Limits(max_turns=12, max_tokens_per_turn=16,
-                                                  max_total_tokens=512)))
+        budget=budget, end_on_refusal=end_on_refusal, sampling=sampling, limits=EPISODE))
     return trajs[0], sub_engine
+
+
+def swarm_producer(manager, tok, engine, settings, *, sampling=SamplingOptions(),
+                   max_subagents=8):
+    """The rollout producer of a job whose stage `swarm` has `settings`, on scripted engines."""
+    from kiln.services.rollout.producer import Producer
+    from kiln.services.rollout.swarm import SwarmRun
+    fmt = make_format("tags", tok)
+    subagents = Subagents(Scripted(tok, subagent_policy), fmt, SamplingOptions(),
+                          Limits(max_turns=4, max_tokens_per_turn=16),
+                          max_per_episode=max_subagents)
+    return Producer(engine, LocalEnvClient(manager), fmt, None, sampling=sampling, limits=EPISODE,
+                    max_concurrent=1, swarms={"swarm": SwarmRun(settings, subagents, max_steps=8)})
 
 
 def serial(manager) -> list[str]:
@@ -248,27 +264,19 @@ def test_training_episodes_cool_their_tool_choice_and_evaluations_do_not(manager
     # toolChoiceTemperatureEnd: the producer plays a swarm stage's training episodes at a
     # tool-choice temperature falling from the rollout's to the end one by annealStart; an
     # evaluation's sampled episodes stay at the rollout's.
-    from kiln.services.rollout.producer import Producer
-    from kiln.services.rollout.swarm import SwarmRun
     doc = job_doc(subagents="subagents", toolChoiceTemperatureEnd=2.0, annealStart=4)
     doc["spec"]["rollout"] = {"toolCallFormat": "tags",
                               "sampling": {"temperature": 1.0, "toolChoiceTemperature": 6.0}}
     settings = RLJob.model_validate(doc).spec.stages[1].swarm
-    fmt = make_format("tags", tok)
-    subagents = Subagents(Scripted(tok, subagent_policy), fmt, SamplingOptions(),
-                          Limits(max_turns=4, max_tokens_per_turn=16), max_per_episode=8)
     engine = Recording(tok, orchestrator(parallel(manager)))
     explore = SamplingOptions(temperature=1.0, tool_choice_temperature=6.0)
-    limits = Limits(max_turns=12, max_tokens_per_turn=16, max_total_tokens=512)
-    producer = Producer(engine, LocalEnvClient(manager), fmt, None, sampling=explore,
-                        limits=limits, max_concurrent=1,
-                        swarms={"swarm": SwarmRun(settings, subagents, max_steps=8)})
-    producer._stage_start["swarm"] = 10
+    producer = swarm_producer(manager, tok, engine, settings, sampling=explore)
+    producer._stage_start["swarm"] = 10  # the stage began at policy version 10
 
     def tool_temperature(step: int, rescore: bool) -> float:
         engine.policy_version = 10 + step
         (traj,) = asyncio.run(producer._episode("swarm", rescore=rescore, task_set="wide",
-                                                index=0, sampling=explore, limits=limits))
+                                                index=0, sampling=explore, limits=EPISODE))
         assert traj.reward_parts["parl/perf"] == 1.0
         return max(traj.tool_choice.temperatures)  # the others are the orchestrator's own, 1
 
@@ -276,8 +284,8 @@ def test_training_episodes_cool_their_tool_choice_and_evaluations_do_not(manager
     assert tool_temperature(7, False) == 6.0
     assert [settings.tool_choice_temperature(s, 6.0) for s in (0, 1, 4)] == [6.0, 5.0, 2.0]
     # Unset, the rollout's holds; set without one to anneal, the job is refused.
-    assert SwarmRun(RLJob.model_validate(job_doc(subagents="subagents")).spec.stages[1].swarm,
-                    subagents, 8).settings.tool_choice_temperature(3, 6.0) == 6.0
+    unset = RLJob.model_validate(job_doc(subagents="subagents")).spec.stages[1].swarm
+    assert unset.tool_choice_temperature(3, 6.0) == 6.0
     with pytest.raises(ValidationError, match=re.escape(
             "swarm.toolChoiceTemperatureEnd anneals rollout.sampling.toolChoiceTemperature, "
             "which is unset")):
@@ -350,28 +358,25 @@ def test_a_training_episode_held_to_its_limits_ends_at_the_first_refused_assignm
     script = ["<call>assign 1</call>", "<call>assign 2</call>", "<call>assign 3</call>",
               "<call>wait all</call>", "ANSWER"]
     t, _ = play(manager, tok, script, max_subagents=2, end_on_refusal=True)
-    assert re.findall(r"<obs>(.*?)</obs>", tok.decode(t.tokens, skip_special_tokens=False)) == ["s1", "s2"]
-    assert (t.flags, t.verifier_output) == (["refused"], "error: this episode may create at most 2 subagents")
+    refusal = "error: this episode may create at most 2 subagents"
+
+    def context(t) -> str:
+        return tok.decode(t.tokens, skip_special_tokens=False)
+    assert re.findall(r"<obs>(.*?)</obs>", context(t)) == ["s1", "s2"]
+    assert (t.flags, t.verifier_output) == (["refused"], refusal)
     parts = t.reward_parts
-    assert (parts["answered"], parts["parl/perf"], parts["swarm/refused"], parts["swarm/assigned"]) == (0, 0, 1, 2)
+    assert (parts["answered"], parts["parl/perf"]) == (0, 0)
+    assert (parts["swarm/refused"], parts["swarm/assigned"]) == (1, 2)
     assert parts["swarm/peak_parallel_collected"] == 0  # nothing was waited for
     t, _ = play(manager, tok, script, max_subagents=2)
     assert t.flags == [] and t.reward_parts["swarm/refused"] == 1
-    assert "error: this episode may create at most 2 subagents" in tok.decode(t.tokens, skip_special_tokens=False)
-    assert t.verifier_output.startswith("answered")
+    assert refusal in context(t) and t.verifier_output.startswith("answered")
     # The producer holds training episodes to it, never an evaluation's.
-    from kiln.services.rollout.producer import Producer
-    from kiln.services.rollout.swarm import SwarmRun
-    settings = RLJob.model_validate(job_doc(subagents="subagents", endOnRefusal=True)).spec.stages[1].swarm
-    fmt = make_format("tags", tok)
-    subagents = Subagents(Scripted(tok, subagent_policy), fmt, SamplingOptions(),
-                          Limits(max_turns=4, max_tokens_per_turn=16), max_per_episode=2)
-    limits = Limits(max_turns=12, max_tokens_per_turn=16, max_total_tokens=512)
-    producer = Producer(Scripted(tok, orchestrator(script)), LocalEnvClient(manager), fmt, None,
-                        sampling=SamplingOptions(), limits=limits, max_concurrent=1,
-                        swarms={"swarm": SwarmRun(settings, subagents, max_steps=8)})
+    doc = job_doc(subagents="subagents", endOnRefusal=True)
+    producer = swarm_producer(manager, tok, Scripted(tok, orchestrator(script)),
+                              RLJob.model_validate(doc).spec.stages[1].swarm, max_subagents=2)
     flags = [asyncio.run(producer._episode("swarm", rescore=rescore, task_set="wide", index=0,
-                                           sampling=SamplingOptions(), limits=limits))[0].flags
+                                           sampling=SamplingOptions(), limits=EPISODE))[0].flags
              for rescore in (True, False)]
     assert flags == [["refused"], []]
 
