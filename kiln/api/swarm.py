@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from kiln.api.components import Model
+from kiln.swarm import annealed
 
 
 class SwarmSettings(Model):
@@ -109,9 +110,9 @@ class SwarmSettings(Model):
         low = self.tool_choice_temperature_end
         if low is None:
             return base
-        if self.anneal_start < 1 or step >= self.anneal_start:
+        if self.anneal_start < 1:
             return low
-        return low + (base - low) * (self.anneal_start - step) / self.anneal_start
+        return low + annealed(base - low, step, 0, self.anneal_start)
 
     def budget(self, step: int) -> int | None:
         """The critical-path budget of the stage's training episodes at `step`."""

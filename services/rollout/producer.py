@@ -304,7 +304,7 @@ class Producer:
             return await run_episode(self.engine, self.env, self.fmt, score=score, **kwargs)
         step = self.engine.policy_version - self._stage_start.get(stage, self.engine.policy_version)
         sampling = kwargs["sampling"]
-        if rescore and sampling.tool_choice_temperature is not None and sampling.temperature > 0:
+        if rescore and sampling.tool_choice_temperature is not None:
             kwargs["sampling"] = dataclasses.replace(
                 sampling, tool_choice_temperature=swarm.settings.tool_choice_temperature(
                     step, sampling.tool_choice_temperature))
