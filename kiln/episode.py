@@ -70,6 +70,11 @@ class StepResult:
     """Set when `done`: the final answer the episode was graded on ("" when none)."""
     reference: str = ""
     """Set when `done`: the task's reference answer for a judge (`Environment.reference`), or ""."""
+    tools: list[str] | None = None
+    """The tools the episode offers from the next reply on, by name, when that changed (an
+    agent swarm withdraws `assign` at its subagent limit, `SwarmSettings.withdraw_at_limit`);
+    None: as before. It binds where replies choose their tool among tokens
+    (`rollout.sampling.toolChoiceTemperature`): a tool left out is not among the choices."""
 
 
 @dataclass

@@ -50,6 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kiln.env import ToolSpec
+from kiln.trajectory import Trajectory
 
 CREATE, ASSIGN, WAIT = "create_subagent", "assign", "wait"
 
@@ -138,6 +139,23 @@ class Parl:
                 "parl/lambda_parallel": self.lambda_parallel,
                 "parl/lambda_finish": self.lambda_finish, "parl/outcome_scale": scale,
                 "parl/total": total}
+
+
+def replies_mask(traj: Trajectory, replies: set[int], calls: int) -> list[int]:
+    """A per-token mask of `traj` that is 1 on the orchestrator's `replies` (0-based) of the
+    `calls` it made: what `shapingCredit: assignments` credits the shaping terms to."""
+    spans = traj.reply_spans()
+    if len(spans) != calls:
+        # Each orchestrator call is one reply in one context; a context restarted between
+        # turns (turn-level thinking) has its replies in several trajectories.
+        raise ValueError(f"shapingCredit 'assignments': trajectory {traj.id} has {len(spans)} "
+                         f"replies, the orchestrator made {calls} calls; the credit needs the "
+                         "whole episode in one context")
+    mask = [0] * len(traj.tokens)
+    for turn in replies:
+        start, end = spans[turn]
+        mask[start:end] = [1] * (end - start)
+    return mask
 
 
 def annealed(value: float, step: int, start: int, end: int) -> float:

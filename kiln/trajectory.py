@@ -86,8 +86,18 @@ class Trajectory:
     t*k+j); 0 where loss_mask is 0."""
     tool_choice: ToolChoice | None = None
     """Where the policy chose among tools at a temperature of its own (see `ToolChoice`)."""
+    shaping_reward: float = 0.0
+    shaping_mask: list[int] = field(default_factory=list)
+    """Optional credit by turn: `shaping_reward`, a part of `reward`, was earned by the tokens
+    where `shaping_mask` is 1 (the replies that did what it pays for, e.g. an agent swarm's
+    accepted assignments), and the trainer puts its group-relative advantage on those tokens
+    alone; the rest of the reward's advantage goes to every token. Empty: the whole reward
+    is the episode's, on every token."""
     advantage: float = 0.0
     """Group-relative advantage, filled in by the buffer when the group is complete."""
+    shaping_advantage: float = 0.0
+    """The group-relative advantage of `shaping_reward` (part of `advantage` until the trainer
+    splits it off, `kiln.services.trainer.batch.shaping_split`)."""
     created_at: float = 0.0
 
     @property
@@ -115,6 +125,19 @@ class Trajectory:
         kept["tool_choice"] = ToolChoice(**choice) if isinstance(choice, dict) else None
         return cls(**kept)
 
+    def reply_spans(self) -> list[tuple[int, int]]:
+        """`[start, end)` of each stretch of generated tokens (loss_mask 1), in order: in an
+        agent loop's trajectory, one per reply (prompt, framing and observations between them
+        have loss mask 0)."""
+        spans, start = [], None
+        for i, m in enumerate(self.loss_mask + [0]):
+            if m and start is None:
+                start = i
+            elif not m and start is not None:
+                spans.append((start, i))
+                start = None
+        return spans
+
     def versions_per_token(self) -> list[int]:
         """The policy version of every token; -1 for tokens not generated (prompt/observation)."""
         out = [-1] * len(self.tokens)
@@ -137,6 +160,12 @@ class Trajectory:
                 f"trajectory {self.id}: tokens ({n}), loss_mask ({len(self.loss_mask)}) and "
                 f"logp_infer ({len(self.logp_infer)}) must have the same length"
             )
+        if self.shaping_mask and (len(self.shaping_mask) != n or any(
+                s and not m for s, m in zip(self.shaping_mask, self.loss_mask))):
+            raise ValueError(f"trajectory {self.id}: shaping_mask has {len(self.shaping_mask)} "
+                             f"entries, tokens {n}; it must mark generated tokens only")
+        if not math.isfinite(self.shaping_reward):
+            raise ValueError(f"trajectory {self.id}: shaping_reward is {self.shaping_reward}")
         if self.teacher_logp and len(self.teacher_logp) != n:
             raise ValueError(f"trajectory {self.id}: teacher_logp has {len(self.teacher_logp)} "
                              f"entries, tokens {n}")

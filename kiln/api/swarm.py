@@ -78,6 +78,23 @@ class SwarmSettings(Model):
     answers, and nothing tests what the policy's most likely choices do (what a greedy
     evaluation runs). Cooled, training plays the policy's own choices. Unset: the rollout's
     all stage long."""
+    withdraw_at_limit: bool = False
+    """At the subagent limit, `assign` (and `create_subagent`) leave the tools the orchestrator
+    chooses among (`rollout.sampling.toolChoiceTemperature`, which it needs), in training and
+    evaluation alike, until a subagent it can name is idle again; so its replies choose among
+    the moves that can run, as they would among a game's legal moves. Off, an assignment past
+    the limit is refused as an observation, and it costs nothing on the critical path while
+    subagents run: in RL, the choice between it and `wait` hardly changed an episode's outcome,
+    and the greedy orchestrator learned to assign past the limit until its answer no longer fit
+    the episode (README, "Agent swarms")."""
+    shaping_credit: Literal["episode", "assignments"] = "episode"
+    """Which tokens PARL's shaping terms (lambda1 r_parallel + lambda2 r_finish) are credited
+    to. `episode`: the whole reward's group-relative advantage on every reply, as for any
+    reward. `assignments`: the shaping terms' advantage goes to the replies whose assignment
+    started a subagent, the rest of the reward's (r_perf's) to every reply; so the answer,
+    the waits and any assignment refused past the limit answer to the outcome alone. With the
+    episode's credit, a wrong answer or a refused assignment in an episode that ran its
+    subagents side by side is reinforced with them (README, "Agent swarms")."""
     anneal_start: int = Field(0, ge=0)
     """Step of the stage at which both lambdas start falling linearly..."""
     anneal_end: int | None = Field(None, ge=1)
@@ -141,6 +158,14 @@ def swarm_problems(spec) -> list[str]:
             if spec.rollout.sampling.tool_choice_temperature is None:
                 problems.append(f"stages[{i}] ({stage.name}).swarm.toolChoiceTemperatureEnd "
                                 "anneals rollout.sampling.toolChoiceTemperature, which is unset")
+        if swarm.withdraw_at_limit and spec.rollout.sampling.tool_choice_temperature is None:
+            problems.append(f"stages[{i}] ({stage.name}).swarm.withdrawAtLimit withdraws tools "
+                            "from the replies' tool choice; rollout.sampling.toolChoiceTemperature "
+                            "is unset")
+        if swarm.shaping_credit == "assignments" and spec.rollout.thinking == "turn-level":
+            problems.append(f"stages[{i}] ({stage.name}).swarm.shapingCredit 'assignments' marks "
+                            "replies in the episode's one context; rollout.thinking "
+                            "'turn-level' splits it")
         ref = swarm.subagents
         if ref in names and names.index(ref) >= i:
             problems.append(f"stages[{i}] ({stage.name}).swarm.subagents: stage {ref!r} does not "

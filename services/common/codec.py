@@ -41,6 +41,8 @@ def to_proto(traj: Trajectory) -> trajectory_pb2.Trajectory:
         reward=traj.reward,
         verifier_output=traj.verifier_output,
         advantage=traj.advantage,
+        shaping_reward=traj.shaping_reward,
+        shaping_advantage=traj.shaping_advantage,
         sandbox_image_digest=traj.sandbox_image_digest,
         engine_fingerprint=traj.engine_fingerprint,
         created_at=traj.created_at,
@@ -50,6 +52,7 @@ def to_proto(traj: Trajectory) -> trajectory_pb2.Trajectory:
     msg.tokens.extend(traj.tokens)
     msg.loss_mask.extend(traj.loss_mask)
     msg.logp_infer.extend(traj.logp_infer)
+    msg.shaping_mask.extend(traj.shaping_mask)
     msg.teacher_logp.extend(traj.teacher_logp)
     msg.teacher_top_k = traj.teacher_top_k
     msg.teacher_topk_ids.extend(traj.teacher_topk_ids)
@@ -100,6 +103,9 @@ def from_proto(msg: trajectory_pb2.Trajectory) -> Trajectory:
         teacher_topk_ids=msg.teacher_topk_ids[:],
         teacher_topk_logp=msg.teacher_topk_logp[:],
         advantage=msg.advantage,
+        shaping_reward=msg.shaping_reward,
+        shaping_mask=msg.shaping_mask[:],
+        shaping_advantage=msg.shaping_advantage,
         created_at=msg.created_at,
     )
 

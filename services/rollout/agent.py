@@ -23,7 +23,9 @@ episode once per segment).
 
 With `sampling.toolChoiceTemperature` each request also carries the episode's tool-choice rule
 (where a reply names its tool or an enumerated argument, and among which tokens: the format's
-`tool_choice`), and each trajectory records the tokens that were such choices.
+`tool_choice`), and each trajectory records the tokens that were such choices. An environment
+may withdraw tools as the episode goes (`StepResult.tools`): the next replies choose among the
+rest.
 
 Not covered: scheduling many episodes and shipping them (`producer.py`).
 """
@@ -106,7 +108,7 @@ async def run_episode(engine: Engine, env: EnvClient, fmt: Format, *, task_set: 
     ep = await env.open(task_set, index, limits.max_turns)
     try:
         conv = fmt.conversation(ep)
-        sampling = _with_tool_choice(sampling, conv, ep)
+        base, sampling = sampling, _with_tool_choice(sampling, conv, ep)
         rule = sampling.tool_choice
         seg = _Segment(conv.prompt())
         segments = [seg]
@@ -142,6 +144,9 @@ async def run_episode(engine: Engine, env: EnvClient, fmt: Format, *, task_set: 
             result = await env.step(ep.episode_id, conv.read_reply(gen.token_ids))
             if result.done:
                 break
+            if result.tools is not None and rule is not None:
+                sampling = _with_tool_choice(base, conv, ep, result.tools)
+                rule = sampling.tool_choice
             observed = conv.observation(result.outputs)
             if conv.restarted:
                 seg = _Segment(observed)
@@ -174,9 +179,11 @@ async def run_episode(engine: Engine, env: EnvClient, fmt: Format, *, task_set: 
         await env.close(ep.episode_id)
 
 
-def _with_tool_choice(sampling: SamplingOptions, conv, ep: EpisodeInfo) -> SamplingOptions:
+def _with_tool_choice(sampling: SamplingOptions, conv, ep: EpisodeInfo,
+                      offered: list[str] | None = None) -> SamplingOptions:
     """`sampling` with this episode's tool-choice rule when the job sets a tool-choice
-    temperature and the episode has tools. A greedy request (evaluation) takes the rule's
+    temperature and the episode has tools; among the tools `offered` (`StepResult.tools`),
+    when the environment has withdrawn some. A greedy request (evaluation) takes the rule's
     constraints alone: it decodes the policy that training sampled from."""
     if sampling.tool_choice_temperature is None or not ep.tools:
         return sampling
@@ -190,7 +197,8 @@ def _with_tool_choice(sampling: SamplingOptions, conv, ep: EpisodeInfo) -> Sampl
         temperature = {"tool": 1.0, "argument": 1.0}
     else:
         temperature = {"tool": sampling.tool_choice_temperature, "argument": sampling.temperature}
-    choices = tuple((tuple(opening), tuple(ids), temperature[what]) for opening, ids, what in choice())
+    choices = tuple((tuple(opening), tuple(ids), temperature[what])
+                    for opening, ids, what in choice(offered))
     return dataclasses.replace(sampling, tool_choice=ToolChoiceRule(choices))
 
 

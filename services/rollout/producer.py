@@ -310,9 +310,7 @@ class Producer:
                     step, sampling.tool_choice_temperature))
         trajs = await run_swarm_episode(
             self.engine, self.env.env, self.fmt, swarm.subagents, swarm.parl(step),
-            wrap=lambda env: EnvTimer(env, self.occupancy),
-            budget=swarm.settings.budget(step) if rescore else None,
-            end_on_refusal=rescore and swarm.settings.end_on_refusal, **kwargs)
+            wrap=lambda env: EnvTimer(env, self.occupancy), **swarm.options(step, rescore), **kwargs)
         swarm.observe(trajs)
         return trajs
 

@@ -31,14 +31,14 @@ import time
 from dataclasses import dataclass, field
 
 from kiln.episode import Action, EpisodeInfo, StepResult, ToolOutput
-from kiln.env import ToolCall
+from kiln.env import ToolCall, ToolSpec
 from kiln.services.rollout.agent import Limits, run_episode
 from kiln.services.rollout.engine import Engine, SamplingOptions
 from kiln.services.rollout.formats import Format
 from kiln.services.sandbox.client import EnvClient
 from kiln.api.swarm import SwarmSettings
 from kiln.services.common import metrics
-from kiln.swarm import ASSIGN, CREATE, TOOL_NAMES, Parl, SwarmStats, annealed
+from kiln.swarm import ASSIGN, CREATE, TOOL_NAMES, Parl, SwarmStats, annealed, replies_mask
 from kiln.trajectory import Trajectory
 
 
@@ -108,9 +108,14 @@ class SwarmEnv:
     (it holds the episode's subagents)."""
 
     def __init__(self, env: EnvClient, subagents: Subagents, parl: Parl,
-                 budget: int | None = None, end_on_refusal: bool = False) -> None:
+                 budget: int | None = None, end_on_refusal: bool = False,
+                 credit: str = "episode", withdraw: bool = False) -> None:
         self.env, self.subagents, self.parl, self.budget = env, subagents, parl, budget
-        self.end_on_refusal = end_on_refusal
+        self.end_on_refusal, self.credit, self.withdraw = end_on_refusal, credit, withdraw
+        self._tools: list[ToolSpec] = []
+        """The episode's tools, as the environment lists them."""
+        self._assigning: set[int] = set()
+        """The orchestrator's replies (0-based) that started a subagent."""
         self.stats = SwarmStats()
         self._agents: dict[str, _Subagent] = {}
         self._running: set[int] = set()
@@ -128,7 +133,7 @@ class SwarmEnv:
     async def open(self, task_set: str, index: int, max_actions: int) -> EpisodeInfo:
         self._t0 = time.monotonic()
         info = await self.env.open(task_set, index, max_actions)
-        self._episode = info.episode_id
+        self._episode, self._tools = info.episode_id, list(info.tools)
         return info
 
     async def close(self, episode_id: str) -> None:
@@ -142,7 +147,7 @@ class SwarmEnv:
         swarm = [c for c in action.tool_calls if c.name in TOOL_NAMES]
         if action.unparseable or not swarm:
             result = await self.env.step(episode_id, action)
-            return self._scored(result) if result.done else self._deadline() or result
+            return self._scored(result) if result.done else self._deadline() or self._offer(result)
         outputs: list[ToolOutput] = []
         others = [c for c in action.tool_calls if c.name not in TOOL_NAMES]
         if others:
@@ -157,7 +162,22 @@ class SwarmEnv:
             outputs.append(ToolOutput(call.id, call.name, await self._tool(call, depth)))
             if self.end_on_refusal and self.stats.refused > refused:
                 return self._ended(outputs[-1].content, "refused")
-        return self._deadline() or StepResult(outputs=outputs)
+        return self._deadline() or self._offer(StepResult(outputs=outputs))
+
+    def _offer(self, result: StepResult) -> StepResult:
+        """`result`, with the tools offered from now on when the job withdraws `assign` (and
+        `create_subagent`) at the subagent limit: once no subagent can be created, and none
+        that the episode could name is idle, an assignment can only be refused."""
+        if not self.withdraw:
+            return result
+        withdrawn: set[str] = set()
+        if self._over_limit():
+            assign = next((t for t in self._tools if t.name == ASSIGN), None)
+            nameable = assign is not None and "subagent" in assign.parameters.get("properties", {})
+            idle = any(a.task is None or a.collected for a in self._agents.values())
+            withdrawn = {CREATE} if nameable and idle else {CREATE, ASSIGN}
+        result.tools = [t.name for t in self._tools if t.name not in withdrawn]
+        return result
 
     def _deadline(self) -> StepResult | None:
         """The episode's end when its next orchestrator call would pass the critical-path
@@ -213,6 +233,7 @@ class SwarmEnv:
         agent.assignment = self.stats.assigned
         agent.task = asyncio.ensure_future(self._play(agent, task))
         self.stats.assigned += 1
+        self._assigning.add(self.stats.path.orchestrator_calls - 1)
         self._running.add(agent.assignment)
         self._overlaps.append(frozenset(self._running))
         self.stats.peak = max(self.stats.peak, len(self._running))
@@ -312,19 +333,26 @@ class SwarmEnv:
                                      peak_collected=self.stats.peak_collected)
             t.reward = parts["parl/total"]
             t.reward_parts = {**t.reward_parts, **parts, **self.stats.parts()}
+            if self.credit == "assignments":
+                # The lambda-weighted r_parallel and r_finish, to the replies that assigned.
+                t.shaping_reward = t.reward - parts["parl/perf"]
+                t.shaping_mask = replies_mask(t, self._assigning, self.stats.path.orchestrator_calls)
         return trajs
 
 
 async def run_swarm_episode(engine: Engine, env: EnvClient, fmt: Format, subagents: Subagents,
                             parl: Parl, *, wrap=None, budget: int | None = None,
-                            end_on_refusal: bool = False, **kwargs) -> list[Trajectory]:
+                            end_on_refusal: bool = False, credit: str = "episode",
+                            withdraw: bool = False, **kwargs) -> list[Trajectory]:
     """`run_episode` (same arguments) of an orchestrator: the swarm tools answered, subagents
     played on `subagents`' engine (on `env` itself), the reward PARL's. `wrap` wraps the
     orchestrator's environment (the producer's occupancy timer: an orchestrator waiting on its
     subagents is stepping, not occupying the engine); `budget`, the critical-path steps it may
     take (`SwarmSettings.max_critical_steps`); `end_on_refusal`, whether an assignment its
-    limits refuse ends it (`SwarmSettings.end_on_refusal`)."""
-    swarm = SwarmEnv(env, subagents, parl, budget, end_on_refusal)
+    limits refuse ends it (`SwarmSettings.end_on_refusal`); `credit`, which replies the shaping
+    terms are credited to (`SwarmSettings.shaping_credit`); `withdraw`, whether `assign` leaves
+    the offered tools at the subagent limit (`SwarmSettings.withdraw_at_limit`)."""
+    swarm = SwarmEnv(env, subagents, parl, budget, end_on_refusal, credit, withdraw)
     played = await run_episode(engine, wrap(swarm) if wrap else swarm, fmt, **kwargs)
     return swarm.rewarded(played)
 
@@ -345,6 +373,14 @@ class SwarmRun:
         return Parl(annealed(s.lambda_parallel, step, s.anneal_start, end),
                     annealed(s.lambda_finish, step, s.anneal_start, end), s.target,
                     paid=s.parallel_reward)
+
+    def options(self, step: int, training: bool) -> dict:
+        """`run_swarm_episode`'s settings for an episode at `step`: a training one's, or an
+        evaluation's (no latency budget, refusals observed)."""
+        s = self.settings
+        return {"budget": s.budget(step) if training else None,
+                "end_on_refusal": training and s.end_on_refusal, "credit": s.shaping_credit,
+                "withdraw": s.withdraw_at_limit}
 
     def observe(self, trajs: list[Trajectory]) -> None:
         """The episode's measurements into Prometheus."""

@@ -69,13 +69,15 @@ def step_to_proto(r: StepResult) -> pb.StepResult:
     return pb.StepResult(outputs=[_output_to(o) for o in r.outputs], done=r.done, reward=r.reward,
                          reward_parts=r.reward_parts, verifier_output=r.verifier_output,
                          flags=r.flags, sandbox_image_digest=r.sandbox_image_digest,
-                         answer=r.answer, reference=r.reference)
+                         answer=r.answer, reference=r.reference,
+                         tools=pb.ToolNames(names=r.tools) if r.tools is not None else None)
 
 
 def step_from_proto(msg: pb.StepResult) -> StepResult:
     return StepResult([_output_from(o) for o in msg.outputs], msg.done, msg.reward,
                       dict(msg.reward_parts), msg.verifier_output, list(msg.flags),
-                      msg.sandbox_image_digest, msg.answer, msg.reference)
+                      msg.sandbox_image_digest, msg.answer, msg.reference,
+                      list(msg.tools.names) if msg.HasField("tools") else None)
 
 
 def demonstration_to_proto(d: Demonstration) -> pb.Demonstration:

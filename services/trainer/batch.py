@@ -49,6 +49,11 @@ class TensorBatch:
     """[B] bool: the sequence carries the teacher's top k."""
     choices: ToolChoices | None = None
     """Where tokens were drawn as tool choices, and among what; None when no sequence has one."""
+    shaping_mask: torch.Tensor | None = None
+    """[B, S] float32, 1 on the tokens that earned their sequence's shaping reward; None when
+    no sequence credits one by turn (`Trajectory.shaping_mask`)."""
+    shaping_advantages: torch.Tensor | None = None
+    """[B] float32, the shaping reward's advantage, for the `shaping_mask` tokens alone."""
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +73,9 @@ class TensorBatch:
             topk_logp=self.topk_logp[idx, :n] if self.topk_logp is not None else None,
             has_topk=self.has_topk[idx] if self.has_topk is not None else None,
             choices=self.choices.select(idx, len(self.lengths)) if self.choices is not None else None,
+            shaping_mask=self.shaping_mask[idx, :n] if self.shaping_mask is not None else None,
+            shaping_advantages=(self.shaping_advantages[idx] if self.shaping_advantages is not None
+                                else None),
         )
 
     def to(self, device: torch.device) -> "TensorBatch":
@@ -80,7 +88,17 @@ class TensorBatch:
             *(t.to(device) if t is not None else None
               for t in (self.topk_ids, self.topk_logp, self.has_topk)),
             self.choices.to(device) if self.choices is not None else None,
+            *(t.to(device) if t is not None else None
+              for t in (self.shaping_mask, self.shaping_advantages)),
         )
+
+    def token_advantages(self) -> torch.Tensor:
+        """[B] advantages, one per sequence, or [B, S] where a sequence credits a shaping
+        reward by turn: the episode's advantage on every token plus the shaping reward's on the
+        tokens that earned it."""
+        if self.shaping_mask is None:
+            return self.advantages
+        return self.advantages[:, None] + self.shaping_mask * self.shaping_advantages[:, None]
 
 
 def collate(trajs: list[Trajectory]) -> TensorBatch:
@@ -112,7 +130,16 @@ def collate(trajs: list[Trajectory]) -> TensorBatch:
                 topk_ids[i, :n] = torch.tensor(t.teacher_topk_ids, dtype=torch.long).view(n, k)
                 topk_logp[i, :n] = torch.tensor(t.teacher_topk_logp, dtype=torch.float32).view(n, k)
         has_topk = torch.tensor([t.teacher_top_k == k for t in trajs])
+    shaping_mask = shaping_adv = None
+    if any(t.shaping_mask for t in trajs):
+        shaping_mask = torch.zeros(b, s)
+        for i, t in enumerate(trajs):
+            if t.shaping_mask:
+                shaping_mask[i, :len(t.tokens)] = torch.tensor(t.shaping_mask, dtype=torch.float32)
+        shaping_adv = torch.tensor([t.shaping_advantage for t in trajs], dtype=torch.float32)
     return TensorBatch(
+        shaping_mask=shaping_mask,
+        shaping_advantages=shaping_adv,
         choices=collate_choices(trajs),
         topk_ids=topk_ids,
         topk_logp=topk_logp,
@@ -179,13 +206,46 @@ def collate_tokens(sequences: list[list[int]]) -> tuple[torch.Tensor, list[int]]
     return tokens, [len(x) for x in sequences]
 
 
+def rl_advantages(batch: list[Trajectory], advantage_norm: str) -> list[Trajectory]:
+    """The advantages an RL step trains `batch` on: shaping rewards credited by turn split
+    off (`shaping_split`), then, with `mean-std`, scaled by their groups' std."""
+    batch = shaping_split(batch)
+    return std_normalized(batch) if advantage_norm == "mean-std" else batch
+
+
 def std_normalized(batch: list[Trajectory], eps: float = 1e-6) -> list[Trajectory]:
     """`batch` with each advantage (reward minus its group's mean, from the buffer) divided by
-    the standard deviation of its group's rewards (GRPO's normalisation). A batch holds whole
-    groups (the buffer serves no partial one), so each group's rewards are all here."""
-    rewards: dict[str, list[float]] = {}
+    the standard deviation of its group's rewards (GRPO's normalisation), its shaping part
+    (`shaping_split`) too. A batch holds whole groups (the buffer serves no partial one), so
+    each group's rewards are all here."""
+    std = {g: statistics.pstdev(rs) + eps for g, rs in _by_group(batch, "reward").items()}
+    return [dataclasses.replace(t, advantage=t.advantage / std[t.group_id],
+                                shaping_advantage=t.shaping_advantage / std[t.group_id])
+            for t in batch]
+
+
+def shaping_split(batch: list[Trajectory]) -> list[Trajectory]:
+    """`batch` with the advantage of each shaping reward credited by turn split off its
+    advantage: `shaping_advantage` is the shaping reward minus its group's mean, for the
+    tokens that earned it (`Trajectory.shaping_mask`), and `advantage` keeps the rest, for
+    every token, so that on a sequence whose every generated token earned it the two add up to
+    the advantage it had. Sequences without a mask are left whole. Whole groups, as in
+    `std_normalized`."""
+    if not any(t.shaping_mask for t in batch):
+        return batch
+    mean = {g: statistics.fmean(rs) for g, rs in _by_group(batch, "shaping_reward").items()}
+    out = []
     for t in batch:
-        rewards.setdefault(t.group_id, []).append(t.reward)
-    std = {g: statistics.pstdev(rs) for g, rs in rewards.items()}
-    return [dataclasses.replace(t, advantage=t.advantage / (std[t.group_id] + eps)) for t in batch]
+        if t.shaping_mask:
+            a = t.shaping_reward - mean[t.group_id]
+            t = dataclasses.replace(t, advantage=t.advantage - a, shaping_advantage=a)
+        out.append(t)
+    return out
+
+
+def _by_group(batch: list[Trajectory], attr: str) -> dict[str, list[float]]:
+    values: dict[str, list[float]] = {}
+    for t in batch:
+        values.setdefault(t.group_id, []).append(getattr(t, attr))
+    return values
 

@@ -40,7 +40,7 @@ from kiln.models.megatron_model import forward_logits
 from kiln.routing import RoutedExperts
 from kiln.services.trainer import checkpoint as ckpt
 from kiln.services.trainer import metrics
-from kiln.services.trainer.batch import TensorBatch, collate, collate_tokens, std_normalized
+from kiln.services.trainer.batch import TensorBatch, collate, collate_tokens, rl_advantages
 from kiln.services.trainer.config import TrainerConfig
 from kiln.services.trainer.loss import LossStats, policy_loss, sft_loss, token_advantages
 from kiln.services.trainer.replay import batch_logprobs, score as score_routed
@@ -135,17 +135,16 @@ class TrainerEngine:
         """One RL step on `batch` (policy loss). Returns the step's metrics. `staleness` (from
         the buffer, per trajectory) is counted into the metrics as `staleness_<k>`."""
         cfg = self.config.loss
-        if cfg.advantage_norm == "mean-std":
-            batch = std_normalized(batch)
+        batch = rl_advantages(batch, cfg.advantage_norm)
 
         def loss_fn(logp, mb, train_old, normalizer, student_topk):
             if cfg.kl_coef:
                 # A KL-penalised stage: the frozen log-probs are the reference's, not a teacher's.
-                return policy_loss(logp, mb.logp_infer, mb.loss_mask, mb.advantages, cfg,
+                return policy_loss(logp, mb.logp_infer, mb.loss_mask, mb.token_advantages(), cfg,
                                    logp_train_old=train_old, normalizer=normalizer,
                                    logp_ref=mb.teacher_logp, has_ref=mb.has_teacher)
             # On-policy distillation: per-token advantage from the teacher, else the sequence's.
-            adv = token_advantages(mb.advantages, logp, mb.teacher_logp, mb.has_teacher,
+            adv = token_advantages(mb.token_advantages(), logp, mb.teacher_logp, mb.has_teacher,
                                    cfg.task_reward_weight, cfg.sampled_weight)
             return policy_loss(
                 logp, mb.logp_infer, mb.loss_mask, adv, cfg, logp_train_old=train_old, normalizer=normalizer,

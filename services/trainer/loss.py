@@ -219,13 +219,14 @@ def opd_advantages(logp_teacher: torch.Tensor, logp_student: torch.Tensor) -> to
     return (logp_teacher - logp_student).detach()
 
 
-def token_advantages(seq_adv_B: torch.Tensor, logp_BS: torch.Tensor, teacher_BS: torch.Tensor,
+def token_advantages(seq_adv: torch.Tensor, logp_BS: torch.Tensor, teacher_BS: torch.Tensor,
                      has_teacher_B: torch.Tensor, task_reward_weight: float = 0.0,
                      sampled_weight: float = 1.0) -> torch.Tensor:
     """[B, S] advantages: a sequence with teacher log-probs gets `sampled_weight` times the
     distillation advantage of each token plus `task_reward_weight` times its group-relative
-    task advantage; any other sequence its task advantage on every token."""
-    seq = seq_adv_B[:, None].expand_as(logp_BS)
+    task advantage; any other sequence its task advantage on every token. `seq_adv`: the task
+    advantage, [B] (one per sequence) or [B, S] (per token: a shaping reward credited by turn)."""
+    seq = seq_adv.expand_as(logp_BS) if seq_adv.dim() == 2 else seq_adv[:, None].expand_as(logp_BS)
     opd = sampled_weight * opd_advantages(teacher_BS, logp_BS) + task_reward_weight * seq
     return torch.where(has_teacher_B[:, None], opd, seq)
 

@@ -45,7 +45,10 @@ def _full() -> Trajectory:
         teacher_topk_logp=[0.0, 0.0, 0.0, 0.0, -0.5, -1.25, -0.125, -3.0, 0.0, 0.0, -0.25, -2.0],
         tool_choice=ToolChoice(positions=[3, 5], token_ids=[8, 9, 70000, 4], counts=[2, 2],
                                temperatures=[6.0, 1.5]),
+        shaping_reward=0.5,
+        shaping_mask=[0, 0, 1, 0, 0, 1],
         advantage=-0.125,
+        shaping_advantage=0.25,
         created_at=1764400000.5,
     )
 
@@ -123,6 +126,9 @@ def _trajectories(draw: st.DrawFn) -> Trajectory:
         routed_experts=draw(st.none() | _routed()),
         teacher_logp=draw(st.lists(_f32s, max_size=n)),
         advantage=draw(st.floats(allow_nan=False)),
+        shaping_reward=draw(st.floats(allow_nan=False)),
+        shaping_mask=draw(st.lists(st.integers(0, 1), max_size=n)),
+        shaping_advantage=draw(st.floats(allow_nan=False)),
         created_at=draw(st.floats(allow_nan=False)),
     )
 

@@ -222,6 +222,47 @@ def test_group_std_normalization_by_hand() -> None:
     assert [t.advantage for t in batch][:2] == [0.75, -0.25]  # the batch itself is unchanged
 
 
+def test_a_shaping_reward_credited_by_turn_is_split_off_its_group_advantage() -> None:
+    """Group a: rewards 2, 1, 0, of which shaping 1, 0, 0 credited to marked tokens; b has no
+    mask and keeps its advantage whole. Where every generated token is marked, the two parts
+    add up to the advantage there was; mean-std divides both by the total reward's std."""
+    from kiln.services.buffer.synthetic import synthetic_trajectory
+    from kiln.services.trainer.batch import collate, shaping_split, std_normalized
+
+    batch = []
+    for g, rewards, shaping in (("a", [2.0, 1.0, 0.0], [1.0, 0.0, 0.0]), ("b", [1.0, 0.0], None)):
+        mean = sum(rewards) / len(rewards)
+        for i, r in enumerate(rewards):
+            t = synthetic_trajectory(f"{g}/{i}", g, reward=r)
+            t.advantage = r - mean
+            if shaping:
+                t.shaping_reward = shaping[i]
+                # The first generated token earned it; in a/2 every one did.
+                gen = [j for j, m in enumerate(t.loss_mask) if m]
+                t.shaping_mask = [int(m and (j == gen[0] or i == 2)) for j, m in enumerate(t.loss_mask)]
+                t.check()
+            batch.append(t)
+    out = shaping_split(batch)
+    third = 1 / 3
+    assert [t.shaping_advantage for t in out] == pytest.approx([2 * third, -third, -third, 0, 0])
+    assert [t.advantage for t in out] == pytest.approx([1 - 2 * third, third, -1 + third, 0.5, -0.5])
+    tb = collate(out)
+    adv = tb.token_advantages()
+    gen = tb.loss_mask.bool()
+    first = gen.float().argmax(dim=1)
+    assert adv[0, first[0]].item() == pytest.approx(1.0)            # the earning token: both parts
+    assert adv[0, first[0] + 1].item() == pytest.approx(1 - 2 * third)  # the others: the rest
+    assert adv[2][gen[2]].tolist() == pytest.approx([-1.0] * int(gen[2].sum()))  # all marked: whole
+    assert adv[3][gen[3]].tolist() == pytest.approx([0.5] * int(gen[3].sum()))   # no mask: whole
+    std = math.sqrt(2 / 3)
+    normed = std_normalized(out)
+    assert normed[0].shaping_advantage == pytest.approx(2 * third / std, rel=1e-5)
+    assert normed[0].advantage == pytest.approx((1 - 2 * third) / std, rel=1e-5)
+    # Without a mask in the batch nothing is split and the tensors stay per sequence.
+    plain = [synthetic_trajectory("c/0", "c", reward=1.0)]
+    assert shaping_split(plain) is plain and collate(plain).token_advantages().dim() == 1
+
+
 def test_normalizer_splits_a_batch_into_micro_batches() -> None:
     torch.manual_seed(0)
     cfg = PolicyLossConfig(icepop_beta=None)

@@ -112,7 +112,7 @@ EPISODE = Limits(max_turns=12, max_tokens_per_turn=16, max_total_tokens=512)
 
 def play(manager, tok, script, *, parl=Parl(0.5, 0.5, WIDTH), sub_engine=None, engine=None,
          max_subagents=8, delay=0.05, sampling=SamplingOptions(), budget=None,
-         end_on_refusal=False):
+         end_on_refusal=False, credit="episode", withdraw=False):
     fmt = make_format("tags", tok)
     sub_engine = sub_engine or Scripted(tok, subagent_policy, delay)
     subagents = Subagents(sub_engine, fmt, SamplingOptions(), Limits(max_turns=4, max_tokens_per_turn=16),
@@ -120,7 +120,8 @@ def play(manager, tok, script, *, parl=Parl(0.5, 0.5, WIDTH), sub_engine=None, e
     engine = engine or Scripted(tok, orchestrator(script))
     trajs = asyncio.run(run_swarm_episode(
         engine, LocalEnvClient(manager), fmt, subagents, parl, task_set="wide", index=0,
-        budget=budget, end_on_refusal=end_on_refusal, sampling=sampling, limits=EPISODE))
+        budget=budget, end_on_refusal=end_on_refusal, credit=credit, withdraw=withdraw,
+        sampling=sampling, limits=EPISODE))
     return trajs[0], sub_engine
 
 
@@ -260,6 +261,51 @@ def test_the_orchestrators_tool_choices_are_sampled_and_recorded(manager, tok):
     assert traj.tool_choice.temperatures == [1.0] * len(choice.temperatures)
 
 
+def test_at_the_subagent_limit_assign_leaves_the_tool_choice(manager, tok):
+    # withdrawAtLimit: once two subagents (the limit) are out, the replies choose their tool
+    # among `wait` alone, and the trajectory records it so; without it, `assign` stays.
+    ids = lambda text: tok.encode(text, add_special_tokens=False)
+    call, assign, wait = ids("<call>"), ids("assign")[:1], ids("wait")[:1]
+    script = ["<call>assign 1</call>", "<call>assign 2</call>", "<call>wait all</call>", "ANSWER"]
+    explore = SamplingOptions(temperature=1.0, tool_choice_temperature=6.0)
+    tools = {}
+    for withdraw in (True, False):
+        engine = Recording(tok, orchestrator(script))
+        traj, _ = play(manager, tok, script, engine=engine, max_subagents=2, sampling=explore,
+                       withdraw=withdraw)
+        traj.check()
+        tools[withdraw] = [set(rule.allowed(call)[0]) for rule in engine.rules]
+        # The tool-name choices the trajectory records: one per call, of three.
+        named = [s for s, t in zip(traj.tool_choice.sets(), traj.tool_choice.temperatures) if t == 6.0]
+        assert [set(s) for s in named] == tools[withdraw][:3]
+    both = set(assign + wait)
+    # The wide task's `assign` names no subagent: after the wait, none can take a new task.
+    assert tools[True] == [both, both, set(wait), set(wait)]
+    assert tools[False] == [both] * 4
+    # Evaluations are offered the same tools as training; the job needs tool choices for it.
+    from kiln.services.rollout.swarm import SwarmRun
+    doc = job_doc(subagents="subagents", withdrawAtLimit=True)
+    doc["spec"]["rollout"] = {"toolCallFormat": "tags", "sampling": {"toolChoiceTemperature": 6.0}}
+    settings = RLJob.model_validate(doc).spec.stages[1].swarm
+    assert [SwarmRun(settings, None, 8).options(3, training)["withdraw"]
+            for training in (True, False)] == [True, True]
+    # The tools offered reach rollout from an environment behind the sandbox service too, and
+    # an episode that offers none cannot choose one.
+    from kiln.episode import StepResult
+    from kiln.services.sandbox import wire
+    for offered in (None, [], ["wait"]):
+        assert wire.step_from_proto(wire.step_to_proto(StepResult(tools=offered))).tools == offered
+    episode = manager.open("wide", 0)
+    conv = make_format("tags", tok).conversation(episode)
+    with pytest.raises(ValueError, match="offers none of its tools"):
+        conv.tool_choice([])
+    asyncio.run(manager.close(episode.episode_id))
+    with pytest.raises(ValidationError, match=re.escape(
+            "swarm.withdrawAtLimit withdraws tools from the replies' tool choice; "
+            "rollout.sampling.toolChoiceTemperature is unset")):
+        RLJob.model_validate(job_doc(subagents="subagents", withdrawAtLimit=True))
+
+
 def test_training_episodes_cool_their_tool_choice_and_evaluations_do_not(manager, tok):
     # toolChoiceTemperatureEnd: the producer plays a swarm stage's training episodes at a
     # tool-choice temperature falling from the rollout's to the end one by annealStart; an
@@ -381,6 +427,37 @@ def test_a_training_episode_held_to_its_limits_ends_at_the_first_refused_assignm
     assert flags == [["refused"], []]
 
 
+def test_the_shaping_terms_are_credited_to_the_assignments_that_started_subagents(manager, tok):
+    # Two assignments started subagents, a third was refused past the limit; then a wait and
+    # an answer (two ends of three: wrong). Only the two assigning replies earned the shaping
+    # terms; the refusal, the wait and the answer answer to the outcome alone.
+    script = ["<call>assign 1</call>", "<call>assign 2</call>", "<call>assign 3</call>",
+              "<call>wait all</call>", "ANSWER"]
+    t, _ = play(manager, tok, script, max_subagents=2, credit="assignments")
+    t.check()
+    marked = tok.decode([x for x, m in zip(t.tokens, t.shaping_mask) if m], skip_special_tokens=False)
+    assert marked == "<call>assign 1</call><call>assign 2</call>"
+    parts = t.reward_parts
+    assert parts["parl/perf"] == 0.0
+    # 0.5 x r_parallel (2 of a target of 3 at once) + 0.5 x r_finish (2 done of 3 asked for).
+    assert t.shaping_reward == pytest.approx(0.5 * 2 / 3 + 0.5 * 2 / 3) == t.reward - parts["parl/perf"]
+    whole, _ = play(manager, tok, script, max_subagents=2)
+    assert (whole.shaping_mask, whole.shaping_reward) == ([], 0.0)
+    # The producer takes the job's setting, for training and evaluation alike.
+    doc = job_doc(subagents="subagents", shapingCredit="assignments")
+    producer = swarm_producer(manager, tok, Scripted(tok, orchestrator(serial(manager))),
+                              RLJob.model_validate(doc).spec.stages[1].swarm)
+    t = asyncio.run(producer._episode("swarm", rescore=True, task_set="wide", index=0,
+                                      sampling=SamplingOptions(), limits=EPISODE))[0]
+    marked = tok.decode([x for x, m in zip(t.tokens, t.shaping_mask) if m], skip_special_tokens=False)
+    assert marked == "".join(f"<call>assign {k}</call>" for k in range(1, WIDTH + 1))
+    # Replies are found in the episode's one context: a job that splits it is refused.
+    doc["spec"]["rollout"] = {"thinking": "turn-level", "toolCallFormat": "hermes"}
+    with pytest.raises(ValidationError, match=re.escape(
+            "swarm.shapingCredit 'assignments' marks replies in the episode's one context")):
+        RLJob.model_validate(doc)
+
+
 def test_wait_all_shows_every_answer_so_far_and_a_named_wait_only_those(manager, tok):
     ends = manager.task("wide", 0).ends
     t, _ = play(manager, tok, serial(manager))
@@ -500,6 +577,7 @@ def test_parl_reward_and_annealing_by_hand():
      "maxCriticalStepsStart (6) needs a maxCriticalSteps at most as large (got 8)"),
     ({"subagents": "subagents", "maxCriticalSteps": 8, "maxCriticalStepsStart": 14},
      "tightens the budget until annealStart, which is 0"),
+    ({"subagents": "subagents", "shapingCredit": "turns"}, "shapingCredit"),
 ])
 def test_bad_swarm_settings_are_named(swarm, message):
     with pytest.raises(ValidationError, match=re.escape(message)):

@@ -1,6 +1,7 @@
 """The trainer engine on a tiny model: learning, masking, version/moment reset, checkpoints."""
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -203,6 +204,30 @@ def test_opd_trajectories_use_teacher_advantage(model_dir: Path) -> None:
     engine.step(batch)
     after = _mean_logp(engine, batch)
     assert after[0] > before[0] and after[1] > before[1]
+
+
+def test_a_shaping_reward_credited_by_turn_trains_only_the_tokens_that_earned_it(model_dir: Path) -> None:
+    # One group of two with equal rewards (advantage 0), of which t0 earned a shaping reward
+    # of 1 on its first half of generated tokens, t1 none: credited to the whole episode
+    # nothing would move; credited by turn, t0's other tokens carry -1/2 and t1's +1/2.
+    engine = TrainerEngine(_config(model_dir, loss=PolicyLossConfig(eps_low=0.9, eps_high=10.0, icepop_beta=None)))
+    batch = _trajectories(engine, n=2)
+    halves = []
+    for t, shaping in zip(batch, (1.0, 0.0)):
+        gen = [j for j, m in enumerate(t.loss_mask) if m]
+        marked = set(gen[: len(gen) // 2])
+        t.advantage, t.shaping_reward = 0.0, shaping
+        t.shaping_mask = [int(j in marked) for j in range(len(t.tokens))]
+        halves.append([j for j in gen if j not in marked])
+    assert engine.step([dataclasses.replace(t, shaping_mask=[]) for t in batch])["grad_norm"] == 0.0
+
+    def rest(trajs):  # mean log-prob of the tokens outside each mask
+        return [sum(lp[j] for j in js) / len(js)
+                for lp, js in zip(engine.logprobs([t.tokens for t in trajs]), halves)]
+    before = rest(batch)
+    assert engine.step(batch)["grad_norm"] > 0
+    after = rest(batch)
+    assert after[0] < before[0] and after[1] > before[1]
 
 
 def test_bad_inputs_are_rejected(model_dir: Path) -> None:

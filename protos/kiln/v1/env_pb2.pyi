@@ -121,7 +121,7 @@ class ToolOutput(_message.Message):
     def __init__(self, tool_call_id: _Optional[str] = ..., name: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("outputs", "done", "reward", "reward_parts", "verifier_output", "flags", "sandbox_image_digest", "answer", "reference")
+    __slots__ = ("outputs", "done", "reward", "reward_parts", "verifier_output", "flags", "sandbox_image_digest", "answer", "reference", "tools")
     class RewardPartsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class StepResult(_message.Message):
     SANDBOX_IMAGE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     ANSWER_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[ToolOutput]
     done: bool
     reward: float
@@ -147,7 +148,14 @@ class StepResult(_message.Message):
     sandbox_image_digest: str
     answer: str
     reference: str
-    def __init__(self, outputs: _Optional[_Iterable[_Union[ToolOutput, _Mapping]]] = ..., done: _Optional[bool] = ..., reward: _Optional[float] = ..., reward_parts: _Optional[_Mapping[str, float]] = ..., verifier_output: _Optional[str] = ..., flags: _Optional[_Iterable[str]] = ..., sandbox_image_digest: _Optional[str] = ..., answer: _Optional[str] = ..., reference: _Optional[str] = ...) -> None: ...
+    tools: ToolNames
+    def __init__(self, outputs: _Optional[_Iterable[_Union[ToolOutput, _Mapping]]] = ..., done: _Optional[bool] = ..., reward: _Optional[float] = ..., reward_parts: _Optional[_Mapping[str, float]] = ..., verifier_output: _Optional[str] = ..., flags: _Optional[_Iterable[str]] = ..., sandbox_image_digest: _Optional[str] = ..., answer: _Optional[str] = ..., reference: _Optional[str] = ..., tools: _Optional[_Union[ToolNames, _Mapping]] = ...) -> None: ...
+
+class ToolNames(_message.Message):
+    __slots__ = ("names",)
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CloseEpisodeRequest(_message.Message):
     __slots__ = ("episode_id",)

@@ -12,6 +12,7 @@ stops at `</call>` or `</answer>`.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from typing import Any
 
 from kiln.env import ToolCall, ToolSpec
@@ -70,7 +71,7 @@ class TagsConversation:
         return Action(content=text, unparseable=True,
                       problem=f"not one <call>NAME ARG</call> or <answer>TEXT</answer>: {text[:80]!r}")
 
-    def tool_choice(self) -> list[tuple[list[int], list[int], str]]:
+    def tool_choice(self, offered: Collection[str] | None = None) -> list[tuple[list[int], list[int], str]]:
         """Where a reply chooses among known tokens, among which, and what it chooses
         (`rollout.sampling.toolChoiceTemperature`):
         - after `<call>`, the first tokens of the tools' names ("tool": the tool-choice
@@ -84,13 +85,18 @@ class TagsConversation:
         trailing off into text after more assignments than its demonstrations made). Answering
         is not explored at the tool-choice temperature: tried at every turn, it ended episodes
         early, and the penalties on those partial answers taught the policy not to write what
-        a right one says."""
+        a right one says. `offered`: the tools the episode offers now (`StepResult.tools`;
+        None: all of them); the others are not among the names after `<call>`."""
         enc = lambda text: _encode(self.fmt.tokenizer, text)  # noqa: E731
+        names = [n for n in self.tools if offered is None or n in offered]
+        if not names:
+            raise ValueError(f"the episode offers none of its tools ({', '.join(self.tools)}); a "
+                             "reply that chooses its tool needs at least one")
         opening = list(self.fmt.call_opening)
         close = self.fmt.stop_token_ids[STOP_TAGS.index("</call>")]
         starts = ["<call>", "<answer>"] + (["<think>"] if self.fmt.thinking != "off" else [])
         out = [([], sorted(enc(tag)[0] for tag in starts), "argument"),
-               (opening, sorted({enc(name)[0] for name in self.tools}), "tool")]
+               (opening, sorted({enc(name)[0] for name in names}), "tool")]
         closed, free = [], []  # every call of an enumerated tool; names of the others
         for name, tool in self.tools.items():
             values = tool.parameters.get("properties", {}).get(_argument_name(tool), {}).get("enum")

@@ -76,11 +76,11 @@ def _ends(task: WideTask) -> str:
 
 
 def _enumerated(name: str, argument: str, values: list[str]) -> ToolSpec:
-    """The swarm tool `name` with `argument` limited to `values`."""
+    """The swarm tool `name` taking `argument` alone, limited to `values`."""
     tool = next(t for t in swarm.TOOLS if t.name == name)
-    props = tool.parameters["properties"]
-    return ToolSpec(name, tool.description, {**tool.parameters, "properties": {
-        **props, argument: {**props[argument], "enum": values}}})
+    prop = tool.parameters["properties"][argument]
+    return ToolSpec(name, tool.description, {"type": "object", "required": [argument],
+                                             "properties": {argument: {**prop, "enum": values}}})
 
 
 def make_task(rng: random.Random, task_id: str, width: int, hops: int = HOPS,
@@ -129,7 +129,7 @@ class WideEnvironment(LookupEnvironment):
         # checked against them and rollout can sample among them alone
         # (`sampling.toolChoiceTemperature`): `assign` takes `next` or a chain's place, `wait`
         # `all` or a subagent's name (one per chain). A new subagent per assignment, so no
-        # `create_subagent`.
+        # `create_subagent`, and `assign` names none.
         width = len(task.starts)
         return [_enumerated(swarm.ASSIGN, "task", [NEXT] + [str(k) for k in range(1, width + 1)]),
                 _enumerated(swarm.WAIT, "subagents", ["all"] + [f"s{k}" for k in range(1, width + 1)])]
