@@ -303,14 +303,10 @@ class Producer:
             score = self.reward_models.get(kwargs["task_set"]) if rescore else None
             return await run_episode(self.engine, self.env, self.fmt, score=score, **kwargs)
         step = self.engine.policy_version - self._stage_start.get(stage, self.engine.policy_version)
-        sampling = kwargs["sampling"]
-        if rescore and sampling.tool_choice_temperature is not None:
-            kwargs["sampling"] = dataclasses.replace(
-                sampling, tool_choice_temperature=swarm.settings.tool_choice_temperature(
-                    step, sampling.tool_choice_temperature))
+        kwargs.update(swarm.options(step, rescore, kwargs["sampling"]))
         trajs = await run_swarm_episode(
             self.engine, self.env.env, self.fmt, swarm.subagents, swarm.parl(step),
-            wrap=lambda env: EnvTimer(env, self.occupancy), **swarm.options(step, rescore), **kwargs)
+            wrap=lambda env: EnvTimer(env, self.occupancy), **kwargs)
         swarm.observe(trajs)
         return trajs
 

@@ -374,11 +374,15 @@ class SwarmRun:
                     annealed(s.lambda_finish, step, s.anneal_start, end), s.target,
                     paid=s.parallel_reward)
 
-    def options(self, step: int, training: bool) -> dict:
-        """`run_swarm_episode`'s settings for an episode at `step`: a training one's, or an
-        evaluation's (no latency budget, refusals observed)."""
+    def options(self, step: int, training: bool, sampling: SamplingOptions) -> dict:
+        """`run_swarm_episode`'s settings for an episode at `step` sampled with `sampling`: a
+        training one's (the tool choice cooled on schedule), or an evaluation's (the rollout's
+        sampling, no latency budget, refusals observed)."""
         s = self.settings
-        return {"budget": s.budget(step) if training else None,
+        if training and sampling.tool_choice_temperature is not None:
+            sampling = dataclasses.replace(sampling, tool_choice_temperature=s.tool_choice_temperature(
+                step, sampling.tool_choice_temperature))
+        return {"sampling": sampling, "budget": s.budget(step) if training else None,
                 "end_on_refusal": training and s.end_on_refusal, "credit": s.shaping_credit,
                 "withdraw": s.withdraw_at_limit}
 

@@ -287,7 +287,7 @@ def test_at_the_subagent_limit_assign_leaves_the_tool_choice(manager, tok):
     doc = job_doc(subagents="subagents", withdrawAtLimit=True)
     doc["spec"]["rollout"] = {"toolCallFormat": "tags", "sampling": {"toolChoiceTemperature": 6.0}}
     settings = RLJob.model_validate(doc).spec.stages[1].swarm
-    assert [SwarmRun(settings, None, 8).options(3, training)["withdraw"]
+    assert [SwarmRun(settings, None, 8).options(3, training, SamplingOptions())["withdraw"]
             for training in (True, False)] == [True, True]
     # The tools offered reach rollout from an environment behind the sandbox service too, and
     # an episode that offers none cannot choose one.
