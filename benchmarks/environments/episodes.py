@@ -37,8 +37,8 @@ from kiln.services.sandbox.client import GrpcEnvClient
 from kiln.services.sandbox.episodes import load_task_set
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-from tests.integration.test_environment_episodes import SCRIPTED  # noqa: E402
+sys.path.insert(0, str(REPO / "tests"))  # the scripted solutions the tests play
+from helpers.episodes import SCRIPTED  # noqa: E402
 TASKS = REPO / "deploy" / "examples" / "tasks"
 PLUGINS = REPO / "deploy" / "examples" / "plugins"
 SETS = [("terminal", "terminal", "terminal.jsonl"), ("swe", "swe", "swe.jsonl"),

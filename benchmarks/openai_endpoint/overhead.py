@@ -2,7 +2,7 @@
 episodes.
 
 Both paths play the same 3-turn tool-using episode (the tiny tool-calling model of
-tests/integration/toolcall_model.py, tool outputs scripted) on one vLLM engine:
+tests/helpers/toolcall_model.py, tool outputs scripted) on one vLLM engine:
 - baseline: the rollout's agent loop (`agent.run_episode`), which calls the engine directly and
   reaches the environment through the `EnvClient` interface (here an in-process script);
 - openai: the official `openai` client (AsyncOpenAI) over HTTP against the rollout's
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # the tool-calling model the tests build
 
 import httpx  # noqa: E402
 from openai import AsyncOpenAI  # noqa: E402
@@ -39,7 +39,7 @@ from kiln.services.rollout.engine import EngineSettings, SamplingOptions, start_
 from kiln.services.rollout.formats import make_format  # noqa: E402
 from kiln.services.rollout.openai_episodes import ExternalEpisodes  # noqa: E402
 from kiln.services.rollout.openai_server import OpenAIServer  # noqa: E402
-from tests.integration.toolcall_model import BASH, PROMPT, SCRIPT, TOOLS, make_toolcall_model  # noqa: E402
+from helpers.toolcall_model import BASH, PROMPT, SCRIPT, TOOLS, make_toolcall_model  # noqa: E402
 
 TURNS = 3
 

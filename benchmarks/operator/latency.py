@@ -26,12 +26,11 @@ from pathlib import Path
 
 import yaml
 
+from kiln.cli.devcluster.api import running_fake_api, write_kubeconfig
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 KUBECTL = REPO / ".tools" / "bin" / "kubectl"
-sys.path.insert(0, str(REPO))
-
-from kiln.cli.devcluster.api import running_fake_api, write_kubeconfig  # noqa: E402
 
 
 def small_job(name: str, model: str) -> dict:

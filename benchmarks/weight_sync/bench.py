@@ -120,8 +120,8 @@ def start_service(tmp: Path, tls: Path | None = None) -> tuple[subprocess.Popen,
 
 async def grpc_runs(port: int, tensors, configs, repeats: int, total: int,
                     tls: Path | None = None) -> tuple[list[dict], dict]:
-    from kiln.services.common.server import CHANNEL_OPTIONS
-    from kiln.tls import aio_channel, read_bundle
+    from kiln.control.channels import aio_channel
+    from kiln.tls import read_bundle
 
     results = []
     version = 0
@@ -129,8 +129,8 @@ async def grpc_runs(port: int, tensors, configs, repeats: int, total: int,
     # Publish as the trainer, subscribe as rollout: the callers weight-sync authorizes.
     trainer = read_bundle(tls / "trainer") if tls else None
     rollout = read_bundle(tls / "rollout") if tls else None
-    async with aio_channel(target, "weight-sync", CHANNEL_OPTIONS, bundle=trainer) as ch, \
-            aio_channel(target, "weight-sync", CHANNEL_OPTIONS, bundle=rollout) as sub_ch:
+    async with aio_channel(target, "weight-sync", bundle=trainer) as ch, \
+            aio_channel(target, "weight-sync", bundle=rollout) as sub_ch:
         for bucket_bytes, streams in configs:
             t0 = time.perf_counter()
             packed = pack(version + 1, tensors, bucket_bytes)

@@ -4,13 +4,7 @@
 FROM python:3.11-slim-bookworm AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY kiln kiln
-COPY protos protos
-COPY kernels kernels
-COPY models models
-COPY operator operator
-COPY services services
-COPY cli cli
+COPY src src
 RUN pip wheel --no-cache-dir --no-deps -w /wheels .
 
 FROM python:3.11-slim-bookworm

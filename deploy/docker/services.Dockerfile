@@ -19,13 +19,7 @@ COPY deploy/requirements.txt /tmp/requirements.txt
 RUN pip install torch==2.13.0 -r /tmp/requirements.txt
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY kiln kiln
-COPY protos protos
-COPY kernels kernels
-COPY models models
-COPY operator operator
-COPY services services
-COPY cli cli
+COPY src src
 RUN pip install --no-deps . && rm -rf /src \
  && useradd --uid 1000 --create-home kiln
 # The operator mounts the job file at /etc/kiln/job.yaml and a run directory at /var/lib/kiln.

@@ -12,14 +12,14 @@ import json
 import pytest
 import yaml
 
-from tests.integration.test_kiln_run import _job, _records, kiln_run
+from helpers.kiln_run import cut_down_job, kiln_run, read_records
 
 pytestmark = pytest.mark.slow
 TAU = 3
 
 
 def test_rollout_scales_up_while_the_trainer_waits_and_down_near_tau(tmp_path):
-    job = _job(tmp_path)
+    job = cut_down_job(tmp_path)
     doc = yaml.safe_load(job.read_text())
     spec = doc["spec"]
     spec["trainer"]["dataParallel"] = 1
@@ -42,7 +42,7 @@ def test_rollout_scales_up_while_the_trainer_waits_and_down_near_tau(tmp_path):
     job.write_text(yaml.safe_dump(doc, sort_keys=False))
     run = tmp_path / "run"
     out = kiln_run(job, run)
-    scales = [r for r in _records(run) if r.get("event") == "scale"]
+    scales = [r for r in read_records(run) if r.get("event") == "scale"]
     assert scales, out[-3000:]
     assert (scales[0]["from"], scales[0]["to"]) == (1, 2) and "trainer idle" in scales[0]["reason"]
     assert "rollout: worker rollout-1 joined" in out

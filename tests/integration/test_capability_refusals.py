@@ -12,7 +12,7 @@ import yaml
 
 from kiln.api.capabilities import CAPABILITIES
 from kiln.api.validate import validate_text
-from tests.unit.test_capabilities import violating_job
+from helpers.capabilities import violating_job
 
 pytestmark = pytest.mark.slow
 

@@ -106,7 +106,8 @@ def test_score_gives_each_tokens_logprob_over_grpc(models) -> None:
     import grpc
 
     from kiln.protos.kiln.v1 import rollout_pb2, rollout_pb2_grpc
-    from kiln.services.common.server import CHANNEL_OPTIONS, Registration, create_server
+    from kiln.control.channels import CHANNEL_OPTIONS
+    from kiln.services.common.server import Registration, create_server
     from kiln.services.rollout import wire
     from kiln.services.rollout.agent import Limits
     from kiln.services.rollout.producer import Producer

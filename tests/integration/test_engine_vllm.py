@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from kiln.protos.kiln.v1 import weight_sync_pb2_grpc as pb_grpc
-from kiln.services.common.server import CHANNEL_OPTIONS, Registration, create_server
+from kiln.control.channels import CHANNEL_OPTIONS
+from kiln.services.common.server import Registration, create_server
 from kiln.models.tiny import make_tiny_model, train_tokenizer
 from kiln.models.megatron_model import choice_logits
 from kiln.services.rollout.engine import EngineSettings, SamplingOptions, ToolChoiceRule

@@ -16,7 +16,7 @@ import re
 import pytest
 import yaml
 
-from tests.integration.test_kiln_run import REPO, _records, kiln_run
+from helpers.kiln_run import REPO, kiln_run, read_records
 
 pytestmark = pytest.mark.slow
 
@@ -107,7 +107,7 @@ def test_general_rl_asks_a_served_outcome_model_and_judge(tmp_path):
         ref = [0.0, *torch.log_softmax(logits, -1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0].tolist()]
         assert len(t["teacher_logp"]) == len(seq)
         assert max(abs(a - b) for a, b, m in zip(t["teacher_logp"], ref, t["loss_mask"]) if m) < 1e-3
-    kl = [r["trainer"].get("kl_ref") for r in _records(run)
+    kl = [r["trainer"].get("kl_ref") for r in read_records(run)
           if r.get("event") == "progress" and r.get("stage") == "rl"]
     assert any(v is not None for v in kl) and all(v is None or 0.0 <= v < 1.0 for v in kl)
 

@@ -15,7 +15,7 @@ IDLE = """
 import sys, time
 from concurrent import futures
 import grpc
-from kiln.services.common.server import CHANNEL_OPTIONS
+from kiln.control.channels import CHANNEL_OPTIONS
 
 server = grpc.server(futures.ThreadPoolExecutor(2), options=CHANNEL_OPTIONS if sys.argv[1] == "kiln" else [])
 port = server.add_insecure_port("127.0.0.1:0")

@@ -30,66 +30,21 @@ import yaml
 
 from kiln.trajectory import Trajectory, VersionSpan
 
-REPO = Path(__file__).resolve().parents[2]
-TAU = 1
+from helpers.kiln_run import REPO, TAU, cut_down_job, kiln_run, read_records
+
 
 pytestmark = pytest.mark.slow
 
 
-def _job(tmp: Path) -> Path:
-    job = yaml.safe_load((REPO / "deploy" / "examples" / "quickstart.yaml").read_text())
-    spec = job["spec"]
-    job["metadata"]["name"] = "e2e"
-    spec["model"]["path"] = str(tmp / "model")
-    spec["model"]["init"].update(hiddenSize=64, numLayers=1, numHeads=2, numKvHeads=1,
-                                 intermediateSize=128)
-    spec["tasks"][0]["generate"]["count"] = 300
-    spec["tasks"][1]["generate"]["count"] = 8
-    sft, rl = spec["stages"]
-    sft.update(maxSteps=8, batchSize=16, microBatchSize=16, warmupSteps=0)
-    rl.update(maxSteps=6, batchSize=16, microBatchSize=16)
-    rl["rl"].update(groupSize=4, tau=TAU)
-    spec["rollout"].update(maxConcurrentEpisodes=32)
-    spec["sandbox"]["maxConcurrent"] = 32
-    # Two data-parallel trainer replicas: the launcher starts, waits for and stops both.
-    spec.setdefault("trainer", {})["dataParallel"] = 2
-    path = tmp / "job.yaml"
-    path.write_text(yaml.safe_dump(job, sort_keys=False))
-    return path
-
-
-def kiln_run(job: Path, run: Path, timeout: float = 900) -> str:
-    """`kiln run JOB --run-dir RUN` to its end; its output. Fails the test on a non-zero exit."""
-    proc = subprocess.Popen([sys.executable, "-m", "kiln.cli.main", "run", str(job), "--run-dir", str(run)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=job.parent)
-    try:
-        out = proc.communicate(timeout=timeout)[0]
-    finally:
-        if proc.poll() is None:
-            # Ctrl-C: the launcher stops every service it started before it exits.
-            proc.send_signal(signal.SIGINT)
-            proc.wait(120)
-    assert proc.returncode == 0, out[-4000:]
-    return out
-
-
-def _records(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def test_kiln_run_end_to_end_with_a_buffer_kill(tmp_path):
-    job, run = _job(tmp_path), tmp_path / "run"
+    job, run = cut_down_job(tmp_path), tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "kiln.cli.main", "run", str(job), "--run-dir", str(run)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
     killed = False
     try:
         deadline = time.monotonic() + 900
         while proc.poll() is None and time.monotonic() < deadline:
-            if not killed and any(r.get("stage") == "rl" and r.get("step", 0) >= 2 for r in _records(run)):
+            if not killed and any(r.get("stage") == "rl" and r.get("step", 0) >= 2 for r in read_records(run)):
                 pid = json.loads((run / "buffer" / "ports.json").read_text())["pid"]
                 os.kill(pid, signal.SIGKILL)
                 killed = True
@@ -126,7 +81,7 @@ def test_kiln_run_end_to_end_with_a_buffer_kill(tmp_path):
         assert len(greedy) == detail["tasks"] and {e["stage"] for e in greedy} == {"eval/chain-heldout"}
         assert sum(e["reward"] >= 1 for e in greedy) / len(greedy) == detail["greedy_success"]
 
-    records = _records(run)
+    records = read_records(run)
     assert any(r.get("event") == "restart" and r["services"] == ["buffer"] for r in records)
     progress = [r for r in records if r.get("event") == "progress"]
     # Rollout's status is read before the buffer's in each poll: the buffer must always have
@@ -196,7 +151,7 @@ def test_kiln_run_distils_from_two_served_teachers(tmp_path):
     kiln run starts a teacher process for each (the rollout service, Score only); rollout ships
     every trajectory of the distillation stage with its own task set's teacher's per-token
     log-probs on its trained tokens, and the trainer trains on them."""
-    job = _job(tmp_path)
+    job = cut_down_job(tmp_path)
     doc = yaml.safe_load(job.read_text())
     spec = doc["spec"]
     spec["trainer"]["dataParallel"] = 1
@@ -263,7 +218,7 @@ def test_kiln_run_distils_from_two_served_teachers(tmp_path):
     assert all(not t["teacher_logp"] for t in samples if t["stage"] != "distil")
     assert "waiting for" in (run / "logs" / "teacher.log").read_text()
     assert "waiting for" not in (run / "logs" / "teacher_1.log").read_text()
-    steps = [r for r in _records(run) if r.get("stage") == "distil"]
+    steps = [r for r in read_records(run) if r.get("stage") == "distil"]
     assert steps and max(r.get("step", 0) for r in steps) >= 3
     assert any((r["trainer"].get("dense_kl") or 0) > 0 for r in steps)
 

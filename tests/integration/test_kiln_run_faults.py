@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.integration.test_kiln_run import _job, _records
+from helpers.kiln_run import cut_down_job, read_records
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ FAULTS = [("weight_sync", 1), ("sandbox", 2), ("rollout", 3), ("trainer", 4)]
 
 
 def test_every_service_killed_mid_run_and_the_job_finishes(tmp_path: Path) -> None:
-    job, run = _job(tmp_path), tmp_path / "run"
+    job, run = cut_down_job(tmp_path), tmp_path / "run"
     # Steps to spare after the last fault, so that the stage is still running when it comes.
     doc = yaml.safe_load(job.read_text())
     doc["spec"]["stages"][1]["maxSteps"] = 10
@@ -38,10 +38,10 @@ def test_every_service_killed_mid_run_and_the_job_finishes(tmp_path: Path) -> No
         while proc.poll() is None and time.monotonic() < deadline:
             if pending:
                 service, step = pending[0]
-                rl_step = max((r.get("step", 0) for r in _records(run) if r.get("stage") == "rl"), default=-1)
+                rl_step = max((r.get("step", 0) for r in read_records(run) if r.get("stage") == "rl"), default=-1)
                 # One fault at a time: the previous one's restart is on record first.
                 restarted = all(any(r.get("event") == "restart" and s in r.get("services", [])
-                                    for r in _records(run)) for s, _ in killed)
+                                    for r in read_records(run)) for s, _ in killed)
                 if rl_step >= step and restarted:
                     pid = json.loads((run / service / "ports.json").read_text())["pid"]
                     os.kill(pid, signal.SIGKILL)
@@ -59,7 +59,7 @@ def test_every_service_killed_mid_run_and_the_job_finishes(tmp_path: Path) -> No
         assert f"{service} exited with code -9; restarting" in out
     summary = json.loads((run / "summary.json").read_text())
     assert summary["heldout_success_after_rl"] is not None
-    records = _records(run)
+    records = read_records(run)
     progress = [r for r in records if r.get("event") == "progress"]
     for r in progress:
         assert r["buffer"]["accepted"] >= r["rollout"]["shipped"], r

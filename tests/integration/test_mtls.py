@@ -18,7 +18,8 @@ import pytest
 from kiln.models.tiny import make_tiny_checkpoint
 from kiln.protos.kiln.v1 import (buffer_pb2, buffer_pb2_grpc, env_pb2, env_pb2_grpc, trainer_pb2,
                                  trainer_pb2_grpc, weight_sync_pb2, weight_sync_pb2_grpc)
-from kiln.tls import channel, issue_all, read_bundle
+from kiln.control.channels import channel
+from kiln.tls import issue_all, read_bundle
 
 pytestmark = pytest.mark.slow
 

@@ -27,7 +27,7 @@ from kiln.services.rollout.openai_episodes import ExternalEpisodes
 from kiln.services.rollout.openai_server import OpenAIServer
 from kiln.services.rollout.torch_engine import TorchEngine
 from kiln.trajectory import Trajectory
-from tests.integration.toolcall_model import PROMPT, SCRIPT, TOOLS, make_toolcall_model
+from helpers.toolcall_model import PROMPT, SCRIPT, TOOLS, make_toolcall_model
 
 ROOT = Path(__file__).resolve().parents[2]
 

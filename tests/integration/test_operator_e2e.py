@@ -28,7 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kiln.cli.devcluster.api import RLJOBS, running_fake_api, write_kubeconfig
 from kiln.protos.kiln.v1 import trainer_pb2, trainer_pb2_grpc
 from kiln.services.common.tls import server_credentials
-from kiln.tls import channel as tls_channel
+from kiln.control.channels import channel as tls_channel
 from kiln.tls import read_bundle
 
 NS = "kiln-e2e"

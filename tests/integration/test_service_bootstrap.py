@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kiln.services.common.server import create_server
 
-HERE = Path(__file__).resolve().parent
+ECHO_SERVICE = Path(__file__).resolve().parents[1] / "helpers" / "echo_service.py"
 
 
 def _wait_for(path: Path, timeout: float = 20.0) -> dict:
@@ -38,7 +38,7 @@ def _health(channel: grpc.Channel, service: str = "") -> int:
 def echo_process(tmp_path):
     ports = tmp_path / "ports.json"
     proc = subprocess.Popen(
-        [sys.executable, str(HERE / "echo_service.py"), "--address", "127.0.0.1:0",
+        [sys.executable, str(ECHO_SERVICE), "--address", "127.0.0.1:0",
          "--metrics-port", "0", "--port-file", str(ports), "--run-dir", str(tmp_path),
          "--build-seconds", "1.5"],
         stderr=subprocess.PIPE, text=True, env={**os.environ, "KILN_LOG_FORMAT": "json", "KILN_LOG_LEVEL": "DEBUG"})
@@ -100,7 +100,7 @@ def test_readiness_rpc_metrics_and_graceful_stop(echo_process):
 def test_bad_job_file_exits_with_clear_message(tmp_path):
     job = tmp_path / "job.yaml"
     job.write_text("apiVersion: kiln.dev/v1alpha1\nkind: RLJob\nmetadata: {name: x}\nspec: {}\n")
-    res = subprocess.run([sys.executable, str(HERE / "echo_service.py"), "--job", str(job),
+    res = subprocess.run([sys.executable, str(ECHO_SERVICE), "--job", str(job),
                           "--address", "127.0.0.1:0", "--metrics-port", "0"],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from .fake_openai import ScriptedModel
-from .test_synth_imports import kiln
+from helpers.fake_openai import ScriptedModel
+from helpers.synth import kiln
 
 TASKS = [{"id": name, "type": "terminal", "description": f"Create {name}.txt containing ok.",
           "test_script": f'test "$(cat {name}.txt)" = ok'} for name in ("easy", "hard", "mixed")]

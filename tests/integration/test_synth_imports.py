@@ -5,19 +5,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from kiln.services.sandbox.environments.tasks import load_taskset
 
-from .test_synth_swe import CALC_V1, DIV_TEST, TESTS_V1, commit, git
-
-
-def kiln(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kiln.cli.main", *args], capture_output=True,
-                          text=True, timeout=600)
+from helpers.synth import CALC_V1, DIV_TEST, TESTS_V1, commit, git, kiln
 
 
 def diff(repo: Path) -> str:

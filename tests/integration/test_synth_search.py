@@ -14,7 +14,7 @@ from kiln.cli.synth.search_graph import KnowledgeGraph
 from kiln.services.sandbox.environments.base import normalize_answer
 from kiln.services.sandbox.environments.bm25 import BM25Index
 
-from .test_synth_imports import kiln
+from helpers.synth import kiln
 
 RIVERS = ["Seln", "Wiss", "Orla", "Brem"]
 TOWNS = ["Keldor", "Amsel", "Tirn", "Voss", "Harrow", "Ulm"]

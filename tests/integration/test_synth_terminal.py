@@ -9,8 +9,8 @@ import json
 
 from kiln.services.sandbox.environments.tasks import load_taskset
 
-from .fake_openai import ScriptedModel, json_message
-from .test_synth_imports import kiln
+from helpers.fake_openai import ScriptedModel, json_message
+from helpers.synth import kiln
 
 COUNT = {"description": "Count the lines of data/words.txt and write the number to count.txt.",
          "files": {"data/words.txt": "alpha\nbeta\ngamma\n"},

@@ -16,7 +16,7 @@ from kiln.services.buffer.client import GrpcBufferClient
 from kiln.services.trainer.client import TrainerClient
 from kiln.services.trainer.stages import NO_FRESHNESS_BOUND
 from kiln.trajectory import Trajectory, VersionSpan
-from tests.integration.test_trainer_service import _serving, _start, _stop, _wait
+from helpers.services import start_service, stop_service, trainer_serving, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -59,9 +59,9 @@ def _run(tmp: Path, model_dir: Path, tp: int, dp: int) -> tuple[dict, dict[str, 
     job.write_text(JOB.format(model=model_dir, tp=tp, dp=dp))
     procs = []
     try:
-        buf_proc, buf = _start("buffer", tmp / "buffer", job)
+        buf_proc, buf = start_service("buffer", tmp / "buffer", job)
         procs.append(buf_proc)
-        ws_proc, ws = _start("weight_sync", tmp / "weight_sync", job)
+        ws_proc, ws = start_service("weight_sync", tmp / "weight_sync", job)
         procs.append(ws_proc)
         env = {"KILN_BUFFER_ADDR": f"127.0.0.1:{buf['port']}",
                "KILN_WEIGHT_SYNC_ADDR": f"127.0.0.1:{ws['port']}"}
@@ -70,16 +70,16 @@ def _run(tmp: Path, model_dir: Path, tp: int, dp: int) -> tuple[dict, dict[str, 
         trainers = []
         for replica in range(dp):
             renv = {**env, "KILN_TRAINER_REPLICA": str(replica)} if dp > 1 else env
-            proc, info = _start("trainer", tmp / f"trainer-{replica}", job, renv, ["--threads", "1"])
+            proc, info = start_service("trainer", tmp / f"trainer-{replica}", job, renv, ["--threads", "1"])
             procs.append(proc)
             trainers.append((proc, info))
         trainer = TrainerClient(f"127.0.0.1:{trainers[0][1]['port']}")
-        _wait("trainer ready", lambda: _serving(trainer), timeout=180)
+        wait_for("trainer ready", lambda: trainer_serving(trainer), timeout=180)
         buffer = GrpcBufferClient(env["KILN_BUFFER_ADDR"])
         trainer.start_stage("sft")
-        _wait("the stage configured the buffer", lambda: buffer.status().tau == NO_FRESHNESS_BOUND)
+        wait_for("the stage configured the buffer", lambda: buffer.status().tau == NO_FRESHNESS_BOUND)
         buffer.put(_trajectories(), group_size=1)
-        status = _wait("stage done", lambda: (s := trainer.status()).stage_done and s, timeout=180)
+        status = wait_for("stage done", lambda: (s := trainer.status()).stage_done and s, timeout=180)
         assert not status.stage_failed, status.message
         assert (status.step, status.policy_version) == (2, 1)
         assert status.tensor_parallel == tp
@@ -87,7 +87,7 @@ def _run(tmp: Path, model_dir: Path, tp: int, dp: int) -> tuple[dict, dict[str, 
         buffer.close()
         # Replica 0 first: it releases the other replicas after its final checkpoint, and
         # they exit on their own.
-        assert _stop(trainers[0][0]) == 0
+        assert stop_service(trainers[0][0]) == 0
         for proc, _ in trainers[1:]:
             assert proc.wait(timeout=60) == 0
         weights = load_file(str(tmp / "trainer-0" / "stages" / "sft" / "model.safetensors"))
@@ -98,7 +98,7 @@ def _run(tmp: Path, model_dir: Path, tp: int, dp: int) -> tuple[dict, dict[str, 
     finally:
         for p in procs:
             if p.poll() is None:
-                _stop(p)
+                stop_service(p)
 
 
 def test_tp2_and_dp2_match_one_rank(tmp_path: Path) -> None:

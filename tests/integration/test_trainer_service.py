@@ -3,12 +3,8 @@ leased batches from a real buffer process, steps, acks and publishes through a r
 process; metrics are exported; SIGTERM writes a checkpoint and a restart resumes from it."""
 from __future__ import annotations
 
-import json
-import os
-import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -19,6 +15,8 @@ from kiln.services.buffer.client import GrpcBufferClient
 from kiln.services.trainer.client import TrainerClient
 from kiln.services.trainer.stages import NO_FRESHNESS_BOUND
 from kiln.trajectory import Trajectory, VersionSpan
+
+from helpers.services import start_service, stop_service, trainer_serving, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -36,45 +34,6 @@ spec:
 """
 
 
-def _start(service: str, run_dir: Path, job: Path, env: dict[str, str] | None = None,
-           extra: list[str] = ()) -> tuple[subprocess.Popen, dict]:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    ports = run_dir / "ports.json"
-    ports.unlink(missing_ok=True)
-    log = run_dir / f"{service}.log"  # a file, not a pipe nobody drains while the test runs
-    proc = subprocess.Popen(
-        [sys.executable, "-m", f"kiln.services.{service}.main", "--job", str(job),
-         "--run-dir", str(run_dir), "--address", "127.0.0.1:0", "--metrics-port", "0",
-         "--port-file", str(ports), *extra],
-        stdout=subprocess.DEVNULL, stderr=log.open("a"), env={**os.environ, **(env or {})})
-    deadline = time.monotonic() + 90
-    while not ports.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"{service} did not bind: {log.read_text()[-3000:]}")
-        time.sleep(0.1)
-    return proc, json.loads(ports.read_text())
-
-
-def _stop(proc: subprocess.Popen) -> int:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
-def _wait(what: str, fn, timeout: float = 90.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = fn()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _traj(i: int) -> Trajectory:
     tokens = [5 + (i + k) % 250 for k in range(8)]
     return Trajectory(id=f"t{i}", task_id="x", group_id="", tokens=tokens, loss_mask=[0, 0] + [1] * 6,
@@ -87,20 +46,20 @@ def test_service_runs_a_stage_exports_metrics_and_resumes(tmp_path: Path) -> Non
     job.write_text(JOB.format(model=model_dir))
     procs = []
     try:
-        buf_proc, buf = _start("buffer", tmp_path / "buffer", job)
+        buf_proc, buf = start_service("buffer", tmp_path / "buffer", job)
         procs.append(buf_proc)
-        ws_proc, ws = _start("weight_sync", tmp_path / "weight_sync", job)
+        ws_proc, ws = start_service("weight_sync", tmp_path / "weight_sync", job)
         procs.append(ws_proc)
         env = {"KILN_BUFFER_ADDR": f"127.0.0.1:{buf['port']}",
                "KILN_WEIGHT_SYNC_ADDR": f"127.0.0.1:{ws['port']}"}
         buffer = GrpcBufferClient(env["KILN_BUFFER_ADDR"])
-        proc, info = _start("trainer", tmp_path / "trainer", job, env, ["--threads", "1"])
+        proc, info = start_service("trainer", tmp_path / "trainer", job, env, ["--threads", "1"])
         trainer = TrainerClient(f"127.0.0.1:{info['port']}")
-        _wait("trainer ready", lambda: _serving(trainer))
+        wait_for("trainer ready", lambda: trainer_serving(trainer))
         trainer.start_stage("warmup")
-        _wait("the stage configured the buffer", lambda: buffer.status().tau == NO_FRESHNESS_BOUND)
+        wait_for("the stage configured the buffer", lambda: buffer.status().tau == NO_FRESHNESS_BOUND)
         buffer.put([_traj(i) for i in range(4)], group_size=1)
-        status = _wait("stage done", lambda: (s := trainer.status()).stage_done and s)
+        status = wait_for("stage done", lambda: (s := trainer.status()).stage_done and s)
         assert (status.stage_step, status.step, status.policy_version) == (2, 2, 1)
         assert buffer.status().served == 4
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{info['metrics_port']}/metrics",
@@ -110,7 +69,7 @@ def test_service_runs_a_stage_exports_metrics_and_resumes(tmp_path: Path) -> Non
         assert float(loss_line.split()[-1]) == pytest.approx(status.last_metrics["loss"])
         assert 'kiln_policy_version{component="trainer"} 1.0' in metrics
         trainer.close()
-        assert _stop(proc) == 0
+        assert stop_service(proc) == 0
         assert (tmp_path / "trainer" / "checkpoints" / "step_00000002" / "meta.json").exists()
 
         # Weight-sync moved on while the trainer was down (versions published after its last
@@ -129,9 +88,9 @@ def test_service_runs_a_stage_exports_metrics_and_resumes(tmp_path: Path) -> Non
                 await publish(ch, 5, [("w", torch.zeros(4))], 1 << 20)
 
         asyncio.run(leap())
-        proc, info = _start("trainer", tmp_path / "trainer", job, env, ["--threads", "1"])
+        proc, info = start_service("trainer", tmp_path / "trainer", job, env, ["--threads", "1"])
         trainer = TrainerClient(f"127.0.0.1:{info['port']}")
-        _wait("trainer ready again", lambda: _serving(trainer))
+        wait_for("trainer ready again", lambda: trainer_serving(trainer))
         status = trainer.status()
         assert (status.step, status.policy_version) == (2, 6)
 
@@ -144,20 +103,10 @@ def test_service_runs_a_stage_exports_metrics_and_resumes(tmp_path: Path) -> Non
         assert status.last_metrics["loss"] == pytest.approx(float(loss_line.split()[-1]))
         trainer.close()
         buffer.close()
-        assert _stop(proc) == 0
+        assert stop_service(proc) == 0
     finally:
         for p in procs:
-            _stop(p)
-
-
-def _serving(trainer: TrainerClient) -> bool:
-    import grpc
-
-    try:
-        trainer.status()
-        return True
-    except grpc.RpcError:
-        return False
+            stop_service(p)
 
 
 def test_bad_configuration_exits_with_a_message(tmp_path: Path) -> None:

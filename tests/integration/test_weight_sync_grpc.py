@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kiln.protos.kiln.v1 import weight_sync_pb2_grpc as pb_grpc
-from kiln.services.common.server import CHANNEL_OPTIONS, Registration, create_server
+from kiln.control.channels import CHANNEL_OPTIONS
+from kiln.services.common.server import Registration, create_server
 from kiln.services.weight_sync import client as ws
 from kiln.services.weight_sync import wire
 from kiln.services.weight_sync.buckets import pack

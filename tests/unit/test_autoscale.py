@@ -8,9 +8,9 @@ import pytest
 
 from kiln.api.components import AutoscaleSpec
 from kiln.api.spec import RLJob
-from kiln.autoscale import Autoscaler, StepSignals
+from kiln.control.autoscale import Autoscaler, StepSignals
 from kiln.control import Evaluation, ModeRequest, RolloutStatus, TrainerStatus
-from kiln.driver import Driver, FileStore, RunState
+from kiln.control.driver import Driver, FileStore, RunState
 
 SPEC = AutoscaleSpec(min_replicas=1, max_replicas=4, scale_up_idle=0.3, staleness_margin=1,
                      max_buffer_batches=2, window_steps=2)
@@ -133,7 +133,7 @@ class Rollout:
 
 class Buffer:
     def status(self):
-        from tests.unit.test_driver import FakeBufferStatus
+        from helpers.fakes import FakeBufferStatus
         return FakeBufferStatus()
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kiln.freshness import is_stale
 from kiln.services.buffer import groups as G
 from kiln.services.buffer.buffer import TrajectoryBuffer
 from kiln.services.buffer.types import BufferConfig, InvalidTrajectory
@@ -29,10 +30,10 @@ def test_group_advantages() -> None:
 
 
 def test_freshness_rule_boundary() -> None:
-    assert not G.is_stale(10, 8, tau=2)   # exactly tau behind: kept
-    assert G.is_stale(10, 7, tau=2)       # tau + 1 behind: dropped
-    assert not G.is_stale(10, 0, tau=None)
-    assert not G.is_stale(3, 3, tau=0) and G.is_stale(4, 3, tau=0)
+    assert not is_stale(10, 8, tau=2)   # exactly tau behind: kept
+    assert is_stale(10, 7, tau=2)       # tau + 1 behind: dropped
+    assert not is_stale(10, 0, tau=None)
+    assert not is_stale(3, 3, tau=0) and is_stale(4, 3, tau=0)
 
 
 def test_pick_groups_oldest_first_and_whole() -> None:

@@ -20,18 +20,11 @@ from kiln.api.validate import validate_text
 from kiln.operator.reconcile import parse_spec
 from kiln.services.trainer.config import config_from_job
 
-
-def _model(tmp_path: Path, **config) -> Path:
-    base = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 128, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "intermediate_size": 256, "vocab_size": 512}
-    d = tmp_path / "m"
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps({**base, **config}))
-    return d
+from helpers.capabilities import VIOLATIONS, checkpoint_config, violating_job
 
 
 def test_a_supported_model_has_no_problems(tmp_path):
-    assert model_problems(_model(tmp_path), cuda=False) == []
+    assert model_problems(checkpoint_config(tmp_path), cuda=False) == []
 
 
 @pytest.mark.parametrize(("config", "kwargs", "message"), [
@@ -43,18 +36,18 @@ def test_a_supported_model_has_no_problems(tmp_path):
      "num_key_value_heads 3 does not split over tensorParallel 2"),
 ])
 def test_each_problem_is_named(tmp_path, config, kwargs, message):
-    problems = model_problems(_model(tmp_path, **config), cuda=False, **kwargs)
+    problems = model_problems(checkpoint_config(tmp_path, **config), cuda=False, **kwargs)
     assert len(problems) == 1 and message in problems[0], problems
 
 
 def test_head_size_is_only_a_problem_for_vllm_on_a_cpu(tmp_path):
-    d = _model(tmp_path, hidden_size=64)
+    d = checkpoint_config(tmp_path, hidden_size=64)
     assert model_problems(d, engine="megatron", cuda=False) == []
     assert model_problems(d, engine="vllm", cuda=True) == []
 
 
 def test_vocabulary_smaller_than_the_tokenizer(tmp_path):
-    d = _model(tmp_path, vocab_size=4)
+    d = checkpoint_config(tmp_path, vocab_size=4)
     (d / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 1}},
                                                   "added_tokens": [{"id": 7}]}))
     (problem,) = model_problems(d, cuda=False)
@@ -68,7 +61,7 @@ def test_the_head_size_table_is_vllms():
 
 
 def test_consistency_refuses_an_unsupported_model_in_one_line(tmp_path):
-    d = _model(tmp_path, hidden_size=64)
+    d = checkpoint_config(tmp_path, hidden_size=64)
     proc = subprocess.run([sys.executable, "-m", "kiln.cli", "consistency", "--model", str(d)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
@@ -77,7 +70,7 @@ def test_consistency_refuses_an_unsupported_model_in_one_line(tmp_path):
 
 
 def test_kiln_run_refuses_an_unsupported_model_before_starting_anything(tmp_path):
-    d = _model(tmp_path, architectures=["MistralForCausalLM"])
+    d = checkpoint_config(tmp_path, architectures=["MistralForCausalLM"])
     job = tmp_path / "job.yaml"
     job.write_text(json.dumps({
         "apiVersion": "kiln.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "bad-model"},
@@ -91,41 +84,6 @@ def test_kiln_run_refuses_an_unsupported_model_before_starting_anything(tmp_path
                                    "MistralForCausalLM is not supported; the trainer builds "
                                    "LlamaForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM")
     assert not (tmp_path / "run" / "logs").exists()  # no service was started
-
-
-MOE = {"architectures": ["Qwen2MoeForCausalLM"], "num_experts": 8, "num_experts_per_tok": 2,
-       "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64}
-
-# One job per capability that the runtime refuses: (spec changes, model config changes).
-VIOLATIONS: dict[str, tuple[dict, dict]] = {
-    "pipeline-parallel": ({"trainer": {"pipelineParallel": 2}}, {}),
-    "trainer-dtype": ({"model": {"dtype": "float16"}}, {}),
-    "trainer-gpus": ({"trainer": {"tensorParallel": 2, "resources": {"gpu": 1}}}, {}),
-    "rollout-gpus": ({"rollout": {"resources": {"gpu": 2}}}, {}),
-    "architecture": ({}, {"architectures": ["GPT2LMHeadModel"]}),
-    "vllm-cpu-head-size": ({}, {"hidden_size": 64}),
-    "tokenizer-vocab": ({}, {"vocab_size": 4}),
-    "tensor-parallel-split": ({"trainer": {"tensorParallel": 2}},
-                              {"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 192}),
-    "moe-tensor-parallel": ({"trainer": {"tensorParallel": 2}}, MOE),
-}
-
-
-def violating_job(tmp_path: Path, name: str) -> tuple[dict, Path]:
-    """An RLJob (as a mapping) and its checkpoint, failing capability `name` alone."""
-    spec_changes, config_changes = VIOLATIONS[name]
-    d = _model(tmp_path, **config_changes)
-    if name == "tokenizer-vocab":
-        (d / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 1}},
-                                                      "added_tokens": [{"id": 7}]}))
-    spec = {"model": {"path": str(d), "dtype": "float32"},
-            "tasks": [{"name": "t", "env": "chain", "generate": {"count": 4}}],
-            "stages": [{"name": "s", "type": "sft", "tasks": ["t"]}]}
-    for section, values in spec_changes.items():
-        for key, value in values.items():
-            spec.setdefault(section, {})[key] = value
-    return {"apiVersion": "kiln.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "bad"},
-            "spec": spec}, d
 
 
 def test_every_capability_has_a_violation_here():
@@ -181,6 +139,6 @@ def test_the_cluster_example_validates_and_its_model_checks_pass_on_a_gpu(tmp_pa
     (job,), problems = validate_file(example)
     assert problems == []
     # A checkpoint shaped like the one it names (Qwen2-7B-Instruct's config.json).
-    qwen = _model(tmp_path, hidden_size=3584, num_attention_heads=28, num_key_value_heads=4,
+    qwen = checkpoint_config(tmp_path, hidden_size=3584, num_attention_heads=28, num_key_value_heads=4,
                   intermediate_size=18944, vocab_size=152064)
     assert job_model_refusals(job.spec, model_dir=qwen, cuda=True) == []

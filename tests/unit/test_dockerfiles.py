@@ -1,5 +1,5 @@
 """The Dockerfiles under deploy/docker would build: hadolint passes them, each one that installs
-the project copies every folder pyproject maps a package to, and each names in its header the
+the project copies the source folder pyproject finds its packages in (src/), and each names in its header the
 image tag it builds, from the chart's appVersion. (No registry is reachable from these machines,
 so the images themselves are not built here.)"""
 from __future__ import annotations
@@ -44,10 +44,10 @@ def test_hadolint_catches_a_bad_dockerfile(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("path", [p for p in DOCKERFILES if "pip install --no-deps ." in p.read_text()
                                   or "pip wheel" in p.read_text()], ids=lambda p: p.name)
-def test_project_images_copy_every_package_folder(path: Path) -> None:
-    package_dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+def test_project_images_copy_the_source_folder(path: Path) -> None:
+    source_dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["where"]
     copied = set(re.findall(r"^COPY (\S+) \1$", path.read_text(), flags=re.M))
-    missing = set(package_dirs.values()) - copied
+    missing = set(source_dirs) - copied
     assert not missing, f"{path.name} does not copy {sorted(missing)}; `pip install .` would fail"
 
 

@@ -2,14 +2,15 @@
 repeated to a service that restarted, transient errors waited out, a stop request honoured."""
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
 
 from kiln.api.spec import RLJob
 from kiln.control import Evaluation, ModeRequest, RolloutMode, RolloutStatus, TrainerStatus
-from kiln.driver import Driver, FileStore, RunState, Stopped
+from kiln.control.driver import Driver, FileStore, RunState, Stopped
+
+from helpers.fakes import FakeBufferStatus
 
 JOB = RLJob.model_validate({
     "apiVersion": "kiln.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "d"},
@@ -80,13 +81,6 @@ class FakeRollout:
             self.behind -= 1
             return RolloutStatus(self.mode.mode, self.mode.stage, policy_version=0)
         return RolloutStatus(self.mode.mode, self.mode.stage, policy_version=self.trainer.version)
-
-
-@dataclasses.dataclass
-class FakeBufferStatus:
-    depth: int = 0
-    dropped_stale: int = 0
-    max_staleness: int = -1
 
 
 class FakeBuffer:

@@ -1,4 +1,12 @@
-"""The operator's pure functions: child manifests, config hashes, immutable fields, spec parsing."""
+"""The operator's child manifests, a pure function of the job: every child valid against
+Kubernetes' own schemas (1.30 and the latest; the example jobs' children too) and owned by the
+job; the service containers' commands, TLS, probes, ports, resources and bounded disks; the
+docker sandbox's sidecar; suspension; data-parallel trainer replicas; network policies;
+privileges and runtime class.
+
+Checked on the manifests themselves (no cluster): `kubernetes_validate` rejects what an API
+server would, so a child that passes here is one a cluster accepts. What the operator reads
+from a spec (the job file, config hashes, immutable fields) is `test_operator_spec.py`'s."""
 from __future__ import annotations
 
 import copy
@@ -7,70 +15,14 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-import yaml
 
-from kiln.api.scheduling import PodSettings
-from kiln.api.spec import RLJobSpec
 from kiln.api.validate import load_job
 from kiln.operator import children
 from kiln.operator.naming import COMPONENTS, JobRef
-from kiln.operator.reconcile import parse_spec
-from kiln.api.base import quantity_value
 
-JOB = JobRef(name="demo", namespace="team-a", uid="0f5c2b9e-1111-2222-3333-444455556666")
+from helpers.operator_jobs import FULL, JOB, SMALL, by_name, spec, workload
+
 K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
-
-SMALL: dict[str, Any] = {
-    "model": {"path": "models/tiny"},
-    "tasks": [{"name": "train", "env": "chain", "generate": {"count": 8}}],
-    "stages": [{"name": "rl", "type": "rl", "tasks": ["train"], "batchSize": 8,
-                "microBatchSize": 8, "rl": {"groupSize": 8}}],
-}
-# Everything optional switched on: GPUs, a model PVC, docker sandboxes, storage classes.
-FULL: dict[str, Any] = {
-    **SMALL,
-    "model": {"path": "qwen/7b", "pvc": "models"},
-    "rollout": {"replicas": 4, "resources": {"cpu": "8", "memory": "64Gi", "gpu": 1},
-                "openaiPort": 8000},
-    "trainer": {"tensorParallel": 2, "dataParallel": 3, "resources": {"cpu": "16", "memory": "128Gi", "gpu": 2},
-                "pod": {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
-                        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
-                                         "effect": "NoSchedule"}],
-                        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-                            "nodeSelectorTerms": [{"matchExpressions": [
-                                {"key": "pool", "operator": "In", "values": ["train"]}]}]}}},
-                        "imagePullSecrets": ["registry"],
-                        "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
-                            "name": "hf", "key": "token"}}}, {"name": "NCCL_DEBUG", "value": "WARN"}],
-                        "envFrom": [{"secretRef": {"name": "wandb"}}],
-                        "priorityClassName": "training", "serviceAccountName": "kiln-trainer",
-                        "labels": {"team": "rl"}, "annotations": {"owner": "rl-team"}}},
-    "sandbox": {"backend": "docker", "image": "python:3.12-slim", "cpu": 0.5, "memory": "1Gi",
-                "maxConcurrent": 16, "replicas": 2},
-    "buffer": {"storage": {"size": "20Gi", "storageClass": "fast", "retain": False}},
-    "checkpoints": {"storage": {"size": "200Gi", "storageClass": "fast"}},
-    "image": "registry.example.com/kiln:0.1.0",
-}
-
-
-def spec(data: dict[str, Any], **changes: Any) -> RLJobSpec:
-    data = copy.deepcopy(data)
-    for path, value in changes.items():
-        node = data
-        keys = path.split("__")
-        for key in keys[:-1]:
-            node = node.setdefault(key, {})
-        node[keys[-1]] = value
-    return RLJobSpec.model_validate(data)
-
-
-def by_name(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {f"{o['kind']}/{o['metadata']['name']}": o for o in objs}
-
-
-def workload(objs: list[dict[str, Any]], component: str) -> dict[str, Any]:
-    kind = "StatefulSet" if component == "trainer" else "Deployment"
-    return by_name(objs)[f"{kind}/demo-{component}"]
 
 
 @pytest.mark.parametrize("data", [SMALL, FULL], ids=["small", "full"])
@@ -150,7 +102,8 @@ def test_service_containers_run_the_component_with_spec_resources_and_grpc_probe
     assert workload(objs, "sandbox")["spec"]["replicas"] == 2
     pvcs = {k: v for k, v in by_name(objs).items() if k.startswith("PersistentVolumeClaim/")}
     assert pvcs["PersistentVolumeClaim/demo-buffer"]["spec"]["storageClassName"] == "fast"
-    assert pvcs["PersistentVolumeClaim/demo-checkpoints"]["spec"]["resources"]["requests"] == {"storage": "200Gi"}
+    assert pvcs["PersistentVolumeClaim/demo-checkpoints"]["spec"]["resources"]["requests"] == {
+        "storage": "200Gi"}
 
 
 def test_the_openai_endpoint_gets_a_container_and_service_port_only_when_asked() -> None:
@@ -201,41 +154,6 @@ def test_local_disk_is_bounded_and_covers_the_sandbox_workspaces() -> None:
     assert box["containers"][0]["resources"]["limits"]["ephemeral-storage"] == "8Gi"
 
 
-def test_job_file_round_trips_through_the_services_loader(tmp_path: Path) -> None:
-    s = spec(FULL, stages=[{**FULL["stages"][0], "rl": {"groupSize": 8, "icepopBeta": None}}])
-    cm = children.config_map(JOB, s)
-    path = tmp_path / "job.yaml"
-    path.write_text(cm["data"]["job.yaml"])
-    job = load_job(path)
-    assert job.metadata.name == "demo"
-    # Everything but the pod settings, which only the operator reads.
-    assert job.spec == RLJobSpec.model_validate(
-        children.without_pod_settings(children.resolved_spec(s)))
-    assert job.spec.trainer.pod == PodSettings() != s.trainer.pod
-    assert job.spec.stages[0].rl.icepop_beta is None  # an explicit null is not lost to the default
-
-
-def test_config_hashes_restart_only_the_components_that_read_a_change() -> None:
-    base = children.component_hashes(spec(SMALL))
-    assert set(base) == set(COMPONENTS)
-
-    def changed(**kw: Any) -> set[str]:
-        new = children.component_hashes(spec(SMALL, **kw))
-        return {c for c in base if new[c] != base[c]}
-
-    assert changed(rollout__replicas=5) == set()
-    assert changed(sandbox__replicas=3) == set()
-    assert changed(suspend=True) == set()
-    assert changed(sandbox__timeoutSeconds=9) == {"sandbox"}
-    assert changed(rollout__maxTurns=3) == {"rollout"}
-    assert changed(trainer__checkpointInterval=7) == {"trainer"}
-    assert changed(weightSync__bucketBytes=8192) == {"weight-sync"}
-    assert changed(buffer__capacity=10) == {"buffer"}
-    stages = copy.deepcopy(SMALL["stages"])
-    stages[0]["rl"]["tau"] = 1
-    assert changed(stages=stages) == {"trainer", "rollout", "buffer"}
-
-
 def test_suspend_scales_every_workload_to_zero_with_the_same_templates() -> None:
     running = children.desired_children(JOB, spec(FULL))
     stopped = children.desired_children(JOB, spec(FULL, suspend=True), active=False)
@@ -245,67 +163,6 @@ def test_suspend_scales_every_workload_to_zero_with_the_same_templates() -> None
                 == workload(running, component)["spec"]["template"])
     kinds = [o["kind"] for o in stopped]
     assert kinds.count("PersistentVolumeClaim") == 2
-
-
-def test_immutable_changes_name_the_field() -> None:
-    old = spec(FULL)
-    assert children.immutable_changes(old, spec(FULL, rollout__replicas=1)) == []
-    msgs = children.immutable_changes(old, spec(FULL, model__path="other", trainer__tensorParallel=4))
-    assert len(msgs) == 2
-    assert any(m.startswith("spec.model.path cannot change") and "'other'" in m for m in msgs)
-    assert any(m.startswith("spec.trainer.tensorParallel cannot change") for m in msgs)
-
-
-def test_parse_spec_reports_field_paths() -> None:
-    ok, problems = parse_spec("demo", copy.deepcopy(SMALL))
-    assert ok is not None and problems == []
-    bad = copy.deepcopy(SMALL)
-    bad["rollout"] = {"replicas": -1, "engine": "tgi"}
-    parsed, problems = parse_spec("demo", bad)
-    assert parsed is None
-    assert any(p.startswith("spec.rollout.replicas:") for p in problems)
-    assert any(p.startswith("spec.rollout.engine:") and "tgi" in p for p in problems)
-
-
-@pytest.mark.parametrize("text,value", [("512Mi", 512 * 2**20), ("1.5", 1.5), ("250m", 0.25),
-                                        ("2G", 2e9), ("4Gi", 4 * 2**30)])
-def test_quantity_value(text: str, value: float) -> None:
-    assert quantity_value(text) == pytest.approx(value)
-
-
-def test_pod_settings_reach_the_pod_and_stay_out_of_the_config_map() -> None:
-    objs = by_name(children.desired_children(JOB, spec(FULL)))
-    pod = objs["StatefulSet/demo-trainer"]["spec"]["template"]
-    ps = pod["spec"]
-    assert ps["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
-    assert ps["tolerations"][0]["key"] == "nvidia.com/gpu"
-    assert "nodeAffinity" in ps["affinity"]
-    assert ps["imagePullSecrets"] == [{"name": "registry"}]
-    assert ps["priorityClassName"] == "training" and ps["serviceAccountName"] == "kiln-trainer"
-    assert ps["automountServiceAccountToken"] is False
-    (container,) = ps["containers"]
-    env = {e["name"]: e for e in container["env"]}
-    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
-    assert "KILN_BUFFER_ADDR" in env  # Kiln's own variables are still there
-    assert container["envFrom"] == [{"secretRef": {"name": "wandb"}}]
-    assert pod["metadata"]["labels"]["team"] == "rl"
-    assert pod["metadata"]["labels"]["app.kubernetes.io/component"] == "trainer"
-    assert pod["metadata"]["annotations"]["owner"] == "rl-team"
-    # Other components are untouched; the job file carries no pod section (env values may be
-    # secrets written inline).
-    assert "nodeSelector" not in objs["Deployment/demo-rollout"]["spec"]["template"]["spec"]
-    job_file = objs["ConfigMap/demo-config"]["data"]["job.yaml"]
-    assert "HF_TOKEN" not in job_file and "pod" not in yaml.safe_load(job_file)["spec"]["trainer"]
-
-
-@pytest.mark.parametrize("field, value, message", [
-    ("labels", {"app.kubernetes.io/name": "x"}, "set by Kiln"),
-    ("env", [{"name": "KILN_JOB_NAME", "value": "x"}], "KILN_"),
-    ("env", [{"name": "A"}], "needs value or valueFrom"),
-])
-def test_pod_settings_refuse_what_kiln_sets(field: str, value: Any, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        spec(SMALL, trainer__pod={field: value})
 
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "deploy" / "examples").glob("*.yaml"))
@@ -339,7 +196,8 @@ def test_data_parallel_trainer_replicas_meet_at_trainer_pod_zero() -> None:
     for key in ("image", "command", "args", "resources"):
         assert lead_c[key] == rep_c[key]
     assert rep_c["resources"]["limits"]["nvidia.com/gpu"] == 2  # one GPU per TP rank
-    assert replicas["spec"]["template"]["spec"]["tolerations"] == leader["spec"]["template"]["spec"]["tolerations"]
+    assert (replicas["spec"]["template"]["spec"]["tolerations"]
+            == leader["spec"]["template"]["spec"]["tolerations"])
     volumes = {v["name"]: v for v in replicas["spec"]["template"]["spec"]["volumes"]}
     assert volumes["run"] == {"name": "run", "emptyDir": {"sizeLimit": "8Gi"}}
     lead_volumes = {v["name"]: v for v in leader["spec"]["template"]["spec"]["volumes"]}
@@ -354,7 +212,8 @@ def test_data_parallel_trainer_replicas_meet_at_trainer_pod_zero() -> None:
     # One replica: no rendezvous, no replica StatefulSet.
     small = by_name(children.desired_children(JOB, spec(SMALL)))
     assert "StatefulSet/demo-trainer-replica" not in small
-    assert "MASTER_ADDR" not in _env(small["StatefulSet/demo-trainer"]["spec"]["template"]["spec"]["containers"][0])
+    assert "MASTER_ADDR" not in _env(
+        small["StatefulSet/demo-trainer"]["spec"]["template"]["spec"]["containers"][0])
     # Suspended: the replicas scale to zero with the rest.
     idle = by_name(children.desired_children(JOB, spec(FULL), active=False))
     assert idle["StatefulSet/demo-trainer-replica"]["spec"]["replicas"] == 0
@@ -368,7 +227,8 @@ def test_network_policies_admit_only_each_components_clients() -> None:
     assert grpc_rule["ports"] == [{"port": 50051, "protocol": "TCP"}]
     assert grpc_rule["from"] == [{"podSelector": {
         "matchLabels": {"app.kubernetes.io/instance": "demo"},
-        "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In", "values": ["rollout"]}]}}]
+        "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In",
+                              "values": ["rollout"]}]}}]
     assert "from" not in open_rule and {p["port"] for p in open_rule["ports"]} == {50050, 9090}
     buffer = objs["NetworkPolicy/demo-buffer"]["spec"]["ingress"][0]["from"]
     assert buffer[0] == {"namespaceSelector": {}, "podSelector": {"matchLabels": {
@@ -379,24 +239,6 @@ def test_network_policies_admit_only_each_components_clients() -> None:
     assert {"from": [{"podSelector": trainer["podSelector"]}]} in trainer["ingress"]  # rank to rank
     rollout = objs["NetworkPolicy/demo-rollout"]["spec"]["ingress"]
     assert {"ports": [{"port": 8000, "protocol": "TCP"}]} in rollout  # the OpenAI endpoint
-
-
-def test_operator_admits_sandboxes_only_where_the_admin_allows() -> None:
-    from kiln.operator.config import OperatorConfig
-    for backend in ("bubblewrap", "docker"):
-        job = spec({**SMALL, "sandbox": {"backend": backend}})
-        (why,) = OperatorConfig().refusals(job)
-        assert backend in why and "sandboxRuntimeClass" in why and "allowPrivilegedSandboxes" in why
-        for setting in ({"KILN_OPERATOR_ALLOW_PRIVILEGED_SANDBOXES": "true"},
-                        {"KILN_OPERATOR_SANDBOX_RUNTIME_CLASS": "kata"}):
-            assert OperatorConfig.from_env(setting).refusals(job) == []
-    assert OperatorConfig().refusals(spec({**SMALL, "sandbox": {"replicas": 0}})) == []
-    # Frozen deployments (teachers, subagents) are the operator's to make (`frozen.py`).
-    opd = spec({**SMALL, "sandbox": {"replicas": 0}, "stages": [{**SMALL["stages"][0], "rl": {
-        "groupSize": 8, "advantage": "opd", "teacher": "/models/teacher"}}]})
-    swarm = spec({**SMALL, "sandbox": {"replicas": 0}, "stages": [{**SMALL["stages"][0], "swarm": {
-        "subagents": "/models/subagents"}}]})
-    assert OperatorConfig().refusals(opd) == OperatorConfig().refusals(swarm) == []
 
 
 def test_sandbox_pod_privileges_and_runtime_class() -> None:

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from kiln.api.spec import RLJob
-from kiln.driver import RunState
+from kiln.control.driver import RunState
 from kiln.operator.driving import StatusStore
 from kiln.operator.naming import JobRef
 from kiln.operator.status import Addresses

@@ -10,7 +10,7 @@ import kubernetes_validate
 
 from kiln.api.distillation import teacher_process
 from kiln.api.spec import RLJobSpec
-from kiln.driver import RunState
+from kiln.control.driver import RunState
 from kiln.operator import children, frozen
 from kiln.operator.driving import StatusStore
 from kiln.operator.naming import JobRef

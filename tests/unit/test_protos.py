@@ -12,8 +12,8 @@ def test_generated_code_is_current():
         for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"):
             name = proto.stem + suffix
             committed = PROTO_DIR / name
-            assert committed.exists(), f"{name} missing: run python protos/generate.py"
-            assert committed.read_text() == fresh[name], f"{name} is stale: run python protos/generate.py"
+            assert committed.exists(), f"{name} missing: run python -m kiln.protos.generate"
+            assert committed.read_text() == fresh[name], f"{name} is stale: run python -m kiln.protos.generate"
     stray = {p.name for p in PROTO_DIR.glob("*_pb2*.py*")} - set(fresh)
     assert not stray, f"generated files without a .proto: {sorted(stray)}"
 
@@ -35,8 +35,8 @@ def test_control_records_match_the_wire():
     trip through the converters every service and the operator use."""
     from dataclasses import fields
 
-    from kiln.control import ModeRequest, RolloutMode, RolloutStatus, TrainerStatus
-    from kiln.protos import control
+    from kiln.control import BufferStatus, ModeRequest, RolloutMode, RolloutStatus, TrainerStatus
+    from kiln.control import wire as control
     from kiln.protos.kiln.v1 import rollout_pb2 as rpb
 
     assert {m.name: int(m) for m in RolloutMode} == dict(rpb.RolloutMode.items())
@@ -51,3 +51,8 @@ def test_control_records_match_the_wire():
                                         i + 0.5 if f.type == "float" else i)
                                for i, f in enumerate(fields(RolloutStatus), 1)})
     assert control.rollout_status_from_proto(control.rollout_status_to_proto(rollout)) == rollout
+    buffer = BufferStatus(**{f.name: (i + 0.5 if f.type == "float" else i)
+                             for i, f in enumerate(fields(BufferStatus), 1)})
+    assert control.buffer_status_from_proto(control.buffer_status_to_proto(buffer)) == buffer
+    buffer.tau = None
+    assert control.buffer_status_from_proto(control.buffer_status_to_proto(buffer)) == buffer

@@ -6,7 +6,7 @@ import asyncio
 import grpc
 import pytest
 
-from kiln.services.common.retry import call_until
+from kiln.control.retry import call_until
 
 
 def _error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:

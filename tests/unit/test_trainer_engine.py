@@ -166,7 +166,7 @@ def test_checkpoint_resume_gives_identical_next_step(model_dir: Path, tmp_path: 
 def test_a_checkpoint_knows_whether_its_weights_are_their_versions(model_dir: Path, tmp_path: Path) -> None:
     # An SFT stage publishes at its end only: a checkpoint taken before that holds trained
     # weights under version 0, which rollout serves as the initial ones. Resumed, the trainer
-    # must publish them anew (services/trainer/main.py), so it has to know.
+    # must publish them anew (src/kiln/services/trainer/main.py), so it has to know.
     cfg = _config(model_dir, checkpoint_dir=tmp_path / "ckpt", checkpoint_interval=2)
     a = TrainerEngine(cfg)
     assert not a.unpublished

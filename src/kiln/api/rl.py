@@ -1,0 +1,110 @@
+"""The RL algorithm's settings of one stage (`spec.stages[].rl`): group size, loss mode, masks,
+freshness, weight sync, advantages and distillation teachers. Torch-free, like the rest of the
+spec; the trainer maps them onto its loss (`src/kiln/services/trainer/config.py`)."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from kiln.api.components import Model, TeacherSpec
+
+
+class RLSettings(Model):
+    """The RL algorithm's knobs."""
+
+    group_size: int = Field(8, ge=2)
+    """G: samples per task; advantages are relative to the group mean."""
+    loss_mode: Literal["masked", "ppo"] = "masked"
+    """`masked` (asynchronous agentic RL): ratio to the inference policy, tokens outside the
+    window dropped, no separate IcePop. `ppo` (reasoning RL): ratio to the trainer's weights at
+    the start of the step under PPO's clip, plus IcePop on the train/inference ratio as its own
+    mask and weight; give it `minibatches` > 1 so the two ratios differ."""
+    eps_low: float = Field(0.2, ge=0, lt=1)
+    """masked: tokens with ratio below 1 - epsLow are masked out; ppo: the clip's lower bound."""
+    eps_high: float = Field(0.28, ge=0)
+    """masked: tokens with ratio above 1 + epsHigh are masked out; ppo: the clip's upper bound."""
+    dual_clip: float | None = Field(None, gt=1)
+    """ppo: bound the loss of negative-advantage tokens at dualClip * A (dual-clip PPO)."""
+    icepop_beta: float | None = Field(2.0, gt=1)
+    """ppo: IcePop keeps a token only if pi_train_old / pi_infer is in [1/beta, beta] and
+    weighs it by that ratio; null disables. Not used by the masked mode."""
+    minibatches: int = Field(1, ge=1)
+    """Optimizer updates per step, each on a share of the batch (the trainer's log-probs at the
+    start of the step are what ppo's ratio and IcePop compare against)."""
+    tau: int = Field(4, ge=0)
+    """Freshness: drop a trajectory whose oldest policy version is more than tau behind."""
+    sync_interval: int = Field(1, ge=1)
+    """Publish weights to rollout every this many optimizer steps."""
+    reset_optimizer_on_sync: bool = True
+    """Reset AdamW's first and second moments after each weight publish."""
+    loss_aggregation: Literal["token-mean", "sequence-mean", "sequence-sum"] = "token-mean"
+    """`token-mean`: average over the batch's trained tokens; `sequence-mean`: average each
+    trajectory over its tokens, then over trajectories; `sequence-sum` (Dr. GRPO): sum each
+    trajectory's token losses and divide by trajectories x `rollout.sampling.maxTotalTokens`, a
+    constant, so a long answer is not weighted down per token the way the means weigh it."""
+    advantage_norm: Literal["mean", "mean-std"] = "mean"
+    """`mean`: a trajectory's advantage is its reward minus its group's mean (Dr. GRPO keeps it
+    so); `mean-std`: also divided by the standard deviation of its group's rewards (GRPO as first
+    published; a group whose rewards are all equal keeps advantage 0)."""
+    advantage: Literal["group", "opd"] = "group"
+    """`group`: reward minus group mean; `opd`: per-token teacher minus student log-prob."""
+    teacher: str | None = None
+    """The teacher (required when advantage is opd): the name of an earlier stage, whose final
+    weights it is, or a Hugging Face checkpoint directory."""
+    teachers: list[TeacherSpec] = Field(default_factory=list)
+    """opd: a teacher per group of the stage's task sets, instead of `teacher` for all of them;
+    each task set has exactly one."""
+    task_reward_weight: float = Field(0.0, ge=0.0)
+    """opd: weight of the group-relative task advantage added to every token's distillation
+    advantage (teacher minus student log-prob); 0 distils only."""
+    sampled_weight: float = Field(1.0, ge=0.0)
+    """opd: weight of the sampled-token advantage (teacher minus student log-prob of each token
+    the student sampled). 0 with teacherTopK distils from the teacher's top k alone, a forward
+    KL on the student's own trajectories (GKD's): no per-token advantages of -20 on tokens the
+    teacher would never write, which at a high learning rate shake what the student knows."""
+    teacher_top_k: int = Field(0, ge=0, le=64)
+    """opd: also distil densely. The teacher returns its k most likely tokens at every trained
+    position, and each such token's loss gets `denseWeight * sum_j q_j (log q_j - log
+    pi_theta(j))`: the teacher's top k, renormalised to q, against the student (forward KL on
+    the teacher's top k, reported as `dense_kl`). This reaches tokens the student no longer
+    samples, which the sampled-token advantage cannot. 0 (the default): sampled tokens only."""
+    dense_weight: float = Field(1.0, ge=0.0)
+    """opd with teacherTopK: weight of the dense term in each trained token's loss."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """Weight of a KL penalty to `reference`: every trained token's loss gets
+    `klCoef * KL(pi_theta || pi_ref)`, the k3 estimate `exp(d) - d - 1` with
+    `d = log pi_ref - log pi_theta` (GRPO's), from the reference's log-probs of the sampled
+    tokens; 0 (the default) has no reference and no penalty."""
+    reference: str | None = None
+    """The frozen reference of `klCoef` (advantage group only): an earlier stage's name, whose
+    final weights it is, or a Hugging Face checkpoint directory; served like a distillation
+    teacher, scoring every trajectory of the stage."""
+    asynchronous: bool = Field(True, alias="async")
+    """Rollout keeps generating while the trainer steps; false pauses rollout during training."""
+
+    @model_validator(mode="after")
+    def _opd(self) -> RLSettings:
+        if self.advantage == "opd" and bool(self.teacher) == bool(self.teachers):
+            raise ValueError("advantage 'opd' needs a teacher: set teacher or teachers (not both)")
+        if self.teachers and self.advantage != "opd":
+            raise ValueError("teachers applies to advantage 'opd' only")
+        if self.task_reward_weight and self.advantage != "opd":
+            raise ValueError("taskRewardWeight applies to advantage 'opd' only")
+        if self.sampled_weight != 1.0 and self.advantage != "opd":
+            raise ValueError("sampledWeight applies to advantage 'opd' only")
+        if (self.advantage == "opd" and not self.sampled_weight and not self.teacher_top_k
+                and not self.task_reward_weight):
+            raise ValueError("sampledWeight 0 leaves an opd stage nothing to learn from: "
+                             "set teacherTopK (dense distillation) or taskRewardWeight")
+        if self.teacher_top_k and self.advantage != "opd":
+            raise ValueError("teacherTopK applies to advantage 'opd' only (it is the teacher's)")
+        if self.dual_clip is not None and self.loss_mode != "ppo":
+            raise ValueError("dualClip applies to lossMode ppo only")
+        if bool(self.kl_coef) != bool(self.reference):
+            raise ValueError("klCoef and reference go together: a KL penalty needs the reference "
+                             "it is measured to, and a reference is only used by the penalty")
+        if self.reference and self.advantage != "group":
+            raise ValueError("reference (a KL penalty) applies to advantage 'group' only; an opd "
+                             "stage's teacher already pulls the policy towards it")
+        return self

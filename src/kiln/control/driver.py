@@ -1,0 +1,295 @@
+"""The stage driver: runs a job's stages in order by telling the services what to do. One
+implementation for both places a job runs: `kiln run` drives it in-process, and the operator
+drives every applied RLJob from a daemon thread (`kiln.operator.driving`).
+
+For each stage it evaluates held-out task sets (if the stage asks for it), starts the trainer on
+the stage, puts rollout in the matching mode (DEMONSTRATE for SFT, EXPLORE for RL), follows
+progress until the trainer reports the stage done, stops rollout, waits for the final weights
+to reach rollout, and evaluates again.
+
+Level-triggered: every poll compares what the trainer and rollout report with what the stage
+needs and repeats the order when they differ (a restarted service reports no stage), so a
+service that crashed and came back, or a driver that restarted itself, picks the stage up where
+the trainer's checkpoint has it. Errors of the `transient` kinds (a service unreachable while
+it restarts) are waited out up to `unavailable_seconds`.
+
+What is done is kept in a `RunState` (finished stages and evaluations) through a `StateStore`:
+a JSON file for `kiln run` (`state.json`, read by `--resume`), the RLJob's status in a cluster.
+Progress goes to a `progress` callback (the launcher's live line and metrics.jsonl, the
+operator's log) and an optional tracker.
+
+The driver talks to the services through `kiln.control`'s Protocols; it knows nothing of
+processes, pods or gRPC.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from kiln.api.spec import RLJob, RLStage, SFTStage
+from kiln.control.autoscale import Autoscaler, StepSignals
+from kiln.control.records import (BufferControl, ModeRequest, RolloutControl, RolloutMode,
+                                  RolloutScaler, RolloutStatus, TrainerControl, TrainerStatus)
+
+
+class StateStore(Protocol):
+    def load(self) -> dict[str, Any]: ...
+
+    def save(self, data: dict[str, Any]) -> None: ...
+
+
+class FileStore:
+    """`state.json` in a run directory, replaced atomically."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def load(self) -> dict[str, Any]:
+        return json.loads(self.path.read_text()) if self.path.exists() else {}
+
+    def save(self, data: dict[str, Any]) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        tmp.replace(self.path)
+
+
+@dataclass
+class RunState:
+    store: StateStore
+    finished_stages: list[str] = field(default_factory=list)
+    evaluations: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, store: StateStore) -> RunState:
+        data = store.load()
+        return cls(store, list(data.get("finished_stages", [])), dict(data.get("evaluations", {})))
+
+    def save(self) -> None:
+        self.store.save({"finished_stages": self.finished_stages, "evaluations": self.evaluations})
+
+
+class Tracker(Protocol):
+    def log(self, step: int, scalars: dict[str, float | None]) -> None: ...
+
+
+class Stopped(Exception):
+    """`should_stop` turned true (the job was suspended or deleted); nothing is lost: the next
+    driver resumes from the state and the trainer's checkpoint."""
+
+
+def trainer_record(s: TrainerStatus) -> dict[str, Any]:
+    """The trainer's part of a progress record (what the report plots)."""
+    m = s.last_metrics
+    return {
+        "stage": s.stage, "step": s.stage_step, "global_step": s.step,
+        "policy_version": s.policy_version, "stage_done": s.stage_done,
+        "failed": s.stage_failed, "message": s.message,
+        "loss": m.get("loss"), "reward": m.get("reward_mean"), "grad_norm": m.get("grad_norm"),
+        "lr": m.get("lr"), "ratio_mask": m.get("ratio_mask_frac"),
+        "icepop_mask": m.get("icepop_mask_frac"), "ratio_only": m.get("ratio_only_frac"),
+        "icepop_only": m.get("icepop_only_frac"), "both_masked": m.get("both_masked_frac"),
+        "mismatch_abs": m.get("mismatch_abs"),
+        "mismatch_kl": m.get("mismatch_kl"), "routing_flips": m.get("routing_flip_frac"),
+        "kl_ref": m.get("kl_ref"), "dense_kl": m.get("dense_kl"),
+        "tokens_per_second": m.get("tokens_per_s"),
+        "step_seconds": m.get("step_time_s"),
+        "staleness_counts": {str(k): v for k, v in s.staleness_counts().items()},
+    }
+
+
+@dataclass
+class Progress:
+    """One poll of a running stage, for whoever shows or records it."""
+
+    stage: SFTStage | RLStage
+    trainer: TrainerStatus
+    rollout: RolloutStatus
+    buffer: Any
+    elapsed: float
+
+    @property
+    def step(self) -> int:
+        return self.trainer.stage_step if self.trainer.stage == self.stage.name else 0
+
+    def record(self) -> dict[str, Any]:
+        return {"event": "progress", "time": time.time(), "elapsed": self.elapsed,
+                "stage": self.stage.name, "step": self.step, "max_steps": self.stage.max_steps,
+                "trainer": trainer_record(self.trainer), "rollout": dataclasses.asdict(self.rollout),
+                "buffer": dataclasses.asdict(self.buffer)}
+
+
+class Driver:
+    def __init__(self, job: RLJob, trainer: TrainerControl, rollout: RolloutControl,
+                 buffer: BufferControl, state: RunState, *, poll_seconds: float = 1.0,
+                 say: Callable[[str], None] = print,
+                 on_progress: Callable[[Progress], None] = lambda p: None,
+                 on_event: Callable[[dict[str, Any]], None] = lambda e: None,
+                 supervise: Callable[[], list[str]] = lambda: [],
+                 should_stop: Callable[[], bool] = lambda: False,
+                 transient: tuple[type[BaseException], ...] = (),
+                 unavailable_seconds: float = 600.0,
+                 tracker: Tracker | None = None, scaler: RolloutScaler | None = None) -> None:
+        self.job, self.state = job, state
+        self.trainer, self.rollout, self.buffer = trainer, rollout, buffer
+        self.poll_seconds = poll_seconds
+        self.say, self.on_progress, self.on_event = say, on_progress, on_event
+        # Called every poll (`kiln run`: restart services that died, return their names; those
+        # get their orders again at once).
+        self.supervise = supervise
+        self._restarted: list[str] = []  # restarted while a call waited; announced next poll
+        self.should_stop = should_stop
+        self.transient, self.unavailable_seconds = transient, unavailable_seconds
+        self.tracker = tracker
+        self.scaler = scaler
+        """Owner of the rollout replicas; with `spec.rollout.autoscale`, asynchronous RL stages
+        resize rollout through it."""
+        self._global_step = 0
+
+    # ------------------------------------------------------------------ stages
+    def run(self) -> RunState:
+        for stage in self.job.spec.stages:
+            if stage.name in self.state.finished_stages:
+                self.say(f"stage {stage.name}: already finished, skipping")
+                continue
+            self._run_stage(stage)
+            self.state.finished_stages.append(stage.name)
+            self.state.save()
+        return self.state
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """`fn()`, waiting out transient errors (a service restarting) up to the limit."""
+        deadline = time.monotonic() + self.unavailable_seconds
+        while True:
+            if self.should_stop():
+                raise Stopped()
+            try:
+                return fn()
+            except self.transient as exc:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"a service stayed unavailable for "
+                                       f"{self.unavailable_seconds:.0f} s: {exc}") from exc
+                # The service may have died: have it restarted while waiting for it.
+                self._restarted += self.supervise()
+                time.sleep(self.poll_seconds)
+
+    def _evaluate(self, stage: SFTStage | RLStage, when: str) -> None:
+        if not stage.eval or (when == "before" and not stage.eval.before):
+            return
+        for task_set in stage.eval.tasks:
+            key = f"{stage.name}/{when}/{task_set}"
+            if key in self.state.evaluations:
+                continue
+            self.say(f"stage {stage.name}: evaluating {task_set} ({when})")
+            ev = self._call(lambda: self.rollout.evaluate(task_set, samples=stage.eval.samples,
+                                                          greedy=True))
+            result = dataclasses.asdict(ev)
+            self.state.evaluations[key] = result
+            self.state.save()
+            self.say(f"  {task_set} {when} {stage.name}: greedy {ev.greedy_success:.3f}, "
+                     f"sampled {ev.sampled_success:.3f} (version {ev.policy_version}, "
+                     f"{ev.tasks} tasks, {ev.seconds:.1f} s)")
+            self.on_event({"event": "eval", "stage": stage.name, "when": when,
+                           "task_set": task_set, **result})
+            if self.tracker is not None:
+                self.tracker.log(self._global_step, {
+                    f"eval/{task_set}/greedy_success": ev.greedy_success,
+                    f"eval/{task_set}/sampled_success": ev.sampled_success})
+
+    def _mode(self, stage: SFTStage | RLStage) -> ModeRequest:
+        rl = isinstance(stage, RLStage)
+        return ModeRequest(
+            RolloutMode.EXPLORE if rl else RolloutMode.DEMONSTRATE, stage=stage.name,
+            task_sets=list(stage.tasks), group_size=stage.rl.group_size if rl else 1,
+            synchronous=rl and not stage.rl.asynchronous, batch_size=stage.batch_size,
+            seed=self.job.spec.seed, tau=stage.rl.tau if rl else None)
+
+    def _run_stage(self, stage: SFTStage | RLStage) -> None:
+        # A resumed rollout starts from the job's initial weights and the resumed trainer
+        # republishes its own at start-up: episodes (and the evaluation) must wait for them, or
+        # they are sampled from a model the chain has long left (version 0, within tau of the
+        # trainer's after one stage).
+        version = self._call(self.trainer.status).policy_version
+        self._wait(lambda: self.rollout.status().policy_version >= version,
+                   f"rollout did not receive the trainer's policy version {version} before stage {stage.name}")
+        self._evaluate(stage, "before")
+        self.say(f"stage {stage.name} ({stage.type}): {stage.max_steps} steps")
+        mode = self._mode(stage)
+        self._call(lambda: self.trainer.start_stage(stage.name))
+        self._call(lambda: self.rollout.set_mode(mode))
+        autoscaler = self._autoscaler(stage)
+        start = time.monotonic()
+        while True:
+            restarted = list(dict.fromkeys(self._restarted + self.supervise()))
+            self._restarted = []
+            if restarted:
+                self.say(f"\nrestarted {', '.join(restarted)}; resuming stage {stage.name}")
+                self.on_event({"event": "restart", "time": time.time(), "services": restarted,
+                               "stage": stage.name})
+            t = self._call(self.trainer.status)
+            if t.stage_failed:
+                raise RuntimeError(f"trainer failed in stage {stage.name}: {t.message}")
+            if t.stage != stage.name:  # a trainer that restarted knows no stage yet
+                t = self._call(lambda: self.trainer.start_stage(stage.name))
+            r = self._call(self.rollout.status)
+            if (r.stage, r.mode) != (stage.name, mode.mode) and not (t.stage == stage.name and t.stage_done):
+                # A replica that restarted or just joined starts once it has current weights.
+                order = dataclasses.replace(mode, min_version=t.policy_version)
+                r = self._call(lambda: self.rollout.set_mode(order))
+            b = self._call(self.buffer.status)
+            if autoscaler is not None and t.stage == stage.name and t.stage_step > 0:
+                self._autoscale(autoscaler, t, b)
+            progress = Progress(stage, t, r, b, time.monotonic() - start)
+            self._global_step = t.step
+            self.on_progress(progress)
+            if self.tracker is not None:
+                self.tracker.log(t.step, {
+                    "rollout/pass_rate": r.mean_reward, "rollout/tokens_per_s": r.tokens_per_second,
+                    "rollout/in_flight": r.in_flight, "rollout/policy_version": r.policy_version,
+                    "buffer/depth": b.depth, "buffer/dropped_stale": b.dropped_stale,
+                    "buffer/max_staleness": b.max_staleness if b.max_staleness >= 0 else None})
+            if t.stage == stage.name and t.stage_done:
+                break
+            time.sleep(self.poll_seconds)
+        self._call(lambda: self.rollout.set_mode(ModeRequest(RolloutMode.IDLE)))
+        self._wait(lambda: self.rollout.status().policy_version >= t.policy_version,
+                   f"rollout did not receive policy version {t.policy_version}")
+        # Episodes of the finished stage drain (their puts are abandoned) before the next.
+        self._wait(lambda: self.rollout.status().in_flight == 0,
+                   "rollout still has episodes in flight")
+        self._evaluate(stage, "after")
+
+    def _autoscaler(self, stage: SFTStage | RLStage) -> Autoscaler | None:
+        spec = self.job.spec.rollout.autoscale
+        if spec is None or self.scaler is None or not isinstance(stage, RLStage) \
+                or not stage.rl.asynchronous:
+            return None  # a synchronous stage has nothing to overlap: its rollout is sized by hand
+        return Autoscaler(spec, tau=stage.rl.tau, batch_size=stage.batch_size)
+
+    def _autoscale(self, autoscaler: Autoscaler, t: TrainerStatus, b: Any) -> None:
+        m = t.last_metrics
+        staleness = [k for k, n in t.staleness_counts().items() if n > 0]
+        signals = StepSignals(t.stage_step, m.get("wait_s", 0.0), m.get("step_time_s", 0.0),
+                              max(staleness, default=-1), int(getattr(b, "depth", 0)))
+        if not self.scaler.settled():
+            # A replica is starting or draining: steps now show neither count's effect.
+            autoscaler.hold()
+            return
+        replicas = self.scaler.replicas()
+        decision = autoscaler.observe(signals, replicas)
+        if decision is None:
+            return
+        self.say(f"  rollout: {replicas} -> {decision.replicas} replicas ({decision.reason})")
+        self.scaler.scale(decision.replicas)
+        self.on_event({"event": "scale", "stage": t.stage, "step": t.stage_step,
+                       "from": replicas, "to": decision.replicas, "reason": decision.reason})
+
+    def _wait(self, done: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self._call(done):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} after {timeout:.0f} s")
+            time.sleep(0.1)

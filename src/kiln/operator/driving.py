@@ -1,0 +1,145 @@
+"""Driving an applied RLJob through its stages, from the operator.
+
+The operator runs one kopf daemon per RLJob (`kiln.operator.handlers.drive_job`); the daemon
+runs the same `kiln.control.driver.Driver` as `kiln run`, talking to the job's services over gRPC
+through the control floor's clients (`kiln.operator.replicas`). Why the operator and not a
+driver Job: docs/design-notes.md.
+
+What is done lives in the RLJob's status, so an operator that restarts (or another replica that
+takes over) resumes where the last one was: `status.finishedStages` and `status.evaluations`
+(`StatusStore`). The driver is level-triggered: it re-sends the current stage to a trainer or
+rollout that restarted. A suspend (`spec.suspend`), deletion or operator shutdown stops it
+between polls (`Stopped`); nothing is lost, the trainer keeps its checkpoints.
+
+When every stage is done the daemon records `phase: Succeeded`; a driver error that a retry will
+not fix (the trainer failed, a service stayed away for `unavailable_seconds`) records `Failed`
+with the reason in the `Driving` condition.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+from kiln.api.spec import API_GROUP, API_VERSION, KIND, RLJob
+from kiln.api.status import EvaluationResult
+from kiln.control.driver import Driver, Progress, RunState, Stopped
+from kiln.operator.replicas import TRANSIENT, Controls
+from kiln.operator.kube import Kube
+from kiln.operator.naming import JobRef
+from kiln.operator.status import rfc3339, set_condition
+
+log = logging.getLogger("kiln.operator")
+
+
+class StatusStore:
+    """`RunState` kept in the RLJob's status (merge-patched; the driver is its only writer)."""
+
+    def __init__(self, kube: Kube, job: JobRef, current: Callable[[], dict[str, Any]],
+                 on_finished: Callable[[list[str]], None] = lambda finished: None) -> None:
+        self.kube, self.job, self.current = kube, job, current
+        self.on_finished = on_finished
+        self._finished: list[str] = []
+
+    def ref(self) -> dict[str, Any]:
+        return {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
+                "metadata": {"name": self.job.name, "namespace": self.job.namespace}}
+
+    def load(self) -> dict[str, Any]:
+        status = self.current()
+        evaluations = {key: EvaluationResult.model_validate(value).model_dump()
+                       for key, value in (status.get("evaluations") or {}).items()}
+        self._finished = list(status.get("finishedStages") or [])
+        return {"finished_stages": list(self._finished), "evaluations": evaluations}
+
+    def save(self, data: dict[str, Any]) -> None:
+        # The CRD's schema names fields in camelCase (a real API server prunes others).
+        evaluations = {key: EvaluationResult.model_validate(value).model_dump(by_alias=True)
+                       for key, value in data["evaluations"].items()}
+        self.patch({"finishedStages": data["finished_stages"], "evaluations": evaluations})
+        if data["finished_stages"] != self._finished:
+            self.on_finished(list(data["finished_stages"]))
+        self._finished = list(data["finished_stages"])
+
+    def patch(self, status: dict[str, Any]) -> None:
+        self.kube.merge_patch_status(self.ref(), status)
+
+
+class SpecReplicas:
+    """Autoscaling on a cluster: the decision becomes the RLJob's `spec.rollout.replicas`, which
+    the update handler reconciles into the rollout Deployment like any edit (and which an HPA
+    would write through the scale subresource instead). New pods join at the current policy
+    version (weight sync sends the latest on subscribe; rollout waits for it before its first
+    episode); a pod scaled away gets SIGTERM and finishes its episodes in its grace period."""
+
+    def __init__(self, kube: Kube, ref: dict[str, Any], current: Callable[[], int],
+                 serving: Callable[[], int]) -> None:
+        self.kube, self.ref, self.current, self.serving = kube, ref, current, serving
+
+    def replicas(self) -> int:
+        return self.current()
+
+    def settled(self) -> bool:
+        # The headless Service lists ready pods only: as many as asked means they all serve
+        # (and any scaled away has left).
+        return self.serving() == self.current()
+
+    def scale(self, replicas: int) -> None:
+        self.kube.merge_patch(self.ref, {"spec": {"rollout": {"replicas": replicas}}})
+
+
+def drive(job: RLJob, ref: JobRef, kube: Kube, address: Callable[[str], str],
+          current_status: Callable[[], dict[str, Any]], stopped: threading.Event | Any,
+          suspended: Callable[[], bool], *, poll_seconds: float = 2.0,
+          unavailable_seconds: float = 900.0,
+          credentials: Callable[[], Any] = lambda: None,
+          rollout_replicas: Callable[[], int] | None = None,
+          on_stage_finished: Callable[[list[str]], None] = lambda finished: None) -> str:
+    """Run the job's remaining stages; returns the outcome: succeeded, failed or stopped.
+    `rollout_replicas()`: the live spec's rollout replica count (autoscaling changes it).
+    `on_stage_finished(finished)`: called once a stage is recorded done (frozen deployments
+    made by that stage can start now, without waiting for the next drift repair)."""
+    store = StatusStore(kube, ref, current_status, on_stage_finished)
+    state = RunState.load(store)
+    names = [s.name for s in job.spec.stages]
+    if all(n in state.finished_stages for n in names):
+        return "succeeded"
+    controls = Controls.open(address, credentials=credentials)
+    last_logged = [0.0]
+
+    def on_progress(p: Progress) -> None:
+        if p.elapsed - last_logged[0] >= 30:
+            last_logged[0] = p.elapsed
+            log.info("%s/%s stage %s step %d/%d version %d", ref.namespace, ref.name,
+                     p.stage.name, p.step, p.stage.max_steps, p.trainer.policy_version)
+
+    driver = Driver(job, controls.trainer, controls.rollout, controls.buffer, state,
+                    poll_seconds=poll_seconds,
+                    say=lambda s: log.info("%s/%s %s", ref.namespace, ref.name, s.strip()),
+                    on_progress=on_progress,
+                    should_stop=lambda: bool(stopped.is_set()) or suspended(),
+                    transient=TRANSIENT, unavailable_seconds=unavailable_seconds,
+                    scaler=SpecReplicas(kube, store.ref(), rollout_replicas or
+                                        (lambda: job.spec.rollout.replicas),
+                                        controls.rollout.serving))
+    try:
+        driver.run()
+    except Stopped:
+        return "stopped"
+    except RuntimeError as exc:
+        now = rfc3339()
+        conditions = set_condition(list(current_status().get("conditions") or []), "Driving",
+                                   "False", "StageFailed", str(exc), now)
+        store.patch({"phase": "Failed", "message": f"driver: {exc}", "conditions": conditions})
+        return "failed"
+    finally:
+        controls.close()
+    now = rfc3339()
+    conditions = set_condition(list(current_status().get("conditions") or []), "Driving",
+                               "False", "Completed", "every stage finished", now)
+    # The services scale to zero next; nothing serves any more.
+    conditions = set_condition(conditions, "Ready", "False", "Completed",
+                               "every stage completed", now)
+    store.patch({"phase": "Succeeded", "message": "every stage completed",
+                 "conditions": conditions})
+    return "succeeded"
