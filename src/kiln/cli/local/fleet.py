@@ -21,10 +21,9 @@ from pathlib import Path
 from typing import Callable
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kiln.control import channels
-from kiln.control import ModeRequest, RolloutMode, RolloutStatus, combined_status
+from kiln.control.clients import RolloutControlClient
+from kiln.control.records import ModeRequest, RolloutMode, RolloutStatus, combined_status
 
 from . import processes
 
@@ -167,9 +166,8 @@ def _healthy(svc: processes.ServiceProcess) -> bool:
     if svc.proc.poll() is not None or not port_file.exists():
         return False
     processes.wait_port(svc, timeout=1)
-    with channels.channel(svc.address, "rollout") as ch:
-        try:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
-        except grpc.RpcError:
-            return False
-    return resp.status == health_pb2.HealthCheckResponse.SERVING
+    client = RolloutControlClient(svc.address, timeout=1, retry=False)
+    try:
+        return client.health()[0]
+    finally:
+        client.close()
