@@ -22,15 +22,17 @@ from pathlib import Path
 
 import torch
 
+from kiln.api.loss import MaskedLoss
 from kiln.models.tiny import make_tiny_checkpoint
+from kiln.services.trainer.advantages import sequence_advantages
 from kiln.services.trainer.config import OptimizerConfig, TrainerConfig
 from kiln.services.trainer.engine import TrainerEngine
-from kiln.services.trainer.loss import PolicyLossConfig, policy_loss
+from kiln.services.trainer.loss import policy_loss
 from kiln.trajectory import Trajectory, VersionSpan
 
 MODEL = dict(arch="qwen2", hidden_size=320, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1024,
              max_position_embeddings=1024)
-LOSS = PolicyLossConfig(eps_low=0.2, eps_high=0.28, icepop_beta=2.0)
+LOSS = MaskedLoss(eps_low=0.2, eps_high=0.28)
 LR = 1e-4
 
 
@@ -42,7 +44,7 @@ def make_batch(n: int, seq: int, vocab: int, prompt: int, seed: int = 0) -> list
         out.append(Trajectory(
             id=f"b{i}", task_id="bench", group_id=f"g{i // 4}", tokens=tokens,
             loss_mask=[0] * prompt + [1] * (seq - prompt), logp_infer=[0.0] * seq,
-            version_spans=[VersionSpan(prompt, seq, 0)], advantage=1.0 if i % 2 else -1.0,
+            version_spans=[VersionSpan(prompt, seq, 0)], reward=1.0 if i % 2 else -1.0,
         ))
     return out
 
@@ -71,7 +73,7 @@ class PlainStep:
         tokens = torch.tensor([t.tokens for t in batch])
         mask = torch.tensor([t.loss_mask for t in batch], dtype=torch.float32)
         infer = torch.tensor([t.logp_infer for t in batch])
-        adv = torch.tensor([t.advantage for t in batch])
+        adv = torch.tensor(sequence_advantages(batch).task)  # +-1: each group's mean is 0
         self.opt.zero_grad(set_to_none=True)
         logp = self.logprobs(tokens)
         loss, _ = policy_loss(logp, infer, mask, adv, LOSS, logp_train_old=logp.detach())

@@ -88,17 +88,18 @@ class Trajectory:
     """Where the policy chose among tools at a temperature of its own (see `ToolChoice`)."""
     shaping_reward: float = 0.0
     shaping_mask: list[int] = field(default_factory=list)
-    """Optional credit by turn: `shaping_reward`, a part of `reward`, was earned by the tokens
-    where `shaping_mask` is 1 (the replies that did what it pays for, e.g. an agent swarm's
-    accepted assignments), and the trainer puts its group-relative advantage on those tokens
-    alone; the rest of the reward's advantage goes to every token. Empty: the whole reward
-    is the episode's, on every token."""
-    advantage: float = 0.0
-    """Group-relative advantage, filled in by the buffer when the group is complete."""
-    shaping_advantage: float = 0.0
-    """The group-relative advantage of `shaping_reward` (part of `advantage` until the trainer
-    splits it off, `kiln.services.trainer.batch.shaping_split`)."""
+    """Optional credit by turn, a generic per-token channel any feature may fill:
+    `shaping_reward`, a part of `reward`, was earned by the tokens where `shaping_mask` is 1
+    (the replies that did what it pays for), and the trainer puts its group-relative advantage
+    on those tokens alone; the rest of the reward's advantage goes to every token
+    (`kiln.services.trainer.advantages`). Empty: the whole reward is the episode's, on every
+    token."""
     created_at: float = 0.0
+
+    @property
+    def group_key(self) -> str:
+        """The key of the group whose mean reward is this trajectory's baseline (`group_key`)."""
+        return group_key(self.group_id, self.id)
 
     @property
     def oldest_version(self) -> int:
@@ -212,6 +213,13 @@ class Trajectory:
         for i, m in enumerate(self.loss_mask):
             if m and not covered[i]:
                 raise ValueError(f"trajectory {self.id}: generated token {i} has no policy version")
+
+
+def group_key(group_id: str, trajectory_id: str) -> str:
+    """The G samples of one task share their group id; a trajectory without one is a group of
+    its own (SFT data, group size 1). The NUL prefix keeps such keys apart from any real group
+    id. The buffer forms groups by this key, and the trainer takes their advantages over it."""
+    return group_id if group_id else "\0" + trajectory_id
 
 
 def spans_from_versions(versions: list[int]) -> list[VersionSpan]:

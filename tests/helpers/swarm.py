@@ -137,14 +137,15 @@ def play(manager, tok, script, *, parl=Parl(0.5, 0.5, WIDTH), sub_engine=None, e
 def swarm_producer(manager, tok, engine, settings, *, sampling=SamplingOptions(),
                    max_subagents=8):
     """The rollout producer of a job whose stage `swarm` has `settings`, on scripted engines."""
-    from kiln.services.rollout.producer import Producer
-    from kiln.services.rollout.swarm import SwarmRun
+    from kiln.services.rollout.producer import Producer, ProducerConfig
+    from kiln.services.rollout.swarm_run import SwarmRun
     fmt = make_format("tags", tok)
     subagents = Subagents(Scripted(tok, subagent_policy), fmt, SamplingOptions(),
                           Limits(max_turns=4, max_tokens_per_turn=16),
                           max_per_episode=max_subagents)
-    return Producer(engine, LocalEnvClient(manager), fmt, None, sampling=sampling, limits=EPISODE,
-                    max_concurrent=1, swarms={"swarm": SwarmRun(settings, subagents, max_steps=8)})
+    return Producer(ProducerConfig(sampling=sampling, limits=EPISODE, max_concurrent=1),
+                    engine, LocalEnvClient(manager), fmt, None,
+                    extensions={"swarm": SwarmRun(settings, subagents, max_steps=8)})
 
 
 def serial(manager) -> list[str]:

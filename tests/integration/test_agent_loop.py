@@ -131,7 +131,7 @@ def test_invalid_action_and_turn_budget_end_with_zero_reward(setup):
 def test_demonstrations_are_fixed_per_task_and_asked_for_once(setup):
     """SFT revisits a finite pool: each task's demonstration comes from the environment (and
     its sandboxes) once; later draws reuse it under a fresh trajectory id."""
-    from kiln.services.rollout.producer import DEMONSTRATE, Mode, Producer
+    from kiln.services.rollout.producer import DEMONSTRATE, Mode, Producer, ProducerConfig
 
     model, fmt, job = setup
 
@@ -155,9 +155,9 @@ def test_demonstrations_are_fixed_per_task_and_asked_for_once(setup):
 
     async def main():
         env, sink = CountingEnv(EpisodeManager(job, base_dir=REPO, owner="test-demo")), Collect()
-        producer = Producer(Versioned(), env, fmt, sink, sampling=SamplingOptions(),
-                            limits=Limits(max_turns=8, max_tokens_per_turn=24, max_total_tokens=200),
-                            max_concurrent=4)
+        config = ProducerConfig(sampling=SamplingOptions(), max_concurrent=4,
+                                limits=Limits(max_turns=8, max_tokens_per_turn=24, max_total_tokens=200))
+        producer = Producer(config, Versioned(), env, fmt, sink)
         producer.start()
         producer.set_mode(Mode(DEMONSTRATE, stage="sft", task_sets=[("chain-train", 3)], seed=1))
         while len(sink.got) < 12:

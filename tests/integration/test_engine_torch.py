@@ -110,7 +110,7 @@ def test_score_gives_each_tokens_logprob_over_grpc(models) -> None:
     from kiln.services.common.server import Registration, create_server
     from kiln.services.rollout import wire
     from kiln.services.rollout.agent import Limits
-    from kiln.services.rollout.producer import Producer
+    from kiln.services.rollout.producer import Producer, ProducerConfig
     from kiln.services.rollout.servicer import RolloutServicer
 
     v0, _ = models
@@ -120,8 +120,8 @@ def test_score_gives_each_tokens_logprob_over_grpc(models) -> None:
         engine = await TorchEngine.start(EngineSettings(model=str(v0), dtype="float32", seed=0))
         direct = await engine.score(seqs)
         # Only the engine of the producer is used by Score.
-        producer = Producer(engine, None, None, None, sampling=SamplingOptions(),
-                            limits=Limits(1, 1, 16), max_concurrent=1)
+        producer = Producer(ProducerConfig(SamplingOptions(), Limits(1, 1, 16), max_concurrent=1),
+                            engine, None, None, None)
         server, port = await create_server("127.0.0.1:0", [Registration(
             rollout_pb2_grpc.add_RolloutServicer_to_server, RolloutServicer(producer, {}),
             "kiln.v1.Rollout")])

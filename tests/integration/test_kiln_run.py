@@ -128,10 +128,10 @@ def test_kiln_run_end_to_end_with_a_buffer_kill(tmp_path):
         acc.Reload()
         for tag in acc.Tags()["scalars"]:
             tags.setdefault(tag, []).extend(acc.Scalars(tag))
-    for tag in ("train/loss", "train/grad_norm", "train/lr", "train/reward",
+    for tag in ("train/loss", "train/grad_norm", "train/lr", "train/reward_mean",
                 "train/ratio_mask_frac", "train/icepop_mask_frac", "train/mismatch_abs",
-                "train/mismatch_kl", "train/staleness_max", "train/tokens_per_s",
-                "rollout/pass_rate", "rollout/tokens_per_s", "buffer/depth",
+                "train/mismatch_kl", "train/staleness_max", "train/tokens_per_second",
+                "rollout/mean_reward", "rollout/tokens_per_second", "buffer/depth",
                 "eval/chain-heldout/greedy_success", "eval/chain-heldout/sampled_success"):
         assert tags.get(tag), f"no {tag} in the run's TensorBoard events ({sorted(tags)})"
     # Every optimizer step of both stages, once (the trainer restarts nothing here).

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from kiln.models.tiny import make_tiny_checkpoint
 from kiln.services.rollout.engine import EngineSettings, SamplingOptions, start_engine
@@ -67,7 +66,7 @@ async def test_engines_record_routing_that_the_trainer_replays(moe_dir: Path, tm
                          for i, (p, g, s) in enumerate(zip(PROMPTS, gens, seqs))]
                 before = trainer.logprobs(seqs)
                 m = trainer.sft_step(trajs)
-                assert m["routing_flip_frac"] == 0.0
+                assert m.routing_flip_frac == 0.0
                 assert trainer.logprobs(seqs) != before
                 # Checkpoint names, per expert: the torch engine fuses them into its layout.
                 await engine.apply_weights(trainer.new_version(), trainer.named_hf_tensors())

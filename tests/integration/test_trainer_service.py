@@ -13,7 +13,6 @@ import pytest
 from kiln.models.tiny import make_tiny_checkpoint
 from kiln.services.buffer.client import GrpcBufferClient
 from kiln.services.trainer.client import TrainerClient
-from kiln.services.trainer.stages import NO_FRESHNESS_BOUND
 from kiln.trajectory import Trajectory, VersionSpan
 
 from helpers.services import start_service, stop_service, trainer_serving, wait_for
@@ -46,7 +45,8 @@ def test_service_runs_a_stage_exports_metrics_and_resumes(tmp_path: Path) -> Non
     job.write_text(JOB.format(model=model_dir))
     procs = []
     try:
-        buf_proc, buf = start_service("buffer", tmp_path / "buffer", job)
+        # A bound until the stage configures the buffer (SFT: none), so that is observable.
+        buf_proc, buf = start_service("buffer", tmp_path / "buffer", job, {}, ["--tau", "3"])
         procs.append(buf_proc)
         ws_proc, ws = start_service("weight_sync", tmp_path / "weight_sync", job)
         procs.append(ws_proc)
@@ -57,7 +57,7 @@ def test_service_runs_a_stage_exports_metrics_and_resumes(tmp_path: Path) -> Non
         trainer = TrainerClient(f"127.0.0.1:{info['port']}")
         wait_for("trainer ready", lambda: trainer_serving(trainer))
         trainer.start_stage("warmup")
-        wait_for("the stage configured the buffer", lambda: buffer.status().tau == NO_FRESHNESS_BOUND)
+        wait_for("the stage configured the buffer", lambda: buffer.status().tau is None)
         buffer.put([_traj(i) for i in range(4)], group_size=1)
         status = wait_for("stage done", lambda: (s := trainer.status()).stage_done and s)
         assert (status.stage_step, status.step, status.policy_version) == (2, 2, 1)
@@ -66,7 +66,7 @@ def test_service_runs_a_stage_exports_metrics_and_resumes(tmp_path: Path) -> Non
                                          timeout=5).read().decode()
         loss_line = next(line for line in metrics.splitlines()
                          if line.startswith('kiln_train_loss{stage="warmup"}'))
-        assert float(loss_line.split()[-1]) == pytest.approx(status.last_metrics["loss"])
+        assert float(loss_line.split()[-1]) == pytest.approx(status.last_step.loss)
         assert 'kiln_policy_version{component="trainer"} 1.0' in metrics
         trainer.close()
         assert stop_service(proc) == 0
@@ -100,7 +100,7 @@ def test_service_runs_a_stage_exports_metrics_and_resumes(tmp_path: Path) -> Non
 
         assert asyncio.run(latest()) == 6
         assert status.last_checkpoint.endswith("step_00000002")
-        assert status.last_metrics["loss"] == pytest.approx(float(loss_line.split()[-1]))
+        assert status.last_step.loss == pytest.approx(float(loss_line.split()[-1]))
         trainer.close()
         buffer.close()
         assert stop_service(proc) == 0

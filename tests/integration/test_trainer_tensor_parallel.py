@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from kiln.metrics import StepMetrics
 from kiln.models.tiny import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -75,7 +76,7 @@ def _worker(rank: int, tp: int, init_method: str, model_dirs: list[str], out: st
             _check_model(tp, model_dir)
         m = _train(tp, model_dirs[0], Path(out) / "weights")
         if rank == 0:
-            (Path(out) / "metrics.json").write_text(json.dumps(m))
+            (Path(out) / "metrics.json").write_text(json.dumps(m.record()))
     finally:
         parallel.shutdown_parallel()
 
@@ -105,10 +106,10 @@ def test_tp2_logits_and_export(tmp_path: Path) -> None:
 
     parallel.init_parallel(1)
     ref = _train(1, model_dirs[0], tmp_path / "tp1")
-    got = json.loads((out / "metrics.json").read_text())
-    assert got["grad_norm"] > 0.1  # clipping was active, so the norm across shards matters
-    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
-    assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    got = StepMetrics.from_record(json.loads((out / "metrics.json").read_text()))
+    assert got.grad_norm > 0.1  # clipping was active, so the norm across shards matters
+    assert got.loss == pytest.approx(ref.loss, rel=1e-5)
+    assert got.grad_norm == pytest.approx(ref.grad_norm, rel=1e-5)
     w1 = load_file(str(tmp_path / "tp1" / "model.safetensors"))
     w2 = load_file(str(out / "weights" / "model.safetensors"))
     assert w1.keys() == w2.keys()

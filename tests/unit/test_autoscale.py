@@ -10,7 +10,9 @@ from kiln.api.components import AutoscaleSpec
 from kiln.api.spec import RLJob
 from kiln.control.autoscale import Autoscaler, StepSignals
 from kiln.control import Evaluation, ModeRequest, RolloutStatus, TrainerStatus
-from kiln.control.driver import Driver, FileStore, RunState
+from kiln.control.driver import (ControlPlane, Driver, DriverHooks, DriverOptions, FileStore,
+                                 RunState)
+from kiln.metrics import StepMetrics
 
 SPEC = AutoscaleSpec(min_replicas=1, max_replicas=4, scale_up_idle=0.3, staleness_margin=1,
                      max_buffer_batches=2, window_steps=2)
@@ -96,8 +98,8 @@ class ScriptedTrainer:
         stale = 2 if n >= 3 else 0
         return TrainerStatus(step=self.step, policy_version=self.step, stage=self.stage,
                              stage_step=self.step, stage_max_steps=16, stage_done=self.step >= 16,
-                             last_metrics={"wait_s": waited, "step_time_s": 1.0,
-                                           f"staleness_{stale}": 8.0})
+                             last_step=StepMetrics(wait_seconds=waited, step_seconds=1.0,
+                                                   staleness={stale: 8}))
 
 
 class Workers:
@@ -142,9 +144,9 @@ def test_the_driver_scales_rollout_up_while_the_trainer_starves_and_down_near_ta
     trainer = ScriptedTrainer(workers)
     rollout = Rollout(trainer)
     events = []
-    Driver(RLJob.model_validate(_job()), trainer, rollout, Buffer(),
-           RunState.load(FileStore(tmp_path / "state.json")), poll_seconds=0.0,
-           say=lambda s: None, on_event=events.append, scaler=workers).run()
+    Driver(RLJob.model_validate(_job()), ControlPlane(trainer, rollout, Buffer(), workers),
+           RunState.load(FileStore(tmp_path / "state.json")),
+           DriverHooks(say=lambda s: None, on_event=events.append), DriverOptions(poll_seconds=0.0)).run()
     # Up to 3 while the trainer waits, back to 2 when staleness reaches tau - 1, and so on:
     # it settles between the two forces rather than running away.
     assert workers.history[:3] == [1, 2, 3] and workers.history[3] == 2
@@ -159,9 +161,9 @@ def test_a_synchronous_stage_is_never_autoscaled(tmp_path: Path):
     data["spec"]["stages"][0]["rl"]["async"] = False
     workers = Workers()
     trainer = ScriptedTrainer(workers)
-    Driver(RLJob.model_validate(data), trainer, Rollout(trainer), Buffer(),
-           RunState.load(FileStore(tmp_path / "state.json")), poll_seconds=0.0,
-           say=lambda s: None, scaler=workers).run()
+    Driver(RLJob.model_validate(data), ControlPlane(trainer, Rollout(trainer), Buffer(), workers),
+           RunState.load(FileStore(tmp_path / "state.json")),
+           DriverHooks(say=lambda s: None), DriverOptions(poll_seconds=0.0)).run()
     assert workers.history == [1]
 
 

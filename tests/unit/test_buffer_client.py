@@ -61,10 +61,7 @@ def test_grpc_round_trip(served: tuple[TrajectoryBuffer, str]) -> None:
     batch = client.get_batch(2, 2, timeout=1)
     assert batch.staleness == [1, 1] and batch.policy_version == 2
     assert (batch.batch_id, batch.delivery) == (1, 1)
-    for got, sent in zip(batch.trajectories, g):
-        assert got.advantage == sent.reward - 0.5
-        sent.advantage = got.advantage
-        assert got == sent
+    assert batch.trajectories == g  # as they were put, rewards and all
     st = client.status()
     assert (st.leased, st.leases, st.served, st.lease_timeout) == (2, 1, 0, 0.5)
     ack = client.ack_batch(batch.batch_id)
@@ -189,8 +186,7 @@ def test_in_process_rl_loop(tmp_path: Path) -> None:
             assert all(s <= 1 for s in batch.staleness)
             for k in range(0, 8, 4):
                 group = batch.trajectories[k:k + 4]
-                assert len({t.group_id for t in group}) == 1
-                assert sum(t.advantage for t in group) == pytest.approx(0.0)
+                assert len({t.group_id for t in group}) == 1  # whole groups, in order
             trained += [t.id for t in batch.trajectories]
             assert client.ack_batch(batch.batch_id).status == AckStatus.ACKED
             version[0] = step + 1

@@ -1,5 +1,6 @@
-"""Groups, group-relative advantages and freshness control, in the pure helpers and end to end
-through a real TrajectoryBuffer on a temporary directory."""
+"""Groups and freshness control, in the pure helpers and end to end through a real
+TrajectoryBuffer on a temporary directory. (Group advantages are the trainer's:
+test_advantages.py.)"""
 from __future__ import annotations
 
 import random
@@ -20,15 +21,6 @@ def _open(path: Path, **kw) -> TrajectoryBuffer:
     return TrajectoryBuffer.open(path, BufferConfig(**kw))
 
 
-def test_group_advantages() -> None:
-    assert G.group_advantages([1.0, 0.0, 0.0, 1.0]) == [0.5, -0.5, -0.5, 0.5]
-    assert G.group_advantages([0.25, 0.25]) == [0.0, 0.0]
-    assert G.group_advantages([3.0]) == [0.0]
-    adv = G.group_advantages([0.1, 0.7, 0.4])
-    assert sum(adv) == pytest.approx(0.0, abs=1e-12)
-    assert adv[1] == pytest.approx(0.7 - 0.4)
-
-
 def test_freshness_rule_boundary() -> None:
     assert not is_stale(10, 8, tau=2)   # exactly tau behind: kept
     assert is_stale(10, 7, tau=2)       # tau + 1 behind: dropped
@@ -39,7 +31,7 @@ def test_freshness_rule_boundary() -> None:
 def test_pick_groups_oldest_first_and_whole() -> None:
     def grp(key: str, n: int, version: int, seq: int) -> G.Group:
         g = G.Group(key, n, seq)
-        g.members = [G.Entry(f"{key}{i}", key, version, 0.0, b"") for i in range(n)]
+        g.members = [G.Entry(f"{key}{i}", key, version, b"") for i in range(n)]
         return g
 
     a, b, c = grp("a", 4, 5, 1), grp("b", 4, 3, 2), grp("c", 2, 5, 0)
@@ -48,7 +40,7 @@ def test_pick_groups_oldest_first_and_whole() -> None:
     assert G.pick_groups([a], 3) == []
 
 
-def test_complete_group_gets_advantages(tmp_path: Path) -> None:
+def test_a_group_is_served_once_complete_and_as_it_was_put(tmp_path: Path) -> None:
     buf = _open(tmp_path, group_size=4)
     trajs = synthetic_group("g", 4, rewards=[1.0, 0.0, 1.0, 1.0])
     buf.put(trajs[:3])
@@ -57,11 +49,8 @@ def test_complete_group_gets_advantages(tmp_path: Path) -> None:
     buf.put(trajs[3:])
     batch = buf.try_get_batch(4, 0)
     assert [t.id for t in batch.trajectories] == [t.id for t in trajs]
-    assert [t.advantage for t in batch.trajectories] == [0.25, -0.75, 0.25, 0.25]
-    # Everything but the advantage is what was put.
-    for got, sent in zip(batch.trajectories, trajs):
-        sent.advantage = got.advantage
-        assert got == sent
+    # What was put, rewards and all: the trainer takes the group's advantages from them.
+    assert batch.trajectories == trajs
     buf.close()
 
 
@@ -70,7 +59,7 @@ def test_sft_trajectories_are_groups_of_one(tmp_path: Path) -> None:
     buf.put([synthetic_trajectory(f"s{i}", reward=float(i), version=0) for i in range(3)])
     buf.set_policy_version(1000)  # no tau: nothing is ever stale
     batch = buf.try_get_batch(3, 1000)
-    assert [t.advantage for t in batch.trajectories] == [0.0, 0.0, 0.0]
+    assert [t.group_key for t in batch.trajectories] == ["\0s0", "\0s1", "\0s2"]
     assert batch.staleness == [1000, 1000, 1000]
     buf.close()
 
@@ -172,7 +161,7 @@ def test_group_pool_keeps_its_member_count() -> None:
         op = rng.random()
         if op < 0.5:
             group = G.Group(key, 4, step)
-            group.members = [G.Entry(f"{key}-{step}-{i}", key, 0, 0.0, b"") for i in range(rng.randrange(1, 5))]
+            group.members = [G.Entry(f"{key}-{step}-{i}", key, 0, b"") for i in range(rng.randrange(1, 5))]
             pool[key] = group  # a new key or a replacement
         elif op < 0.75 and key in pool:
             del pool[key]

@@ -54,7 +54,7 @@ def test_ack_is_idempotent_and_says_why(tmp_path: Path) -> None:
         assert (r.status, r.trajectories) == (AckStatus.ALREADY_ACKED, 0)
     assert buf.ack_batch(0).status == AckStatus.UNKNOWN
     assert buf.ack_batch(3).status == AckStatus.UNKNOWN  # not issued yet
-    buf.configure(drop_unserved=True)  # releases batch 2, unacked
+    buf.configure(tau=None, drop_unserved=True)  # releases batch 2, unacked
     r = buf.ack_batch(2)
     assert r.status == AckStatus.RELEASED and "discarded" in r.detail
     st = buf.status()
@@ -83,7 +83,7 @@ def test_unacked_batch_is_served_again_after_the_lease_timeout(tmp_path: Path) -
     assert 0.2 < time.monotonic() - start < 5
     assert (again.batch_id, again.delivery) == (1, 2)
     assert _ids(again) == _ids(first)
-    assert [t.advantage for t in again.trajectories] == [0.5, -0.5]
+    assert [t.reward for t in again.trajectories] == [1.0, 0.0]  # as it was put
     # Batch 2 ran out meanwhile too; acking it late still counts while nobody took it again.
     assert buf.ack_batch(2).status == AckStatus.ACKED
     assert buf.ack_batch(1).status == AckStatus.ACKED

@@ -26,13 +26,21 @@ def test_sft_stage_has_groups_of_one_and_no_tau() -> None:
 
 
 def test_flags_override_the_job() -> None:
-    c = _config("--capacity", "10", "--group-size", "4", "--tau", "-1")
+    c = _config("--capacity", "10", "--group-size", "4", "--tau", "none")
     assert (c.capacity, c.group_size, c.tau) == (10, 4, None)
     c = _config("--tau", "0", job=False)
     assert (c.capacity, c.group_size, c.tau, c.lease_timeout) == (4096, 1, 0, 300.0)
     assert _config("--lease-timeout", "2.5").lease_timeout == 2.5
     with pytest.raises(ValueError, match="lease_timeout"):
         _config("--lease-timeout", "0")
+
+
+@pytest.mark.parametrize("value", ["-1", "four"])
+def test_a_bad_tau_is_refused_with_what_is_expected(value, capsys) -> None:
+    with pytest.raises(SystemExit):
+        _config("--tau", value)
+    err = capsys.readouterr().err
+    assert "--tau" in err and "or 'none'" in err, err
 
 
 def test_unknown_stage_is_named() -> None:

@@ -127,7 +127,7 @@ def test_unconsumed_bytes_is_kept_as_entries_come_and_go(tmp_path: Path) -> None
         lambda: buf.set_policy_version(2),                        # version 0 is now stale
         lambda: buf.put(synthetic_group("c", 2, version=2)),
         lambda: buf.put(synthetic_group("d", 2, version=2)),
-        lambda: buf.configure(drop_unserved=True),                # everything discarded
+        lambda: buf.configure(tau=1, drop_unserved=True),         # everything discarded
         lambda: buf.put(synthetic_group("e", 2, version=2)),
     ]
     seen = set()
@@ -204,9 +204,9 @@ def test_restart_keeps_unserved_and_forgets_served(tmp_path: Path) -> None:
     buf.ack_batch(rest.batch_id)
     served = [t.id for t in first.trajectories + rest.trajectories]
     assert len(served) == len(set(served)) == 12
-    # Advantages are recomputed identically from the stored rewards.
-    by_id = {t.id: t.advantage for t in rest.trajectories}
-    assert by_id["g4/0"] == 2.0 and by_id["g4/1"] == -2.0
+    # Whole groups come back with their stored rewards (the trainer's advantages' inputs).
+    by_id = {t.id: t.reward for t in rest.trajectories}
+    assert by_id["g4/0"] == 4.0 and by_id["g4/1"] == 0.0 and {"half/0", "half/1"} <= set(by_id)
     assert rest.batch_id == 2
     buf.close()
 
@@ -261,4 +261,9 @@ def test_configure_is_durable_and_can_drain(tmp_path: Path) -> None:
     assert (st.group_size, st.tau, st.dropped_other) == (4, 2, 3)
     with pytest.raises(ValueError):
         buf.configure(tau=-1)
+    st = buf.configure(tau=None)  # no bound (SFT data); the group size stays
+    assert (st.group_size, st.tau) == (4, None)
+    buf.close()
+    buf = _open(tmp_path, group_size=1, tau=3)  # "no bound" is recorded, not a missing value
+    assert (buf.status().group_size, buf.status().tau) == (4, None)
     buf.close()

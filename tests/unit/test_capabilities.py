@@ -82,7 +82,8 @@ def test_kiln_run_refuses_an_unsupported_model_before_starting_anything(tmp_path
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == (f"kiln run: invalid job:\n{job}:1: spec.model.path: {d}: architecture "
                                    "MistralForCausalLM is not supported; the trainer builds "
-                                   "LlamaForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM")
+                                   "LlamaForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, "
+                                   "Qwen3ForCausalLM, Qwen3MoeForCausalLM")
     assert not (tmp_path / "run" / "logs").exists()  # no service was started
 
 

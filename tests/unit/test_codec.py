@@ -47,8 +47,6 @@ def _full() -> Trajectory:
                                temperatures=[6.0, 1.5]),
         shaping_reward=0.5,
         shaping_mask=[0, 0, 1, 0, 0, 1],
-        advantage=-0.125,
-        shaping_advantage=0.25,
         created_at=1764400000.5,
     )
 
@@ -125,10 +123,8 @@ def _trajectories(draw: st.DrawFn) -> Trajectory:
         index_hashes=draw(st.lists(st.integers(0, 2**64 - 1), max_size=4)),
         routed_experts=draw(st.none() | _routed()),
         teacher_logp=draw(st.lists(_f32s, max_size=n)),
-        advantage=draw(st.floats(allow_nan=False)),
         shaping_reward=draw(st.floats(allow_nan=False)),
         shaping_mask=draw(st.lists(st.integers(0, 1), max_size=n)),
-        shaping_advantage=draw(st.floats(allow_nan=False)),
         created_at=draw(st.floats(allow_nan=False)),
     )
 

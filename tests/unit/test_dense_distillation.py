@@ -11,12 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from kiln.api.loss import MaskedLoss
 from kiln.models.tiny import make_tiny_checkpoint
+from kiln.services.trainer.advantages import distilled
 from kiln.services.trainer.batch import collate
-from kiln.services.trainer.config import OptimizerConfig, TrainerConfig
+from kiln.services.trainer.config import OptimizerConfig, RLTerms, TrainerConfig
 from kiln.services.trainer.distill import dense_kl
 from kiln.services.trainer.engine import TrainerEngine
-from kiln.services.trainer.loss import PolicyLossConfig, policy_loss, token_advantages
+from kiln.services.trainer.loss import policy_loss
 from kiln.trajectory import Trajectory, VersionSpan
 
 
@@ -45,12 +47,11 @@ def test_the_dense_term_reaches_a_token_the_student_no_longer_samples() -> None:
         logp_all = torch.log_softmax(logits, dim=-1)
         logp = torch.nn.functional.pad(logp_all[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0], (1, 0))
         teacher_logp = torch.tensor([[0.0, math.log(0.005)]])  # the teacher on `bash`
-        adv = token_advantages(torch.zeros(1), logp, teacher_logp, torch.tensor([True]), 0.0)
+        adv = distilled(torch.zeros(1), logp, teacher_logp, torch.tensor([True]), 0.0)
         ids = torch.tensor([[[0, 0], [2, 1]]])
         student_topk = torch.nn.functional.pad(logp_all[:, :-1].gather(-1, ids[:, 1:]), (0, 0, 1, 0))
-        config = PolicyLossConfig(dense_weight=dense_weight)
-        loss, stats = policy_loss(logp, logp.detach(), mask, adv, config,
-                                  student_topk=student_topk,
+        loss, stats = policy_loss(logp, logp.detach(), mask, adv, MaskedLoss(),
+                                  dense_weight=dense_weight, student_topk=student_topk,
                                   teacher_topk=torch.log(torch.tensor([[[1.0, 1.0], [0.99, 0.005]]])),
                                   has_topk=torch.tensor([True]))
         (g,) = torch.autograd.grad(loss, logits)
@@ -96,7 +97,7 @@ def test_trainer_step_distils_the_top_k_and_reports_it_as_transformers_computes_
         t.check()
     engine = TrainerEngine(TrainerConfig(model_dir=model_dir, micro_batch_size=2,
                                          optimizer=OptimizerConfig(lr=3e-3, grad_clip=1.0),
-                                         loss=PolicyLossConfig(dense_weight=1.0)))
+                                         terms=RLTerms(dense_weight=1.0)))
     # The teacher agrees with the student on the sampled tokens: the sampled-token advantage
     # is 0 and the dense term is all there is.
     for t, lp in zip(trajs, engine.logprobs([t.tokens for t in trajs])):
@@ -113,10 +114,10 @@ def test_trainer_step_distils_the_top_k_and_reports_it_as_transformers_computes_
             total += float(dense_kl(student[None], tb.topk_logp[i:i + 1, :n], on).sum())
             tokens += float(on.sum())
     first = engine.step(trajs)
-    assert first["dense_kl"] == pytest.approx(total / tokens, rel=1e-4)
+    assert first.dense_kl == pytest.approx(total / tokens, rel=1e-4)
     for _ in range(5):
         last = engine.step(trajs)
-    assert last["dense_kl"] < 0.8 * first["dense_kl"]
+    assert last.dense_kl < 0.8 * first.dense_kl
 
 
 def test_trajectories_carry_k_entries_per_token() -> None:

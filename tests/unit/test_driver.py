@@ -8,7 +8,8 @@ import pytest
 
 from kiln.api.spec import RLJob
 from kiln.control import Evaluation, ModeRequest, RolloutMode, RolloutStatus, TrainerStatus
-from kiln.control.driver import Driver, FileStore, RunState, Stopped
+from kiln.control.driver import (ControlPlane, Driver, DriverHooks, DriverOptions, FileStore,
+                                 RunState, Stopped)
 
 from helpers.fakes import FakeBufferStatus
 
@@ -88,9 +89,13 @@ class FakeBuffer:
         return FakeBufferStatus()
 
 
-def _driver(tmp_path: Path, trainer, rollout, **kw) -> Driver:
-    return Driver(JOB, trainer, rollout, FakeBuffer(), RunState.load(FileStore(tmp_path / "state.json")),
-                  poll_seconds=0.0, say=lambda s: None, **kw)
+def _driver(tmp_path: Path, trainer, rollout, *, job: RLJob = JOB, transient=(),
+            unavailable_seconds: float = 600.0, **hooks) -> Driver:
+    return Driver(job, ControlPlane(trainer, rollout, FakeBuffer()),
+                  RunState.load(FileStore(tmp_path / "state.json")),
+                  DriverHooks(**{"say": lambda s: None, **hooks}),
+                  DriverOptions(poll_seconds=0.0, transient=transient,
+                                unavailable_seconds=unavailable_seconds))
 
 
 def test_stages_run_in_order_with_evaluations_kept(tmp_path: Path) -> None:
@@ -122,8 +127,7 @@ def test_an_evaluation_can_be_after_its_stage_only(tmp_path: Path) -> None:
     data["spec"]["stages"][1]["eval"]["before"] = False
     trainer = FakeTrainer()
     rollout = FakeRollout(trainer)
-    driver = Driver(RLJob.model_validate(data), trainer, rollout, FakeBuffer(),
-                    RunState.load(FileStore(tmp_path / "state.json")), poll_seconds=0.0, say=lambda s: None)
+    driver = _driver(tmp_path, trainer, rollout, job=RLJob.model_validate(data))
     driver.run()
     assert list(driver.state.evaluations) == ["rl/after/h"]
 

@@ -19,7 +19,6 @@ from kiln.models.megatron_model import (
     ArchSpec, forward_logits, next_token_logprob, token_logprobs)
 from kiln.services.trainer.config import OptimizerConfig, TrainerConfig
 from kiln.services.trainer.engine import TrainerEngine
-from kiln.services.trainer.loss import PolicyLossConfig
 from kiln.trajectory import Trajectory, VersionSpan
 
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
@@ -159,7 +158,7 @@ def _trajectories(engine: TrainerEngine, n: int = 4) -> list[Trajectory]:
         out.append(Trajectory(
             id=f"t{i}", task_id="t", group_id="g", tokens=tokens, loss_mask=[0] * 4 + [1] * (len(tokens) - 4),
             logp_infer=[0.0] * len(tokens), version_spans=[VersionSpan(4, len(tokens), 0)],
-            advantage=1.0 if i % 2 == 0 else -1.0))
+            reward=1.0 if i % 2 == 0 else -1.0))  # one group of mean 0: advantages +-1
     for t, lp in zip(out, engine.logprobs([t.tokens for t in out])):
         t.logp_infer = [x if m else 0.0 for x, m in zip(lp, t.loss_mask)]
     return out
@@ -168,7 +167,7 @@ def _trajectories(engine: TrainerEngine, n: int = 4) -> list[Trajectory]:
 def test_indexer_is_frozen_across_rl_steps_while_the_rest_trains(dsa_dir: Path, tmp_path: Path) -> None:
     engine = TrainerEngine(TrainerConfig(
         model_dir=dsa_dir, micro_batch_size=2, optimizer=OptimizerConfig(lr=1e-2, grad_clip=1.0),
-        loss=PolicyLossConfig(), checkpoint_dir=tmp_path / "ckpt"), resume=False)
+        checkpoint_dir=tmp_path / "ckpt"), resume=False)
     dsa.set_backend(engine.model, "torch")
     indexer = dict(dsa.indexer_parameters(engine.model))
     assert len(indexer) == 6 and not any(p.requires_grad for p in indexer.values())

@@ -8,13 +8,14 @@ import math
 import pytest
 import torch
 
-from kiln.services.trainer.loss import PolicyLossConfig, kl_to_reference, policy_loss
+from kiln.api.loss import MaskedLoss
+from kiln.services.trainer.loss import kl_to_reference, policy_loss
 
 F64 = torch.float64
 
 
 def test_kl_penalty_by_hand_and_its_gradient() -> None:
-    cfg = PolicyLossConfig(kl_coef=0.5)
+    cfg = MaskedLoss()
     logp = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, -1.0]], dtype=F64)
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=F64)
     d = torch.tensor([[0.5, -0.3, 4.0], [1.0, 1.0, 1.0]], dtype=F64)  # logp_ref - logp
@@ -22,9 +23,9 @@ def test_kl_penalty_by_hand_and_its_gradient() -> None:
     has_ref = torch.tensor([True, False])  # the second row was not scored: no penalty
     adv = torch.tensor([1.0, -1.0], dtype=F64)
     x = logp.clone().requires_grad_(True)
-    loss, stats = policy_loss(x, logp, mask, adv, cfg, logp_ref=ref, has_ref=has_ref)
+    loss, stats = policy_loss(x, logp, mask, adv, cfg, kl_coef=0.5, logp_ref=ref, has_ref=has_ref)
     k3 = [math.exp(v) - 1 - v for v in (0.5, -0.3)]  # the prompt token (mask 0) carries none
-    # Every ratio is 1 (logp == logp_infer): policy terms -A per trained token; token_mean / 5.
+    # Every ratio is 1 (logp == logp_infer): policy terms -A per trained token; token-mean / 5.
     expected = (-(1.0 * 2) - (-1.0 * 3) + 0.5 * sum(k3)) / 5
     assert loss.item() == pytest.approx(expected, rel=1e-12)
     assert stats.as_dict()["kl_ref"] == pytest.approx(sum(k3) / 5)
@@ -40,8 +41,8 @@ def test_no_coefficient_no_penalty_and_the_estimate_stays_finite() -> None:
     mask = torch.ones(1, 2, dtype=F64)
     adv = torch.tensor([1.0], dtype=F64)
     ref = torch.tensor([[-1.0, 0.0]], dtype=F64)
-    plain, _ = policy_loss(logp, logp, mask, adv, PolicyLossConfig())
-    ignored, stats = policy_loss(logp, logp, mask, adv, PolicyLossConfig(), logp_ref=ref)
+    plain, _ = policy_loss(logp, logp, mask, adv, MaskedLoss())
+    ignored, stats = policy_loss(logp, logp, mask, adv, MaskedLoss(), logp_ref=ref)
     assert plain.item() == ignored.item() and stats.kl_ref_sum == 0.0
     # Identical to the reference: no penalty; a token the reference finds impossible (-inf),
     # or far more likely, stays finite (the log-ratio is clamped at +-20).

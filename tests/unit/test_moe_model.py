@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from kiln.models import moe, parallel
 from kiln.models.hf_io import iter_hf_tensors, load_hf_checkpoint, read_hf_state_dict
-from kiln.models.megatron_model import ArchSpec, forward_logits, token_logprobs
+from kiln.models.megatron_model import ArchSpec, forward_logits
 from kiln.models.tiny import make_tiny_checkpoint
 from kiln.routing import RoutedExperts
 from kiln.services.trainer.config import OptimizerConfig, TrainerConfig
@@ -175,7 +175,7 @@ def _trajectories(model, n: int, s: int, routing: torch.Tensor | None) -> list[T
         out.append(Trajectory(
             id=f"t{i}", task_id="x", group_id="g", tokens=toks[i].tolist(),
             loss_mask=[0] * 4 + [1] * (s - 4), logp_infer=[0.0] * s,
-            version_spans=[VersionSpan(4, s, 0)], prompt_len=4, advantage=1.0 if i % 2 else -1.0,
+            version_spans=[VersionSpan(4, s, 0)], prompt_len=4, reward=1.0 if i % 2 else -1.0,
             routed_experts=routed))
     return out
 
@@ -203,15 +203,15 @@ def test_trainer_replays_counts_flips_and_trains_the_gate(moe_dir: Path, tmp_pat
     m = trainer.step(trajs)
     assert not torch.equal(before, gate.detach()), "the router's gate must be trained"
     if mode == "off":
-        assert "routing_flip_frac" not in m
+        assert m.routing_flip_frac is None
     else:
         # Every trained position's recorded routing differs from the trainer's own.
-        assert m["routing_flip_frac"] == 1.0
+        assert m.routing_flip_frac == 1.0
     # The mismatch metric tells which log-probs the loss saw: with replay, the rollout's.
     if mode == "replay":
-        assert m["mismatch_abs"] < 1e-6
+        assert m.mismatch_abs < 1e-6
     else:
-        assert m["mismatch_abs"] > 1e-3
+        assert m.mismatch_abs > 1e-3
 
 
 def test_batch_refuses_routing_of_different_models() -> None:

@@ -83,3 +83,40 @@ def test_model_init_runs_as_an_init_container_of_trainer_and_rollout() -> None:
     plain = {w["metadata"]["name"]: w["spec"]["template"]["spec"].get("initContainers", [])
              for w in workloads(JOB, _job(False).spec, hashes, active=True)}
     assert plain["j-trainer"] == [] and plain["j-rollout"] == []
+
+
+def test_a_hub_model_is_downloaded_onto_the_model_volume_with_the_secrets_token() -> None:
+    hashes = dict.fromkeys(("trainer", "rollout", "sandbox", "weight-sync", "buffer"), "h")
+    job = RLJob.model_validate({
+        "apiVersion": "kiln.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "j"},
+        "spec": {"model": {"path": "qwen3-8b", "pvc": "models",
+                           "hub": {"id": "Qwen/Qwen3-8B", "tokenSecret": "hf-token"}},
+                 "tasks": [{"name": "t", "env": "chain", "generate": {"count": 4}}],
+                 "stages": [{"name": "rl", "type": "rl", "tasks": ["t"], "batchSize": 8,
+                             "microBatchSize": 8, "rl": {"groupSize": 8}}]}})
+    pods = {w["metadata"]["name"]: w["spec"]["template"]["spec"]
+            for w in workloads(JOB, job.spec, hashes, active=True)}
+    for name in ("j-trainer", "j-rollout"):
+        pod = pods[name]
+        (init,) = pod["initContainers"]
+        assert init["command"] == ["kiln", "prepare-model", "--job", "/etc/kiln/job.yaml"]
+        env = {e["name"]: e for e in init["env"]}
+        # The token reaches the download alone, from the Secret; never the service.
+        assert env["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "hf-token", "key": "token"}}
+        assert env["KILN_MODEL_ROOT"]["value"] == "/models"
+        mounts = {m["mountPath"]: m for m in init["volumeMounts"]}
+        assert not mounts["/models"].get("readOnly")  # the download writes there
+        assert "/var/lib/kiln" in mounts and init["workingDir"] == "/var/lib/kiln"
+        (service,) = pod["containers"]
+        assert "HF_TOKEN" not in {e["name"] for e in service["env"]}
+        assert {m["mountPath"]: m.get("readOnly") for m in service["volumeMounts"]}["/models"] is True
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "model"]
+        assert volume["persistentVolumeClaim"] == {"claimName": "models", "readOnly": False}
+    # A model only read keeps a read-only claim.
+    plain = job.model_copy(deep=True)
+    plain.spec.model.hub = None
+    pod = {w["metadata"]["name"]: w["spec"]["template"]["spec"]
+           for w in workloads(JOB, plain.spec, hashes, active=True)}["j-trainer"]
+    assert "initContainers" not in pod
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "model"]
+    assert volume["persistentVolumeClaim"]["readOnly"] is True

@@ -26,7 +26,7 @@ from helpers.operator_jobs import FULL, JOB, SMALL, by_name, spec
 
 
 def test_job_file_round_trips_through_the_services_loader(tmp_path: Path) -> None:
-    s = spec(FULL, stages=[{**FULL["stages"][0], "rl": {"groupSize": 8, "icepopBeta": None}}])
+    s = spec(FULL, stages=[{**FULL["stages"][0], "rl": {"groupSize": 8, "loss": {"mode": "ppo", "icepopBeta": None}}}])
     cm = children.config_map(JOB, s)
     path = tmp_path / "job.yaml"
     path.write_text(cm["data"]["job.yaml"])
@@ -36,7 +36,7 @@ def test_job_file_round_trips_through_the_services_loader(tmp_path: Path) -> Non
     assert job.spec == RLJobSpec.model_validate(
         children.without_pod_settings(children.resolved_spec(s)))
     assert job.spec.trainer.pod == PodSettings() != s.trainer.pod
-    assert job.spec.stages[0].rl.icepop_beta is None  # an explicit null is not lost to the default
+    assert job.spec.stages[0].rl.loss.icepop_beta is None  # an explicit null is not lost to the default
 
 
 def test_config_hashes_restart_only_the_components_that_read_a_change() -> None:

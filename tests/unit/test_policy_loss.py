@@ -9,11 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kiln.api.loss import MaskedLoss, PPOLoss
 from kiln.services.trainer.loss import (
-    PolicyLossConfig,
     icepop_keep_mask,
-    opd_advantages,
-    token_advantages,
+    loss_normalizer,
     policy_loss,
     ratio_keep_mask,
     sft_loss,
@@ -62,7 +61,7 @@ def test_icepop_bounds_are_inclusive(beta: float) -> None:
 
 
 def test_masked_mode_by_hand_token_mean() -> None:
-    cfg = PolicyLossConfig(eps_low=0.2, eps_high=0.2, icepop_beta=2.0)
+    cfg = MaskedLoss(eps_low=0.2, eps_high=0.2)
     # Four trainable tokens and one prompt token:
     #  t0 ratio 1.1 kept; t1 ratio 1.5 masked by the ratio rule; t2 ratio 1.0 and rho = 3, kept
     #  (masked mode has no separate IcePop: its ratio is to pi_infer already); t3 ratio 0.9
@@ -73,7 +72,7 @@ def test_masked_mode_by_hand_token_mean() -> None:
     mask = _t([1, 1, 1, 1, 0])
     adv = torch.tensor([2.0], dtype=F64)
     loss, stats = policy_loss(logp, logp_infer, mask, adv, cfg, logp_train_old=old)
-    # kept: t0, t2 and t3. token_mean over the 4 trainable tokens.
+    # kept: t0, t2 and t3. token-mean over the 4 trainable tokens.
     expected = -(2.0 * 1.1 + 2.0 * 1.0 + 2.0 * 0.9) / 4
     assert loss.item() == pytest.approx(expected, rel=1e-12)
     assert stats.tokens == 4 and stats.kept == 3
@@ -81,14 +80,9 @@ def test_masked_mode_by_hand_token_mean() -> None:
     assert stats.ratio_mean == pytest.approx((1.1 + 1.0 + 0.9) / 3)  # over kept tokens only
     assert stats.mismatch_abs == pytest.approx(math.log(3.0) / 4)
     assert stats.mismatch_kl == pytest.approx(((3.0 - 1) - math.log(3.0)) / 4)
-    # And the same gradient as with IcePop off: beta changes nothing in masked mode.
-    grads = []
-    for beta in (2.0, None):
-        x = logp.clone().requires_grad_(True)
-        policy_loss(x, logp_infer, mask, adv, cfg.model_copy(update={"icepop_beta": beta}),
-                    logp_train_old=old)[0].backward()
-        grads.append(x.grad)
-    assert torch.equal(grads[0], grads[1])
+    # masked mode has no IcePop to set: its variant refuses the field.
+    with pytest.raises(ValueError, match="icepop_beta"):
+        MaskedLoss(icepop_beta=2.0)
 
 
 def test_ppo_mode_by_hand_clip_and_icepop() -> None:
@@ -100,7 +94,7 @@ def test_ppo_mode_by_hand_clip_and_icepop() -> None:
       t3 r 0.5, rho 1.5 -> kept (the clip binds only above for A > 0), weighed by 1.5
       t4 r 1.0, rho 3   -> IcePop drops it too (the clip would have kept it)
     """
-    cfg = PolicyLossConfig(mode="ppo", eps_low=0.2, eps_high=0.2, icepop_beta=2.0)
+    cfg = PPOLoss(mode="ppo", eps_low=0.2, eps_high=0.2, icepop_beta=2.0)
     infer = _t([-1.0] * 5)
     old = infer + _t([0.0, 0.0, math.log(3.0), math.log(1.5), math.log(3.0)])
     logp = (old + _t([math.log(1.1), math.log(1.5), 0.0, math.log(0.5), 0.0])).requires_grad_(True)
@@ -122,7 +116,7 @@ def test_ppo_dual_clip_bounds_negative_advantages() -> None:
     logp = (old + _t([math.log(4.0), math.log(1.1)])).requires_grad_(True)
     adv = torch.tensor([-1.0], dtype=F64)
     mask = _t([1, 1])
-    plain = PolicyLossConfig(mode="ppo", icepop_beta=None)
+    plain = PPOLoss(mode="ppo", icepop_beta=None)
     dual = plain.model_copy(update={"dual_clip": 3.0})
     # Without the dual clip, r = 4 with A < 0 has gradient -A * r = 4 (the clip binds below).
     loss, _ = policy_loss(logp, infer, mask, adv, plain, logp_train_old=old)
@@ -136,7 +130,7 @@ def test_ppo_dual_clip_bounds_negative_advantages() -> None:
     assert logp.grad[0].tolist() == pytest.approx([0.0, 1.1 / 2])
     assert stats.ratio_masked == 1 and stats.kept == 1
     with pytest.raises(ValueError, match="dual_clip"):
-        PolicyLossConfig(dual_clip=3.0)
+        MaskedLoss(dual_clip=3.0)
 
 
 def test_icepop_changes_the_ppo_gradient_when_the_engine_drifts() -> None:
@@ -154,7 +148,7 @@ def test_icepop_changes_the_ppo_gradient_when_the_engine_drifts() -> None:
     for name, infer in (("same", old.clone()), ("drift", old - drift)):
         for beta in (2.0, None):
             x = logp.clone().requires_grad_(True)
-            cfg = PolicyLossConfig(mode="ppo", icepop_beta=beta)
+            cfg = PPOLoss(mode="ppo", icepop_beta=beta)
             policy_loss(x, infer, mask, adv, cfg, logp_train_old=old)[0].backward()
             grads[name, beta] = x.grad
     assert torch.allclose(grads["same", 2.0], grads["same", None])
@@ -168,8 +162,8 @@ def test_mismatch_metrics_stay_finite() -> None:
     logp = torch.tensor([[-1.0, -1.0, -1.0]], dtype=torch.float32, requires_grad=True)
     infer = torch.tensor([[-101.0, float("-inf"), -1.0]], dtype=torch.float32)
     mask = torch.tensor([[1.0, 0.0, 1.0]])
-    for mode in ("masked", "ppo"):
-        loss, stats = policy_loss(logp, infer, mask, torch.ones(1), PolicyLossConfig(mode=mode),
+    for cfg in (MaskedLoss(), PPOLoss(mode="ppo")):
+        loss, stats = policy_loss(logp, infer, mask, torch.ones(1), cfg,
                                   logp_train_old=logp.detach())
         assert math.isfinite(stats.mismatch_kl) and math.isfinite(stats.mismatch_abs)
         assert stats.mismatch_abs == pytest.approx(20.0 / 2)  # clamped at LOG_RATIO_CLAMP
@@ -180,7 +174,7 @@ def test_mismatch_metrics_stay_finite() -> None:
 
 
 def test_policy_loss_seq_mean_by_hand() -> None:
-    cfg = PolicyLossConfig(icepop_beta=None, aggregation="seq_mean")
+    cfg = MaskedLoss(aggregation="sequence-mean")
     logp = torch.zeros(2, 3, dtype=F64)
     logp_infer = torch.zeros(2, 3, dtype=F64)
     mask = torch.tensor([[1, 1, 1], [0, 1, 0]], dtype=F64)
@@ -188,84 +182,24 @@ def test_policy_loss_seq_mean_by_hand() -> None:
     loss, _ = policy_loss(logp, logp_infer, mask, adv, cfg)
     # Sequence 0: mean(-1,-1,-1) = -1; sequence 1: mean(+3) = 3; mean over sequences = 1.
     assert loss.item() == pytest.approx(1.0)
-    token_cfg = cfg.model_copy(update={"aggregation": "token_mean"})
+    token_cfg = cfg.model_copy(update={"aggregation": "token-mean"})
     loss_tok, _ = policy_loss(logp, logp_infer, mask, adv, token_cfg)
     assert loss_tok.item() == pytest.approx((-3 + 3) / 4)
 
     # Dr. GRPO: every token loss summed, over sequences x the constant length 10: (-3 + 3) / 20;
     # sequence 1's one token weighs as much as each of sequence 0's three.
-    sum_cfg = cfg.model_copy(update={"aggregation": "seq_sum", "seq_sum_tokens": 10})
+    sum_cfg = cfg.model_copy(update={"aggregation": "sequence-sum"})
     adv = torch.tensor([1.0, -1.0], dtype=F64)
-    loss_sum, _ = policy_loss(logp, logp_infer, mask, adv, sum_cfg)
+    loss_sum, _ = policy_loss(logp, logp_infer, mask, adv, sum_cfg, seq_sum_tokens=10)
     assert loss_sum.item() == pytest.approx((-3 + 1) / 20)
-
-
-def test_group_std_normalization_by_hand() -> None:
-    """mean-std divides the buffer's reward-minus-mean advantage by the group's reward std
-    (population std, as GRPO): group a (rewards 1, 0, 0, 0: std sqrt(3)/4) and group b
-    (all 1: advantage 0 stays 0)."""
-    from kiln.services.buffer.synthetic import synthetic_trajectory
-    from kiln.services.trainer.batch import std_normalized
-
-    rewards = {"a": [1.0, 0.0, 0.0, 0.0], "b": [1.0, 1.0]}
-    batch = []
-    for g, rs in rewards.items():
-        mean = sum(rs) / len(rs)
-        for i, r in enumerate(rs):
-            t = synthetic_trajectory(f"{g}/{i}", g, reward=r)
-            t.advantage = r - mean
-            batch.append(t)
-    out = std_normalized(batch)
-    std = math.sqrt(3) / 4
-    assert [t.advantage for t in out] == pytest.approx([0.75 / std, -0.25 / std, -0.25 / std,
-                                                        -0.25 / std, 0.0, 0.0], rel=1e-5)
-    assert [t.advantage for t in batch][:2] == [0.75, -0.25]  # the batch itself is unchanged
-
-
-def test_a_shaping_reward_credited_by_turn_is_split_off_its_group_advantage() -> None:
-    """Group a: rewards 2, 1, 0, of which shaping 1, 0, 0 credited to marked tokens; b has no
-    mask and keeps its advantage whole. Where every generated token is marked, the two parts
-    add up to the advantage there was; mean-std divides both by the total reward's std."""
-    from kiln.services.buffer.synthetic import synthetic_trajectory
-    from kiln.services.trainer.batch import collate, shaping_split, std_normalized
-
-    batch = []
-    for g, rewards, shaping in (("a", [2.0, 1.0, 0.0], [1.0, 0.0, 0.0]), ("b", [1.0, 0.0], None)):
-        mean = sum(rewards) / len(rewards)
-        for i, r in enumerate(rewards):
-            t = synthetic_trajectory(f"{g}/{i}", g, reward=r)
-            t.advantage = r - mean
-            if shaping:
-                t.shaping_reward = shaping[i]
-                # The first generated token earned it; in a/2 every one did.
-                gen = [j for j, m in enumerate(t.loss_mask) if m]
-                t.shaping_mask = [int(m and (j == gen[0] or i == 2)) for j, m in enumerate(t.loss_mask)]
-                t.check()
-            batch.append(t)
-    out = shaping_split(batch)
-    third = 1 / 3
-    assert [t.shaping_advantage for t in out] == pytest.approx([2 * third, -third, -third, 0, 0])
-    assert [t.advantage for t in out] == pytest.approx([1 - 2 * third, third, -1 + third, 0.5, -0.5])
-    tb = collate(out)
-    adv = tb.token_advantages()
-    gen = tb.loss_mask.bool()
-    first = gen.float().argmax(dim=1)
-    assert adv[0, first[0]].item() == pytest.approx(1.0)            # the earning token: both parts
-    assert adv[0, first[0] + 1].item() == pytest.approx(1 - 2 * third)  # the others: the rest
-    assert adv[2][gen[2]].tolist() == pytest.approx([-1.0] * int(gen[2].sum()))  # all marked: whole
-    assert adv[3][gen[3]].tolist() == pytest.approx([0.5] * int(gen[3].sum()))   # no mask: whole
-    std = math.sqrt(2 / 3)
-    normed = std_normalized(out)
-    assert normed[0].shaping_advantage == pytest.approx(2 * third / std, rel=1e-5)
-    assert normed[0].advantage == pytest.approx((1 - 2 * third) / std, rel=1e-5)
-    # Without a mask in the batch nothing is split and the tensors stay per sequence.
-    plain = [synthetic_trajectory("c/0", "c", reward=1.0)]
-    assert shaping_split(plain) is plain and collate(plain).token_advantages().dim() == 1
+    # What each aggregation divides by, the one rule the engine uses too: 4 tokens, 2 sequences
+    # with any, 2 sequences x 10.
+    assert [loss_normalizer(mask, a, 10) for a in ("token-mean", "sequence-mean", "sequence-sum")] == [4.0, 2.0, 20.0]
 
 
 def test_normalizer_splits_a_batch_into_micro_batches() -> None:
     torch.manual_seed(0)
-    cfg = PolicyLossConfig(icepop_beta=None)
+    cfg = MaskedLoss()
     logp = torch.randn(4, 6, dtype=F64) * 0.1
     logp_infer = torch.randn(4, 6, dtype=F64) * 0.1
     mask = (torch.rand(4, 6) > 0.3).to(F64)
@@ -274,35 +208,6 @@ def test_normalizer_splits_a_batch_into_micro_batches() -> None:
     n = float(mask.sum())
     parts = [policy_loss(logp[i : i + 2], logp_infer[i : i + 2], mask[i : i + 2], adv[i : i + 2], cfg, normalizer=n)[0] for i in (0, 2)]
     assert (parts[0] + parts[1]).item() == pytest.approx(whole.item(), rel=1e-12)
-
-
-def test_opd_advantage_is_per_token_and_stops_gradient() -> None:
-    student = torch.tensor([[-1.0, -2.0]], dtype=F64, requires_grad=True)
-    teacher = torch.tensor([[-0.5, -3.0]], dtype=F64)
-    adv = opd_advantages(teacher, student)
-    assert adv.tolist() == [[0.5, -1.0]] and not adv.requires_grad
-    cfg = PolicyLossConfig(icepop_beta=None)
-    loss, _ = policy_loss(student, student.detach(), torch.ones_like(student), adv, cfg)
-    loss.backward()
-    # ratio == 1, so d/dlogp (-A * r) = -A.
-    assert student.grad.tolist() == [[-0.25, 0.5]]
-
-
-def test_task_reward_mixes_into_distillation_advantages_only_where_a_teacher_scored() -> None:
-    student = torch.tensor([[-1.0, -2.0], [-1.0, -2.0]], dtype=F64)
-    teacher = torch.tensor([[-0.5, -3.0], [0.0, 0.0]], dtype=F64)
-    seq_adv = torch.tensor([0.4, -0.6], dtype=F64)
-    has_teacher = torch.tensor([True, False])
-    # Distillation only: the teacher's sequence gets teacher - student, the other its task advantage.
-    assert token_advantages(seq_adv, student, teacher, has_teacher).tolist() == [[0.5, -1.0], [-0.6, -0.6]]
-    # With weight 0.5: + 0.5 * 0.4 on each token of the distilled sequence.
-    mixed = token_advantages(seq_adv, student, teacher, has_teacher, 0.5)
-    assert torch.allclose(mixed, torch.tensor([[0.7, -0.8], [-0.6, -0.6]], dtype=F64))
-    # sampledWeight scales only the teacher's part; 0 leaves the task's (and the dense term).
-    half = token_advantages(seq_adv, student, teacher, has_teacher, 0.5, sampled_weight=0.5)
-    assert torch.allclose(half, torch.tensor([[0.45, -0.3], [-0.6, -0.6]], dtype=F64))
-    task_only = token_advantages(seq_adv, student, teacher, has_teacher, 0.5, sampled_weight=0.0)
-    assert torch.allclose(task_only, torch.tensor([[0.2, 0.2], [-0.6, -0.6]], dtype=F64))
 
 
 def test_task_reward_weight_needs_opd() -> None:
@@ -327,13 +232,13 @@ def test_sampled_weight_needs_opd_and_something_left_to_learn() -> None:
 def test_ppo_needs_train_old_logprobs() -> None:
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="logp_train_old"):
-        policy_loss(x, x, x, torch.zeros(1), PolicyLossConfig(mode="ppo"))
+        policy_loss(x, x, x, torch.zeros(1), PPOLoss(mode="ppo"))
 
 
 def test_huge_log_ratio_on_masked_token_does_not_poison_gradient() -> None:
     logp = torch.tensor([[0.0, 500.0]], dtype=torch.float32, requires_grad=True)
     infer = torch.tensor([[0.0, -500.0]])
-    loss, stats = policy_loss(logp, infer, torch.ones(1, 2), torch.ones(1), PolicyLossConfig(icepop_beta=None))
+    loss, stats = policy_loss(logp, infer, torch.ones(1, 2), torch.ones(1), MaskedLoss())
     loss.backward()
     assert torch.isfinite(loss) and stats.ratio_masked == 1
     assert logp.grad.tolist() == [[-0.5, 0.0]]
@@ -355,7 +260,7 @@ def test_sft_loss_is_masked_nll() -> None:
     eps_low=st.floats(0.0, 0.9),
     eps_high=st.floats(0.0, 2.0),
     beta=st.one_of(st.none(), st.floats(1.01, 4.0)),
-    aggregation=st.sampled_from(["token_mean", "seq_mean"]),
+    aggregation=st.sampled_from(["token-mean", "sequence-mean"]),
     per_token_adv=st.booleans(),
 )
 def test_masked_tokens_get_exactly_zero_gradient(seed, b, t, eps_low, eps_high, beta, aggregation, per_token_adv) -> None:
@@ -367,7 +272,7 @@ def test_masked_tokens_get_exactly_zero_gradient(seed, b, t, eps_low, eps_high, 
     adv = torch.randn((b, t) if per_token_adv else (b,), generator=g, dtype=F64)
     adv = adv.masked_fill(adv.abs() < 1e-3, 1.0)  # a zero advantage would hide a kept token
     # masked mode: only the ratio to pi_infer decides.
-    cfg = PolicyLossConfig(eps_low=eps_low, eps_high=eps_high, icepop_beta=beta, aggregation=aggregation)
+    cfg = MaskedLoss(eps_low=eps_low, eps_high=eps_high, aggregation=aggregation)
     loss, stats = policy_loss(logp, logp_infer, mask, adv, cfg, logp_train_old=old)
     loss.backward()
     keep = mask.bool() & ratio_keep_mask(logp, logp_infer, eps_low, eps_high)
@@ -377,7 +282,7 @@ def test_masked_tokens_get_exactly_zero_gradient(seed, b, t, eps_low, eps_high, 
     assert stats.kept == float(keep.sum())
     # ppo mode: IcePop and the clip (on the side the advantage pushes) decide.
     logp.grad = None
-    ppo = cfg.model_copy(update={"mode": "ppo"})
+    ppo = PPOLoss(mode="ppo", eps_low=eps_low, eps_high=eps_high, icepop_beta=beta, aggregation=aggregation)
     loss, stats = policy_loss(logp, logp_infer, mask, adv, ppo, logp_train_old=old)
     loss.backward()
     a = adv if adv.dim() == 2 else adv[:, None].expand(b, t)

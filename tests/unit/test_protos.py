@@ -37,12 +37,15 @@ def test_control_records_match_the_wire():
 
     from kiln.control import BufferStatus, ModeRequest, RolloutMode, RolloutStatus, TrainerStatus
     from kiln.control import wire as control
+    from kiln.metrics import StepMetrics
     from kiln.protos.kiln.v1 import rollout_pb2 as rpb
 
     assert {m.name: int(m) for m in RolloutMode} == dict(rpb.RolloutMode.items())
     mode = ModeRequest(RolloutMode.EXPLORE, "rl", ["a", "b"], 8, True, 64, 3)
     assert control.mode_from_proto(control.mode_to_proto(mode)) == mode
-    status = TrainerStatus(step=4, policy_version=4, stage="rl", last_metrics={"loss": 0.5},
+    status = TrainerStatus(step=4, policy_version=4, stage="rl",
+                           last_step=StepMetrics(step=4, loss=0.5, reward_mean=0.25,
+                                                 staleness={0: 6, 2: 2}),
                            stage_step=2, stage_max_steps=10, message="ok")
     assert control.trainer_status_from_proto(control.trainer_status_to_proto(status)) == status
     # Every field set to a value of its own, so a converter that drops or swaps one fails.

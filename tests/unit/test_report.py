@@ -5,12 +5,18 @@ import json
 from pathlib import Path
 
 from kiln.cli.local.report import staleness_histogram, steps_seen, write_report
+from kiln.control import TrainerStatus
+from kiln.control.driver import trainer_record
+from kiln.metrics import StepMetrics
 
 
-def _progress(stage: str, step: int, global_step: int, **trainer) -> dict:
-    return {"event": "progress", "stage": stage, "step": step,
-            "trainer": {"stage": stage, "global_step": global_step, **trainer},
-            "rollout": {"mean_reward": 0.5}, "buffer": {"dropped_stale": 3}}
+def _progress(stage: str, step: int, global_step: int, **metrics) -> dict:
+    """A progress record as the driver writes it, read back from JSON as the report does."""
+    status = TrainerStatus(step=global_step, stage=stage, stage_step=step, last_step=(
+        StepMetrics(step=global_step, **metrics) if global_step else None))
+    return json.loads(json.dumps({"event": "progress", "stage": stage, "step": step,
+                                  "trainer": trainer_record(status),
+                                  "rollout": {"mean_reward": 0.5}, "buffer": {"dropped_stale": 3}}))
 
 
 def test_steps_and_staleness_histogram(tmp_path: Path) -> None:
@@ -19,9 +25,9 @@ def test_steps_and_staleness_histogram(tmp_path: Path) -> None:
         _progress("sft", 5, 5, loss=1.0),
         _progress("sft", 5, 5, loss=1.0),                          # the same step polled twice
         _progress("rl", 0, 5, loss=1.0),                           # trainer still shows SFT
-        _progress("rl", 1, 6, reward=0.2, staleness_counts={"0": 100.0, "1": 28.0}),
-        _progress("rl", 1, 6, reward=0.2, staleness_counts={"0": 100.0, "1": 28.0}),
-        _progress("rl", 2, 7, reward=0.4, staleness_counts={"1": 120.0, "2": 8.0}),
+        _progress("rl", 1, 6, reward_mean=0.2, staleness={0: 100, 1: 28}),
+        _progress("rl", 1, 6, reward_mean=0.2, staleness={0: 100, 1: 28}),
+        _progress("rl", 2, 7, reward_mean=0.4, staleness={1: 120, 2: 8}),
     ]
     seen = steps_seen(recs)
     assert [g for g, _ in seen] == [5, 6, 7]
@@ -57,7 +63,7 @@ def test_summary_nests_evaluations_by_stage_and_averages_routing_flips(tmp_path:
     state = SimpleNamespace(evaluations={
         "skill-a/after/a-heldout": ev(0.8), "skill-a/after/b-heldout": ev(0.1),
         "skill-b/after/a-heldout": ev(0.5), "skill-b/after/b-heldout": ev(0.7)})
-    recs = [_progress("skill-b", 1, 11, routing_flips=0.02), _progress("skill-b", 2, 12, routing_flips=0.04)]
+    recs = [_progress("skill-b", 1, 11, routing_flip_frac=0.02), _progress("skill-b", 2, 12, routing_flip_frac=0.04)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     summary = write_summary(job, tmp_path, state, wall_seconds=12.34)
     assert summary["evaluations"] == {"skill-a": {"a-heldout": 0.8, "b-heldout": 0.1},

@@ -16,7 +16,7 @@ from kiln.episode import EpisodeInfo, Message, StepResult, ToolOutput
 from kiln.services.common import metrics
 from kiln.services.rollout.agent import Limits
 from kiln.services.rollout.engine import Generation, SamplingOptions
-from kiln.services.rollout.producer import EXPLORE, Mode, Producer
+from kiln.services.rollout.producer import EXPLORE, Mode, Producer, ProducerConfig
 from kiln.services.sandbox.latency import LatencyDraws
 
 REPO = Path(__file__).resolve().parents[2]
@@ -101,9 +101,10 @@ class Buffer:
 
 def producer(engine, env, *, max_concurrent, target=None) -> tuple[Producer, Buffer]:
     buffer = Buffer(engine)
-    p = Producer(engine, env, Format(), buffer, sampling=SamplingOptions(max_tokens=4),
-                 limits=Limits(max_turns=20, max_tokens_per_turn=4, max_total_tokens=10_000),
-                 max_concurrent=max_concurrent, target_occupancy=target)
+    p = Producer(ProducerConfig(
+        sampling=SamplingOptions(max_tokens=4),
+        limits=Limits(max_turns=20, max_tokens_per_turn=4, max_total_tokens=10_000),
+        max_concurrent=max_concurrent, target_occupancy=target), engine, env, Format(), buffer)
     return p, buffer
 
 

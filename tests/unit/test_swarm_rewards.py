@@ -149,7 +149,7 @@ def test_parl_reward_and_annealing_by_hand():
     assert [swarm.budget(s) for s in (0, 3, 6, 9, 12, 30)] == [14, 13, 11, 10, 8, 8]
     assert RLJob.model_validate(job_doc(subagents="subagents")).spec.stages[1].swarm.budget(0) is None
     # The job chooses how the shaping terms are paid; rollout's weights follow it.
-    from kiln.services.rollout.swarm import SwarmRun
+    from kiln.services.rollout.swarm_run import SwarmRun
     for paid in ("always", "outcome", "collected"):
         settings = RLJob.model_validate(
             job_doc(subagents="subagents", parallelReward=paid)).spec.stages[1].swarm

@@ -109,7 +109,7 @@ def test_at_the_subagent_limit_assign_leaves_the_tool_choice(manager, tok):
     assert tools[True] == [both, both, set(wait), set(wait)]
     assert tools[False] == [both] * 4
     # Evaluations are offered the same tools as training; the job needs tool choices for it.
-    from kiln.services.rollout.swarm import SwarmRun
+    from kiln.services.rollout.swarm_run import SwarmRun
     doc = job_doc(subagents="subagents", withdrawAtLimit=True)
     doc["spec"]["rollout"] = {"toolCallFormat": "tags", "sampling": {"toolChoiceTemperature": 6.0}}
     settings = RLJob.model_validate(doc).spec.stages[1].swarm

@@ -10,7 +10,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from kiln.api.spec import TrackingSpec, WandbSpec
 from kiln.services.common.tracking import Tracker
-from kiln.services.trainer.metrics import tracked_scalars
+from kiln.metrics import StepMetrics
 
 
 def _scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -39,17 +39,18 @@ def test_tensorboard_off_writes_nothing(tmp_path: Path) -> None:
     assert not (tmp_path / "tb").exists()
 
 
-def test_trainer_step_metrics_map_to_tags() -> None:
-    m = {"step": 3.0, "loss": 0.5, "grad_norm": 1.2, "lr": 1e-4, "reward_mean": 0.25,
-         "ratio_mask_frac": 0.01, "icepop_mask_frac": 0.0, "kept_frac": 0.99,
-         "mismatch_abs": 1e-3, "mismatch_kl": 1e-6, "tokens_per_s": 900.0, "step_time_s": 0.4,
-         "policy_version": 2.0, "staleness_0": 6.0, "staleness_2": 2.0}
-    rl = tracked_scalars(m, rl=True)
-    assert rl["train/loss"] == 0.5 and rl["train/reward"] == 0.25
-    assert rl["train/ratio_mask_frac"] == 0.01 and rl["train/mismatch_kl"] == 1e-6
-    assert rl["train/staleness_mean"] == pytest.approx(0.5) and rl["train/staleness_max"] == 2
-    sft = tracked_scalars(m, rl=False)
-    assert "train/loss" in sft and not any("mask" in k or "staleness" in k for k in sft)
+def test_trainer_step_metrics_by_name() -> None:
+    m = StepMetrics(step=3, loss=0.5, grad_norm=1.2, lr=1e-4, reward_mean=0.25,
+                    ratio_mask_frac=0.01, icepop_mask_frac=0.0, kept_frac=0.99, mismatch_abs=1e-3,
+                    mismatch_kl=1e-6, tokens_per_second=900.0, step_seconds=0.4, policy_version=2,
+                    staleness={0: 6, 2: 2})
+    rl = m.scalars(rl=True)
+    assert rl["loss"] == 0.5 and rl["reward_mean"] == 0.25 and rl["step_seconds"] == 0.4
+    assert rl["ratio_mask_frac"] == 0.01 and rl["mismatch_kl"] == 1e-6
+    assert rl["staleness_mean"] == pytest.approx(0.5) and rl["staleness_max"] == 2
+    assert "ratio_only_frac" not in rl  # not measured: no value, not a zero
+    sft = m.scalars(rl=False)
+    assert "loss" in sft and not any("mask" in k or "staleness" in k or "reward" in k for k in sft)
 
 
 def test_wandb_offline_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,11 +9,11 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
+from kiln.api.loss import MaskedLoss, PPOLoss
 from kiln.models.tiny import make_tiny_checkpoint
 from kiln.services.trainer.checkpoint import list_checkpoints
 from kiln.services.trainer.config import OptimizerConfig, TrainerConfig
 from kiln.services.trainer.engine import TrainerEngine
-from kiln.services.trainer.loss import PolicyLossConfig
 from kiln.trajectory import Trajectory, VersionSpan
 
 
@@ -29,7 +29,7 @@ def _config(model_dir: Path, **kw) -> TrainerConfig:
         model_dir=model_dir,
         micro_batch_size=2,
         optimizer=OptimizerConfig(lr=3e-3, grad_clip=1.0),
-        loss=PolicyLossConfig(eps_low=0.2, eps_high=0.28, icepop_beta=2.0),
+        loss=MaskedLoss(eps_low=0.2, eps_high=0.28),
     )
     base.update(kw)
     return TrainerConfig(**base)
@@ -46,7 +46,7 @@ def _trajectories(engine: TrainerEngine | None, n: int = 4, seed: int = 0, promp
             Trajectory(
                 id=f"t{i}", task_id="task", group_id="g", tokens=tokens, loss_mask=mask,
                 logp_infer=[0.0] * length, version_spans=[VersionSpan(prompt, length, 0)],
-                advantage=1.0 if i % 2 == 0 else -1.0,
+                reward=1.0 if i % 2 == 0 else -1.0,  # one group of mean 0: advantages +-1
             )
         )
     if engine is not None:  # on-policy: the inference log-probs are the current ones
@@ -66,13 +66,13 @@ def _mean_logp(engine: TrainerEngine, trajs: list[Trajectory]) -> list[float]:
 def test_sft_steps_reduce_loss(model_dir: Path) -> None:
     engine = TrainerEngine(_config(model_dir))
     batch = _trajectories(None, n=4)
-    losses = [engine.sft_step(batch)["loss"] for _ in range(6)]
+    losses = [engine.sft_step(batch).loss for _ in range(6)]
     assert losses[-1] < losses[0] - 0.5, losses
     assert engine.step_count == 6
 
 
 def test_rl_steps_follow_the_advantage(model_dir: Path) -> None:
-    engine = TrainerEngine(_config(model_dir, loss=PolicyLossConfig(eps_low=0.9, eps_high=10.0, icepop_beta=None)))
+    engine = TrainerEngine(_config(model_dir, loss=MaskedLoss(eps_low=0.9, eps_high=10.0)))
     batch = _trajectories(engine, n=4)
     before = _mean_logp(engine, batch)
     first = engine.step(batch)
@@ -82,16 +82,16 @@ def test_rl_steps_follow_the_advantage(model_dir: Path) -> None:
     # Positive advantage (even ids) pushes log-probs up, negative pulls them down.
     assert after[0] > before[0] and after[2] > before[2]
     assert after[1] < before[1] and after[3] < before[3]
-    assert last["loss"] < first["loss"]
+    assert last.loss < first.loss
     # On-policy first step: no mismatch, nothing masked, ratio 1.
-    assert first["ratio_mask_frac"] == 0.0 and first["mismatch_abs"] < 1e-5 and first["kept_frac"] == 1.0
-    assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
-    assert first["tokens"] == sum(sum(t.loss_mask) for t in batch)
+    assert first.ratio_mask_frac == 0.0 and first.mismatch_abs < 1e-5 and first.kept_frac == 1.0
+    assert first.ratio_mean == pytest.approx(1.0, abs=1e-5)
+    assert first.tokens == sum(sum(t.loss_mask) for t in batch)
 
 
 @pytest.mark.parametrize("mode", ["masked", "ppo"])
 def test_off_policy_tokens_are_masked_and_reported(model_dir: Path, mode: str) -> None:
-    engine = TrainerEngine(_config(model_dir, loss=PolicyLossConfig(mode=mode, icepop_beta=2.0)))
+    engine = TrainerEngine(_config(model_dir, loss=MaskedLoss() if mode == "masked" else PPOLoss(mode="ppo", icepop_beta=2.0)))
     engine.stage = "reasoning"
     batch = _trajectories(engine, n=2)
     # The inference engine claims much higher probabilities than the trainer computes: every
@@ -104,20 +104,20 @@ def test_off_policy_tokens_are_masked_and_reported(model_dir: Path, mode: str) -
     tokens_before = REGISTRY.get_sample_value("kiln_train_tokens_total") or 0.0
     m = engine.step(batch)
     ratio, ice = (1.0, 0.0) if mode == "masked" else (0.0, 1.0)
-    assert (m["ratio_mask_frac"], m["icepop_mask_frac"], m["kept_frac"]) == (ratio, ice, 0.0)
-    assert (m["ratio_only_frac"], m["icepop_only_frac"], m["both_masked_frac"]) == (ratio, ice, 0.0)
-    assert m["grad_norm"] == 0.0
-    assert m["mismatch_abs"] == pytest.approx(3.0, abs=1e-4)
-    assert m["mismatch_kl"] == pytest.approx(torch.expm1(torch.tensor(-3.0)).item() + 3.0, abs=1e-3)
+    assert (m.ratio_mask_frac, m.icepop_mask_frac, m.kept_frac) == (ratio, ice, 0.0)
+    assert (m.ratio_only_frac, m.icepop_only_frac, m.both_masked_frac) == (ratio, ice, 0.0)
+    assert m.grad_norm == 0.0
+    assert m.mismatch_abs == pytest.approx(3.0, abs=1e-4)
+    assert m.mismatch_kl == pytest.approx(torch.expm1(torch.tensor(-3.0)).item() + 3.0, abs=1e-3)
     assert all(torch.equal(a, b) for a, b in zip(before, engine.model.parameters()))
     assert REGISTRY.get_sample_value("kiln_ratio_mask_fraction") == ratio
     assert REGISTRY.get_sample_value("kiln_icepop_mask_fraction") == ice
     assert REGISTRY.get_sample_value("kiln_logprob_mismatch_abs_mean") == pytest.approx(3.0, abs=1e-4)
-    assert REGISTRY.get_sample_value("kiln_logprob_mismatch_kl") == pytest.approx(m["mismatch_kl"])
+    assert REGISTRY.get_sample_value("kiln_logprob_mismatch_kl") == pytest.approx(m.mismatch_kl)
     assert REGISTRY.get_sample_value("kiln_train_step", {"stage": "reasoning"}) == 1.0
-    assert REGISTRY.get_sample_value("kiln_train_loss", {"stage": "reasoning"}) == m["loss"]
-    assert REGISTRY.get_sample_value("kiln_train_tokens_total") - tokens_before == m["tokens"]
-    assert REGISTRY.get_sample_value("kiln_trainer_tokens_per_second") == m["tokens_per_s"] > 0
+    assert REGISTRY.get_sample_value("kiln_train_loss", {"stage": "reasoning"}) == m.loss
+    assert REGISTRY.get_sample_value("kiln_train_tokens_total") - tokens_before == m.tokens
+    assert REGISTRY.get_sample_value("kiln_trainer_tokens_per_second") == m.tokens_per_second > 0
 
 
 def test_new_version_resets_moments(model_dir: Path) -> None:
@@ -140,7 +140,7 @@ def test_checkpoint_resume_gives_identical_next_step(model_dir: Path, tmp_path: 
     cfg = _config(
         model_dir, checkpoint_dir=tmp_path / "ckpt", checkpoint_interval=2, keep_checkpoints=2,
         optimizer=OptimizerConfig(lr=3e-3, warmup_steps=5),
-        loss=PolicyLossConfig(eps_low=0.9, eps_high=10.0, icepop_beta=10.0),
+        loss=MaskedLoss(eps_low=0.9, eps_high=10.0),
     )
     a = TrainerEngine(cfg)
     batch = _trajectories(a, n=4, seed=1)
@@ -155,9 +155,9 @@ def test_checkpoint_resume_gives_identical_next_step(model_dir: Path, tmp_path: 
     assert b.resumed_from == tmp_path / "ckpt" / "step_00000002"
     assert (b.step_count, b.policy_version) == (2, 1)
     got = b.step(batch)
-    assert expected["grad_norm"] > 0 and expected["kept_frac"] == 1.0
+    assert expected.grad_norm > 0 and expected.kept_frac == 1.0
     for key in ("loss", "grad_norm", "kept_frac", "mismatch_abs", "lr"):
-        assert got[key] == expected[key], key
+        assert getattr(got, key) == getattr(expected, key), key
     assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
     a.step(batch)  # step 4 checkpoints; only the two newest stay
     assert [p.name for p in list_checkpoints(tmp_path / "ckpt")] == ["step_00000002", "step_00000004"]
@@ -184,20 +184,20 @@ def test_a_checkpoint_knows_whether_its_weights_are_their_versions(model_dir: Pa
 def test_two_updates_per_step_use_start_of_step_logprobs(model_dir: Path) -> None:
     # ppo mode: the ratio is to the weights at the start of the step.
     engine = TrainerEngine(_config(model_dir, minibatches_per_step=2, micro_batch_size=1,
-                                   loss=PolicyLossConfig(mode="ppo", icepop_beta=2.0)))
+                                   loss=PPOLoss(mode="ppo", icepop_beta=2.0)))
     batch = _trajectories(engine, n=4)
     m = engine.step(batch)
     assert next(iter(engine.optimizer.state.values()))["step"].item() == 2
     # The first half trains on-policy (ratio 1), the second half after one update: ratio != 1.
-    assert m["ratio_mean"] != pytest.approx(1.0, abs=1e-7)
-    assert m["mismatch_abs"] < 1e-5
+    assert m.ratio_mean != pytest.approx(1.0, abs=1e-7)
+    assert m.mismatch_abs < 1e-5
 
 
 def test_opd_trajectories_use_teacher_advantage(model_dir: Path) -> None:
-    engine = TrainerEngine(_config(model_dir, loss=PolicyLossConfig(eps_low=0.9, eps_high=10.0, icepop_beta=None)))
+    engine = TrainerEngine(_config(model_dir, loss=MaskedLoss(eps_low=0.9, eps_high=10.0)))
     batch = _trajectories(engine, n=2)
     for t in batch:
-        t.advantage = 0.0
+        t.reward = 0.0  # no task advantage
         # The teacher prefers every generated token far more than the student does.
         t.teacher_logp = [x + 2.0 for x in t.logp_infer]
     before = _mean_logp(engine, batch)
@@ -210,22 +210,22 @@ def test_a_shaping_reward_credited_by_turn_trains_only_the_tokens_that_earned_it
     # One group of two with equal rewards (advantage 0), of which t0 earned a shaping reward
     # of 1 on its first half of generated tokens, t1 none: credited to the whole episode
     # nothing would move; credited by turn, t0's other tokens carry -1/2 and t1's +1/2.
-    engine = TrainerEngine(_config(model_dir, loss=PolicyLossConfig(eps_low=0.9, eps_high=10.0, icepop_beta=None)))
+    engine = TrainerEngine(_config(model_dir, loss=MaskedLoss(eps_low=0.9, eps_high=10.0)))
     batch = _trajectories(engine, n=2)
     halves = []
     for t, shaping in zip(batch, (1.0, 0.0)):
         gen = [j for j, m in enumerate(t.loss_mask) if m]
         marked = set(gen[: len(gen) // 2])
-        t.advantage, t.shaping_reward = 0.0, shaping
+        t.reward, t.shaping_reward = 0.0, shaping
         t.shaping_mask = [int(j in marked) for j in range(len(t.tokens))]
         halves.append([j for j in gen if j not in marked])
-    assert engine.step([dataclasses.replace(t, shaping_mask=[]) for t in batch])["grad_norm"] == 0.0
+    assert engine.step([dataclasses.replace(t, shaping_mask=[]) for t in batch]).grad_norm == 0.0
 
     def rest(trajs):  # mean log-prob of the tokens outside each mask
         return [sum(lp[j] for j in js) / len(js)
                 for lp, js in zip(engine.logprobs([t.tokens for t in trajs]), halves)]
     before = rest(batch)
-    assert engine.step(batch)["grad_norm"] > 0
+    assert engine.step(batch).grad_norm > 0
     after = rest(batch)
     assert after[0] < before[0] and after[1] > before[1]
 

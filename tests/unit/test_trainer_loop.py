@@ -34,9 +34,9 @@ def _trajs(n: int, seed: int = 0) -> list[Trajectory]:
     for i in range(n):
         tokens = [rng.randrange(4, 300) for _ in range(10)]
         out.append(Trajectory(
-            id=f"t{i}", task_id="x", group_id="g", tokens=tokens, loss_mask=[0, 0] + [1] * 8,
+            id=f"t{i}", task_id="x", group_id=f"g{i // 2}", tokens=tokens, loss_mask=[0, 0] + [1] * 8,
             logp_infer=[0.0, 0.0] + [-5.7] * 8, version_spans=[VersionSpan(2, 10, 0)],
-            advantage=(-1.0) ** i,
+            reward=(-1.0) ** i,  # groups of two, of mean 0: advantages +-1
         ))
     return out
 
@@ -49,7 +49,7 @@ def test_sft_stage_runs_until_source_is_exhausted_and_publishes_final_weights(mo
     engine = _engine(model_dir)
     pub = InMemoryPublisher()
     res = run_stage(engine, ListBatchSource(_trajs(5)), pub, StageSettings(kind="sft", max_steps=10, batch_size=2))
-    assert res.steps == 3 and [m["sequences"] for m in res.metrics] == [2, 2, 1]
+    assert res.steps == 3 and [m.sequences for m in res.metrics] == [2, 2, 1]
     assert res.versions == [1] and pub.versions == [1] and engine.policy_version == 1
     live = dict(engine.named_hf_tensors())
     assert pub.latest.keys() == live.keys() and all(torch.equal(pub.latest[k], live[k]) for k in live)
@@ -61,14 +61,15 @@ def test_rl_stage_publishes_every_sync_interval(model_dir: Path) -> None:
     pub = InMemoryPublisher(keep_all=True)
     steps: list[float] = []
     res = run_stage(
-        engine, ListBatchSource(_trajs(3), cycle=True), pub,
+        # Batches of 2 of 4 in groups of two: each batch holds whole groups, as the buffer's.
+        engine, ListBatchSource(_trajs(4), cycle=True), pub,
         StageSettings(kind="rl", name="reasoning", max_steps=5, batch_size=2, sync_interval=2),
-        on_step=lambda m: steps.append(m["step"]),
+        on_step=lambda m: steps.append(m.step),
     )
     # Steps 2 and 4 publish by interval; step 5 publishes the stage's final weights.
     assert res.steps == 5 and steps == [1, 2, 3, 4, 5]
     assert res.versions == pub.versions == [1, 2, 3]
-    assert [m["policy_version"] for m in res.metrics] == [0, 0, 1, 1, 2]
+    assert [m.policy_version for m in res.metrics] == [0, 0, 1, 1, 2]
     w1, w2 = pub.weights[1], pub.weights[2]
     assert any(not torch.equal(w1[k], w2[k]) for k in w1)
     # Published copies do not follow later training.

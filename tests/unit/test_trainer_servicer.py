@@ -16,6 +16,7 @@ from kiln.api.validate import load_job
 from kiln.models.tiny import make_tiny_checkpoint
 from kiln.protos.kiln.v1 import trainer_pb2, trainer_pb2_grpc
 from kiln.services.buffer.buffer import TrajectoryBuffer
+from kiln.services.buffer.types import BufferConfig
 from kiln.services.buffer.client import InProcessBufferClient
 from kiln.services.common.server import Registration, create_server
 from kiln.services.trainer.config import config_from_job
@@ -23,7 +24,7 @@ from kiln.services.trainer.engine import TrainerEngine
 from kiln.services.trainer.loop import InMemoryPublisher
 from kiln.services.trainer.servicer import SERVICE_NAME, TrainerServicer, add_to_server
 from kiln.services.trainer.client import TrainerClient
-from kiln.services.trainer.stages import NO_FRESHNESS_BOUND, StageRunner, stage_export_dir
+from kiln.services.trainer.stages import StageRunner, stage_export_dir
 from kiln.services.trainer.wire import ExportError, ExportWriter, export_chunks
 from kiln.trajectory import Trajectory, VersionSpan
 
@@ -62,7 +63,8 @@ def _traj(i: int) -> Trajectory:
 def test_run_stage_trains_through_the_buffer_and_reports(model_dir: Path, tmp_path: Path) -> None:
     job = _job(model_dir, tmp_path)
     engine = TrainerEngine(config_from_job(job, run_dir=tmp_path))
-    buffer = InProcessBufferClient(TrajectoryBuffer.open(tmp_path / "buffer"))
+    # A bound until the stage configures the buffer (SFT: none), so that is observable.
+    buffer = InProcessBufferClient(TrajectoryBuffer.open(tmp_path / "buffer", BufferConfig(tau=3)))
     publisher = InMemoryPublisher()
     lock = threading.Lock()
     stages = StageRunner(job, engine, lock, buffer, publisher, tmp_path)
@@ -83,7 +85,7 @@ def test_run_stage_trains_through_the_buffer_and_reports(model_dir: Path, tmp_pa
             # Once the stage has configured the buffer (dropping what an earlier stage left),
             # its data arrives, as rollout would send it.
             deadline = time.monotonic() + 30
-            while buffer.status().tau != NO_FRESHNESS_BOUND:
+            while buffer.status().tau is not None:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.05)
             buffer.put([_traj(i) for i in range(6)], group_size=1)
@@ -96,7 +98,7 @@ def test_run_stage_trains_through_the_buffer_and_reports(model_dir: Path, tmp_pa
             assert (status.stage, status.stage_step, status.step) == ("warmup", 3, 3)
             # The final weights of the stage were published and the buffer told the version.
             assert status.policy_version == 1 and publisher.versions == [1]
-            assert status.last_metrics["loss"] > 0 and status.last_metrics["tokens"] == 12
+            assert status.last_step.loss > 0 and status.last_step.tokens == 12
             assert buffer.status().served == 6 and buffer.status().policy_version == 1
             # Retrying RunStage for the stage it ran changes nothing: it is not exported again
             # (the same file stays in place for a frozen deployment fetching it).

@@ -22,6 +22,7 @@ GOOD = textwrap.dedent("""\
     spec:
       model:
         path: /models/tiny
+        pvc: models
       tasks:
         - name: train
           env: chain
@@ -55,7 +56,8 @@ def test_good_manifest_is_valid_and_defaults_filled():
     assert problems == []
     (job,) = jobs
     stage = job.spec.stages[0]
-    assert stage.rl.eps_low == 0.2 and stage.rl.eps_high == 0.28
+    assert stage.rl.loss.mode == "masked" and stage.rl.loss.eps_low == 0.2 and stage.rl.loss.eps_high == 0.28
+    assert stage.rl.loss.aggregation == "token-mean"
     assert job.spec.rollout.thinking == "interleaved"
     assert job.spec.sandbox.backend == "bubblewrap"
 
@@ -116,10 +118,12 @@ CASES = {
     "bad-enum": (_mutate(lambda d: d["spec"].setdefault("sandbox", {}).update(backend="gvisor")),
                  "spec.sandbox.backend", "'bubblewrap' or 'docker'"),
     "bad-stage-type": (GOOD.replace("type: rl", "type: dpo"), "spec.stages[0]", "one of"),
-    "eps-bounds": (GOOD.replace("groupSize: 8", "groupSize: 8\n        epsLow: 1.5"),
-                   "spec.stages[0].rl.epsLow", "less than 1"),
-    "icepop-beta": (GOOD.replace("groupSize: 8", "groupSize: 8\n        icepopBeta: 0.5"),
-                    "spec.stages[0].rl.icepopBeta", "greater than 1"),
+    "eps-bounds": (GOOD.replace("groupSize: 8", "groupSize: 8\n        loss: {epsLow: 1.5}"),
+                   "spec.stages[0].rl.loss.epsLow", "less than 1"),
+    "icepop-beta": (GOOD.replace("groupSize: 8", "groupSize: 8\n        loss: {mode: ppo, icepopBeta: 0.5}"),
+                    "spec.stages[0].rl.loss.icepopBeta", "greater than 1"),
+    "bad-loss-mode": (GOOD.replace("groupSize: 8", "groupSize: 8\n        loss: {mode: grpo}"),
+                      "spec.stages[0].rl.loss", "expected mode to be one of 'masked', 'ppo', found 'grpo'"),
     "teacher-not-earlier": (_mutate(lambda d: d["spec"]["stages"][0]["rl"].update(
         advantage="opd", teacher=d["spec"]["stages"][0]["name"])),
                             "spec", "does not come before this one"),
@@ -128,8 +132,12 @@ CASES = {
                                        "spec.stages[0].opd", "an opd stage distils"),
     "opd-stage-without-teacher": (_mutate(lambda d: d["spec"]["stages"][0].update(type="opd", rl={})),
                                   "spec.stages[0].opd.rl", "needs a teacher"),
-    "dual-clip-in-masked-mode": (GOOD.replace("groupSize: 8", "groupSize: 8\n        dualClip: 3"),
-                                 "spec.stages[0].rl", "dualClip applies to lossMode ppo"),
+    "dual-clip-in-masked-mode": (GOOD.replace("groupSize: 8", "groupSize: 8\n        loss: {mode: masked, dualClip: 3}"),
+                                 "spec.stages[0].rl.loss.dualClip",
+                                 "dualClip applies to rl.loss.mode ppo only, not masked"),
+    "icepop-beta-without-mode": (GOOD.replace("groupSize: 8", "groupSize: 8\n        loss: {icepopBeta: 2}"),
+                                 "spec.stages[0].rl.loss.icepopBeta",
+                                 "icepopBeta applies to rl.loss.mode ppo only, not masked"),
     "tau-negative": (GOOD.replace("groupSize: 8", "groupSize: 8\n        tau: -1"),
                      "spec.stages[0].rl.tau", "greater than or equal to 0"),
     "micro-batch-divides": (GOOD.replace("microBatchSize: 8", "microBatchSize: 5"),
@@ -157,6 +165,45 @@ def test_each_mistake_is_named(name):
     problems = _problems(text)
     assert any(p.path == path and needle in p.message for p in problems), (
         f"no problem at {path!r} mentioning {needle!r}; got:\n" + "\n".join(map(str, problems)))
+
+
+@pytest.mark.parametrize("old, value, new", [
+    ("lossMode", "ppo", "rl.loss.mode"), ("epsLow", "0.1", "rl.loss.epsLow"),
+    ("epsHigh", "0.3", "rl.loss.epsHigh"), ("dualClip", "3", "rl.loss.dualClip"),
+    ("icepopBeta", "2", "rl.loss.icepopBeta"), ("lossAggregation", "sequence-sum", "rl.loss.aggregation"),
+])
+def test_a_field_rl_had_before_rl_loss_names_its_new_place(old, value, new):
+    text = GOOD.replace("groupSize: 8", f"groupSize: 8\n        {old}: {value}")
+    (problem,) = _problems(text)
+    assert problem.path == f"spec.stages[0].rl.{old}"
+    assert f"rl.{old} moved to {new}" in problem.message
+    assert old in text.splitlines()[problem.line - 1]
+
+
+def test_both_loss_variants_parse_with_their_own_fields():
+    ppo = GOOD.replace("groupSize: 8", "groupSize: 8\n        minibatches: 2\n        loss:\n"
+                       "          mode: ppo\n          epsLow: 0.1\n          dualClip: 3\n"
+                       "          icepopBeta: null\n          aggregation: sequence-sum")
+    (job,), problems = validate_text(ppo, file="job.yaml")
+    assert problems == []
+    loss = job.spec.stages[0].rl.loss
+    assert (loss.mode, loss.eps_low, loss.eps_high, loss.dual_clip, loss.icepop_beta, loss.aggregation) == (
+        "ppo", 0.1, 0.28, 3.0, None, "sequence-sum")
+    assert job.spec.stages[0].rl.minibatches == 2
+    (job,), problems = validate_text(GOOD.replace("groupSize: 8", "groupSize: 8\n        loss: {mode: masked, "
+                                                  "epsHigh: 0.5, aggregation: sequence-mean}"), file="job.yaml")
+    assert problems == []
+    loss = job.spec.stages[0].rl.loss
+    assert (loss.mode, loss.eps_low, loss.eps_high, loss.aggregation) == ("masked", 0.2, 0.5, "sequence-mean")
+    assert not hasattr(loss, "icepop_beta")  # masked has no IcePop at all
+
+
+def test_cli_names_the_new_place_of_an_old_field(tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text(GOOD.replace("groupSize: 8", "groupSize: 8\n        lossMode: ppo"))
+    res = _kiln("validate", str(old))
+    assert res.returncode == 1
+    assert "spec.stages[0].rl.lossMode: rl.lossMode moved to rl.loss.mode" in res.stderr
 
 
 def test_line_numbers_point_at_the_field():
@@ -251,7 +298,7 @@ def test_env_takes_a_builtin_name_or_a_plugin_mapping() -> None:
     _, problems = validate_text(_with_tasks([{"name": "x", "env": "gvisor", "path": "x.jsonl"}]),
                                 file="job.yaml")
     assert [str(p) for p in problems] == [
-        "job.yaml:14: spec.tasks[1].env: expected one of 'chain', 'lookup', 'terminal', 'swe', "
+        "job.yaml:15: spec.tasks[1].env: expected one of 'chain', 'lookup', 'terminal', 'swe', "
         "'search', 'code', 'wide', 'wide-lookup' or a {plugin: \"module:Name\"} mapping, found 'gvisor'"]
 
 
@@ -265,3 +312,29 @@ def test_validate_command_checks_the_plugin_example_job() -> None:
                          capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
     assert bad.returncode == 1
     assert "spec.tasks[0].env.plugin: 'echo_env:EchoFileEnv': cannot import module 'echo_env'" in bad.stderr
+
+
+def test_a_model_nothing_will_get_here_is_refused_locally(tmp_path: Path) -> None:
+    """`kiln validate` and `kiln run` refuse a model that is not on this machine unless
+    spec.model.init makes it or spec.model.hub downloads it; a hub id is named as one."""
+    def job(model: dict) -> str:
+        data = yaml.safe_load(GOOD)
+        data["spec"]["model"] = model
+        return yaml.safe_dump(data, sort_keys=False)
+
+    missing = str(tmp_path / "nowhere")
+    _, problems = validate_text(job({"path": missing}), file="job.yaml", local=True)
+    assert [(p.path, p.line) for p in problems] == [("spec.model.path", 7)]
+    assert "holds no config.json, and neither spec.model.init nor spec.model.hub" in problems[0].message
+    _, problems = validate_text(job({"path": "Qwen/Qwen3-8B"}), file="job.yaml", local=True)
+    assert "set spec.model.hub: {id: Qwen/Qwen3-8B}" in problems[0].message
+    for ok in ({"path": missing, "hub": {"id": "Qwen/Qwen3-8B"}}, {"path": missing, "init": {}},
+               {"path": "qwen/7b", "pvc": "models"}):
+        assert validate_text(job(ok), file="job.yaml", local=True)[1] == [], ok
+    # The cluster (the operator) does not look for a model on its own machine.
+    assert validate_text(job({"path": missing}), file="job.yaml")[1] == []
+    _, problems = validate_text(job({"path": "m", "hub": {"id": "Qwen3-8B"}}), file="job.yaml")
+    assert [p.path for p in problems] == ["spec.model.hub.id"]
+    assert "expected owner/name" in problems[0].message
+    _, problems = validate_text(job({"path": "m", "init": {}, "hub": {"id": "a/b"}}), file="job.yaml")
+    assert "init and hub are two ways to get the model: set one" in problems[0].message

@@ -23,8 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-#: Hugging Face architectures the Megatron model code builds (`megatron_model.ArchSpec`).
-SUPPORTED_ARCHS = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2_moe"}
+# SUPPORTED_ARCHS (Hugging Face architectures the Megatron model code builds) and the config
+# checks of each family come from the family registry.
+from kiln.api.model_families import SUPPORTED_ARCHS, config_problems, family_of
+
 #: Head sizes vLLM 0.32's CPU attention backend has kernels for (its
 #: `CPUAttentionBackend.get_supported_head_sizes()`; a test keeps the two equal).
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -125,11 +127,9 @@ SPEC_CAPABILITIES: tuple[Capability, ...] = (
 
 
 def _arch(m: ModelFacts, t: Target) -> str | None:
-    archs = m.config.get("architectures") or []
-    if any(a in SUPPORTED_ARCHS for a in archs):
-        return None
-    return (f"architecture {', '.join(archs) or '(none)'} is not supported; the trainer builds "
-            f"{', '.join(sorted(SUPPORTED_ARCHS))}")
+    # An unknown architecture, or a config.json field its family's model code does not build.
+    problems = config_problems(m.config)
+    return problems[0] if problems else None
 
 
 def _head_size(m: ModelFacts, t: Target) -> str | None:
@@ -160,17 +160,22 @@ def _tp_split(m: ModelFacts, t: Target) -> str | None:
 
 
 def is_moe_config(config: dict[str, Any]) -> bool:
-    return "Qwen2MoeForCausalLM" in (config.get("architectures") or [])
+    family = family_of(config)
+    return family is not None and family.moe is not None
 
 
 def _moe_tp(m: ModelFacts, t: Target) -> str | None:
-    if not is_moe_config(m.config) or t.tensor_parallel == 1:
+    family = family_of(m.config)
+    limit = family.max_tensor_parallel if family is not None else None
+    if limit is None or t.tensor_parallel <= limit:
         return None
-    return f"tensorParallel {t.tensor_parallel}: MoE models train with tensorParallel 1 only"
+    what = "MoE models" if family.moe is not None else f"{family.title} models"
+    return f"tensorParallel {t.tensor_parallel}: {what} train with tensorParallel {limit} only"
 
 
 MODEL_CAPABILITIES: tuple[Capability, ...] = (
-    Capability("architecture", ("spec", "model", "path"), ", ".join(sorted(SUPPORTED_ARCHS)),
+    Capability("architecture", ("spec", "model", "path"),
+               f"{', '.join(sorted(SUPPORTED_ARCHS))}, with the config.json fields their family builds",
                ("trainer", "rollout"), _arch, needs_model=True),
     Capability("vllm-cpu-head-size", ("spec", "model", "path"),
                f"head sizes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))} for vLLM on a CPU",
@@ -182,7 +187,8 @@ MODEL_CAPABILITIES: tuple[Capability, ...] = (
                "heads, KV heads, vocabulary and MLP width divisible by tensorParallel",
                ("trainer",), _tp_split, needs_model=True),
     Capability("moe-tensor-parallel", ("spec", "trainer", "tensorParallel"),
-               "tensorParallel 1 for MoE models", ("trainer",), _moe_tp, needs_model=True),
+               "tensorParallel up to the family's limit (1 for MoE models)", ("trainer",), _moe_tp,
+               needs_model=True),
 )
 
 CAPABILITIES = SPEC_CAPABILITIES + MODEL_CAPABILITIES
@@ -237,26 +243,33 @@ def model_refusals(model_dir: str | Path, target: Target) -> list[Refusal]:
     return [Refusal(c, msg) for c in MODEL_CAPABILITIES if (msg := c.check(facts, target)) is not None]
 
 
-def rollout_engine(requested: str, config: dict[str, Any]) -> str:
+def rollout_engine(requested: str, config: dict[str, Any], cuda: bool | None = None) -> str:
     """The engine that serves a model: `requested`, with "auto" meaning vllm, and "auto" or
-    "vllm" meaning megatron for a DSA checkpoint, which vLLM has no CPU path for, and for an
-    MoE checkpoint. vLLM 0.32's CPU build serves Qwen2-MoE, but returns routed experts only
-    from its V2 model runner, which needs Triton on a GPU (so routing replay would have
-    nothing to replay), and its `reload_weights` leaves the expert weights in checkpoint
-    layout instead of the CPU kernel's packed one (wrong outputs after a weight sync)."""
-    if requested in ("auto", "vllm"):
-        return "megatron" if "kiln_dsa" in config or is_moe_config(config) else "vllm"
-    return requested
+    "vllm" meaning megatron for a DSA checkpoint, which vLLM has no CPU path for, and the
+    family's first engine on this hardware where its registry entry lists no vLLM (the MoE
+    families: vLLM 0.32's CPU build serves them, but returns routed experts only from its V2
+    model runner, which needs Triton on a GPU, so routing replay would have nothing to replay,
+    and its `reload_weights` leaves the expert weights in checkpoint layout instead of the CPU
+    kernel's packed one: wrong outputs after a weight sync)."""
+    if requested not in ("auto", "vllm"):
+        return requested
+    if "kiln_dsa" in config:
+        return "megatron"
+    family = family_of(config)
+    if family is None:
+        return "vllm"
+    engines = family.rollout.gpu if (has_cuda() if cuda is None else cuda) else family.rollout.cpu
+    return "vllm" if "vllm" in engines else engines[0]
 
 
 def job_model_refusals(spec, component: str | None = None, *, model_dir: str | Path | None = None,
                        cuda: bool | None = None) -> list[Refusal]:
     """The model capabilities `spec`'s checkpoint (`model_dir`, default spec.model.path) fails,
     for `component` ("trainer", "rollout"; None: both). ValueError when it cannot be read."""
-    model_dir = Path(model_dir if model_dir is not None else spec.model.path)
+    model_dir = Path(model_dir) if model_dir is not None else spec.model.local_path()
     facts = read_model(model_dir)
-    target = Target(engine=rollout_engine(spec.rollout.engine, facts.config),
-                    cuda=has_cuda() if cuda is None else cuda,
+    cuda = has_cuda() if cuda is None else cuda
+    target = Target(engine=rollout_engine(spec.rollout.engine, facts.config, cuda), cuda=cuda,
                     tensor_parallel=spec.trainer.tensor_parallel)
     return [Refusal(c, msg) for c in MODEL_CAPABILITIES
             if (component is None or component in c.enforced_by)

@@ -2,9 +2,10 @@
 
 Kubernetes wants a *structural* schema: every node typed, no `$ref`, no `anyOf`/`oneOf` that
 introduces properties. pydantic's JSON schema is close; this module rewrites it: references are
-inlined, `X | None` becomes `nullable: true`, and the tagged union of stages becomes one object
-whose `type` enum selects the variant (the per-variant rules are enforced by `kiln validate` and
-by the operator, which run the same pydantic models). The checked-in copy lives at
+inlined, `X | None` becomes `nullable: true`, and a tagged union (the stages on `type`, a stage's
+`rl.loss` on `mode`) becomes one object with every variant's fields, whose tag is an enum (the
+per-variant rules, such as a field of the other variant, are enforced by `kiln validate` and by
+the operator, which run the same pydantic models). The checked-in copy lives at
 `charts/kiln/crds/rljobs.kiln.dev.yaml`; a test regenerates it and compares.
 """
 from __future__ import annotations
@@ -32,20 +33,43 @@ def _resolve(node: Any, defs: dict[str, Any]) -> Any:
     return {k: _resolve(v, defs) for k, v in node.items() if k not in _DROP}
 
 
+_TAG_DESCRIPTIONS = {"type": "Kind of stage.", "mode": "Loss mode (the fields it reads are its own)."}
+
+
+def _tag_key(variants: list[dict[str, Any]]) -> str:
+    """The discriminator: the property every variant fixes to one value."""
+    fixed = [{n for n, s in v.get("properties", {}).items()
+              if "const" in s or len(s.get("enum", [])) == 1} for v in variants]
+    (key,) = set.intersection(*fixed)
+    return key
+
+
 def _merge_variants(variants: list[dict[str, Any]]) -> dict[str, Any]:
-    """One object schema accepting every variant of a tagged union."""
+    """One object schema accepting every variant of a tagged union. A field that only some
+    variants have, or that variants describe differently, has its description(s) prefixed with
+    the variants' tags (`ppo: ...`), so `kubectl explain` says where it applies."""
+    key = _tag_key(variants)
     props: dict[str, Any] = {}
+    described: dict[str, dict[str, list[str]]] = {}  # field -> description -> tags
     required: set[str] | None = None
     tags: list[str] = []
     for v in variants:
+        tag_schema = v["properties"][key]
+        tag = tag_schema.get("const", (tag_schema.get("enum") or [None])[0])
+        tags.append(tag)
         for name, schema in v.get("properties", {}).items():
-            if name == "type":
-                tags.extend(schema.get("enum", [schema.get("const")]))
+            if name == key:
                 continue
             props.setdefault(name, schema)
+            described.setdefault(name, {}).setdefault(schema.get("description", ""), []).append(tag)
         req = set(v.get("required", []))
         required = req if required is None else required & req
-    props["type"] = {"type": "string", "enum": tags, "description": "Kind of stage."}
+    for name, by_text in described.items():
+        if len(by_text) > 1 or len(next(iter(by_text.values()))) < len(variants):
+            text = " ".join(f"{', '.join(ts)}: {d}" for d, ts in by_text.items() if d)
+            props[name] = {**props[name], "description": text}
+    props[key] = {"type": "string", "enum": tags,
+                  "description": _TAG_DESCRIPTIONS.get(key, f"One of {', '.join(tags)}.")}
     descriptions = [v["description"] for v in variants if v.get("description")]
     out: dict[str, Any] = {"type": "object", "properties": dict(sorted(props.items()))}
     if descriptions:
@@ -75,6 +99,9 @@ def _structural(node: Any) -> Any:
             merged = {"x-kubernetes-preserve-unknown-fields": True}
         else:
             merged = _merge_variants(non_null)
+            if node.get("description") and merged.get("description"):
+                # The field's own words first, then what each variant is.
+                node["description"] = f"{node['description']} {merged['description']}"
         merged.update(node)
         node = merged
         if nullable:

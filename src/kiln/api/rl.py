@@ -1,6 +1,7 @@
-"""The RL algorithm's settings of one stage (`spec.stages[].rl`): group size, loss mode, masks,
-freshness, weight sync, advantages and distillation teachers. Torch-free, like the rest of the
-spec; the trainer maps them onto its loss (`src/kiln/services/trainer/config.py`)."""
+"""The RL algorithm's settings of one stage (`spec.stages[].rl`): group size, the policy loss
+(`rl.loss`, `kiln.api.loss`), freshness, weight sync, advantages and distillation teachers.
+Torch-free, like the rest of the spec; the trainer takes `rl.loss` as it is and reads the rest
+in `src/kiln/services/trainer/config.py`."""
 from __future__ import annotations
 
 from typing import Literal
@@ -8,6 +9,14 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from kiln.api.components import Model, TeacherSpec
+from kiln.api.loss import Loss, MaskedLoss
+
+MOVED_TO_LOSS: dict[str, str] = {
+    "lossMode": "mode", "epsLow": "epsLow", "epsHigh": "epsHigh", "dualClip": "dualClip",
+    "icepopBeta": "icepopBeta", "lossAggregation": "aggregation",
+}
+"""Fields `rl` had before the loss became one section: old name -> its name under `rl.loss`
+(`kiln validate` names the new place)."""
 
 
 class RLSettings(Model):
@@ -15,34 +24,21 @@ class RLSettings(Model):
 
     group_size: int = Field(8, ge=2)
     """G: samples per task; advantages are relative to the group mean."""
-    loss_mode: Literal["masked", "ppo"] = "masked"
-    """`masked` (asynchronous agentic RL): ratio to the inference policy, tokens outside the
-    window dropped, no separate IcePop. `ppo` (reasoning RL): ratio to the trainer's weights at
-    the start of the step under PPO's clip, plus IcePop on the train/inference ratio as its own
-    mask and weight; give it `minibatches` > 1 so the two ratios differ."""
-    eps_low: float = Field(0.2, ge=0, lt=1)
-    """masked: tokens with ratio below 1 - epsLow are masked out; ppo: the clip's lower bound."""
-    eps_high: float = Field(0.28, ge=0)
-    """masked: tokens with ratio above 1 + epsHigh are masked out; ppo: the clip's upper bound."""
-    dual_clip: float | None = Field(None, gt=1)
-    """ppo: bound the loss of negative-advantage tokens at dualClip * A (dual-clip PPO)."""
-    icepop_beta: float | None = Field(2.0, gt=1)
-    """ppo: IcePop keeps a token only if pi_train_old / pi_infer is in [1/beta, beta] and
-    weighs it by that ratio; null disables. Not used by the masked mode."""
+    loss: Loss = Field(default_factory=MaskedLoss)
+    """The policy loss, by `mode` (`masked` when left out); each mode has its own fields."""
+    # Not in the loss: the trainer splits a step's batch into this many updates in either mode,
+    # and masked mode can use it too (a later update's ratio to the inference policy grows, and
+    # its window bounds it); only ppo needs it, for its two ratios to differ.
     minibatches: int = Field(1, ge=1)
     """Optimizer updates per step, each on a share of the batch (the trainer's log-probs at the
-    start of the step are what ppo's ratio and IcePop compare against)."""
+    start of the step are what ppo's ratio and IcePop compare against, so ppo wants more than
+    one)."""
     tau: int = Field(4, ge=0)
     """Freshness: drop a trajectory whose oldest policy version is more than tau behind."""
     sync_interval: int = Field(1, ge=1)
     """Publish weights to rollout every this many optimizer steps."""
     reset_optimizer_on_sync: bool = True
     """Reset AdamW's first and second moments after each weight publish."""
-    loss_aggregation: Literal["token-mean", "sequence-mean", "sequence-sum"] = "token-mean"
-    """`token-mean`: average over the batch's trained tokens; `sequence-mean`: average each
-    trajectory over its tokens, then over trajectories; `sequence-sum` (Dr. GRPO): sum each
-    trajectory's token losses and divide by trajectories x `rollout.sampling.maxTotalTokens`, a
-    constant, so a long answer is not weighted down per token the way the means weigh it."""
     advantage_norm: Literal["mean", "mean-std"] = "mean"
     """`mean`: a trajectory's advantage is its reward minus its group's mean (Dr. GRPO keeps it
     so); `mean-std`: also divided by the standard deviation of its group's rewards (GRPO as first
@@ -99,8 +95,6 @@ class RLSettings(Model):
                              "set teacherTopK (dense distillation) or taskRewardWeight")
         if self.teacher_top_k and self.advantage != "opd":
             raise ValueError("teacherTopK applies to advantage 'opd' only (it is the teacher's)")
-        if self.dual_clip is not None and self.loss_mode != "ppo":
-            raise ValueError("dualClip applies to lossMode ppo only")
         if bool(self.kl_coef) != bool(self.reference):
             raise ValueError("klCoef and reference go together: a KL penalty needs the reference "
                              "it is measured to, and a reference is only used by the penalty")

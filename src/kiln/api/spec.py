@@ -18,6 +18,7 @@ from kiln.api.components import (BufferSpec, CheckpointSpec, Model, Quantity, Re
                                  RolloutSpec, SamplingSpec, SandboxSpec, StorageSpec, TeacherSpec,
                                  ToolLatency, TrackingSpec, TrainerSpec, WandbSpec, WeightSyncSpec)
 from kiln.api.distillation import teacher_problems
+from kiln.api.model import HubModel, ModelInit, ModelSpec
 from kiln.api.rewards import RewardRules
 from kiln.api.rl import RLSettings
 from kiln.api.swarm import SwarmSettings, swarm_problems
@@ -25,7 +26,7 @@ from kiln.api.status import Condition, Phase, RLJobStatus
 
 __all__ = [
     "API_GROUP", "API_VERSION", "KIND", "PLURAL", "BufferSpec", "CheckpointSpec", "Condition",
-    "EvalSpec", "GENERATED_ENVS", "ModelInit", "ModelSpec", "Phase", "PluginRef", "Quantity", "RLJob",
+    "EvalSpec", "GENERATED_ENVS", "HubModel", "ModelInit", "ModelSpec", "Phase", "PluginRef", "Quantity", "RLJob",
     "RLJobSpec", "RLJobStatus",
     "RLSettings", "RLStage", "Resources", "RolloutSpec", "SFTStage", "SamplingSpec", "SandboxSpec",
     "Stage", "StorageSpec", "TaskGenerator", "TaskSetSpec", "TeacherSpec", "TrackingSpec", "TrainerSpec",
@@ -38,80 +39,6 @@ KIND = "RLJob"
 PLURAL = "rljobs"
 
 _Model = Model
-
-
-# ---------------------------------------------------------------------------------------- model
-
-
-class ModelInit(_Model):
-    """Create a small random-initialised model locally (tests, quickstart). Nothing is downloaded."""
-
-    arch: Literal["qwen2", "llama", "qwen2_moe"] = "qwen2"
-    """Architecture of the checkpoint written (Hugging Face Qwen2, Llama or Qwen2-MoE)."""
-    hidden_size: int = Field(128, ge=8)
-    """Width of the residual stream."""
-    num_layers: int = Field(2, ge=1)
-    """Transformer layers."""
-    num_heads: int = Field(4, ge=1)
-    """Attention heads (must divide hiddenSize)."""
-    num_kv_heads: int = Field(2, ge=1)
-    """Key/value heads (grouped-query attention; must divide numHeads)."""
-    intermediate_size: int = Field(256, ge=8)
-    """Width of the MLP's hidden layer."""
-    vocab_size: int = Field(512, ge=32)
-    """Upper bound on the vocabulary of the tokenizer trained on the job's task sets (a small
-    corpus gives fewer merges); padded only to a multiple of trainer.tensorParallel, since
-    tokens that never occur slow a tiny model's learning."""
-    max_position_embeddings: int = Field(1024, ge=16)
-    """Longest sequence the model supports (prompt, actions and observations together)."""
-    tie_word_embeddings: bool = True
-    """Share the input embedding and the output projection."""
-    seed: int = 0
-    """Seed of the random initialisation (the same seed gives the same weights)."""
-    num_experts: int = Field(8, ge=1, le=4096)
-    """qwen2_moe: routed experts per layer."""
-    num_experts_per_tok: int = Field(2, ge=1)
-    """qwen2_moe: experts each token is routed to (top-k)."""
-    moe_intermediate_size: int = Field(64, ge=8)
-    """qwen2_moe: width of each expert's hidden layer."""
-    shared_expert_intermediate_size: int = Field(128, ge=8)
-    """qwen2_moe: width of the shared expert's hidden layer."""
-
-    @model_validator(mode="after")
-    def _heads(self) -> ModelInit:
-        if self.num_experts_per_tok > self.num_experts:
-            raise ValueError(f"numExpertsPerTok ({self.num_experts_per_tok}) must not exceed "
-                             f"numExperts ({self.num_experts})")
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hiddenSize ({self.hidden_size}) must be divisible by numHeads ({self.num_heads})"
-            )
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"numHeads ({self.num_heads}) must be divisible by numKvHeads ({self.num_kv_heads})"
-            )
-        return self
-
-
-class ModelSpec(_Model):
-    """The policy model the job starts from."""
-
-    path: str = Field(min_length=1)
-    """Hugging Face checkpoint directory (config.json + safetensors). On a cluster, a path
-    inside `pvc`; locally, a directory (relative paths are relative to the job file)."""
-    pvc: str | None = None
-    """PersistentVolumeClaim holding the model, mounted read-only at /models."""
-    tokenizer: str | None = None
-    """Tokenizer directory; defaults to `path`."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    """Precision of the weights in the trainer and the rollout engines."""
-    init: ModelInit | None = None
-    """If set and `path` holds no checkpoint yet, Kiln creates this model there first."""
-    routing_replay: Literal["off", "record", "replay"] = "replay"
-    """Mixture-of-experts models: `record` has rollout record the experts it chose for every
-    token and the trainer count the tokens whose own routing differs (metric
-    routing_flip_frac); `replay` also makes the trainer's forward use the recorded experts
-    (the router's gate is still trained); `off` records nothing. Ignored for dense models."""
 
 
 # ----------------------------------------------------------------------------------------- tasks
@@ -255,7 +182,7 @@ class RLStage(_StageBase):
     """What the stage trains, in a staged pipeline's terms (GLM-5's reasoning, agentic and
     general RL): a label the run's summary shows (`stages`); the settings say how it trains."""
     rl: RLSettings = Field(default_factory=RLSettings)
-    """Group size, masks, freshness, weight sync and advantage settings."""
+    """Group size, policy loss, freshness, weight sync and advantage settings."""
     swarm: SwarmSettings | None = None
     """Train an orchestrator whose subagents run a frozen checkpoint (`kiln.swarm`)."""
 

@@ -10,8 +10,10 @@ Every job the schema accepts is also checked against the capability table
 
 With `local=True` what needs this machine is checked too: the plugins a job names (`env:
 {plugin: ...}`, `reward: {plugin: ...}`) are imported, and the checkpoint's model capabilities
-are checked when it is here (`kiln validate` and `kiln run` do; the operator does not, since
-user code lives in the job's image and the model on a PVC, not in the operator).
+are checked when it is here, and a model that is neither here nor made (`spec.model.init`)
+nor downloaded (`spec.model.hub`) is refused (`kiln validate` and `kiln run` do; the operator
+does not, since user code lives in the job's image and the model on a PVC, not in the
+operator).
 
 Not covered: checks that need a cluster (does the model PVC exist?).
 """
@@ -25,6 +27,9 @@ import yaml
 from pydantic import ValidationError
 
 from kiln.api.capabilities import job_model_refusals, spec_refusals
+from kiln.api.loss import LOSS_MODES, modes_with
+from kiln.api.model import HUB_ID
+from kiln.api.rl import MOVED_TO_LOSS
 from kiln.api.spec import API_GROUP, API_VERSION, KIND, RLJob
 
 _STAGE_TAGS = {"sft", "rl"}
@@ -61,19 +66,35 @@ def _format_loc(loc: tuple[Any, ...]) -> str:
     return out
 
 
+def _is_tag(loc: tuple[Any, ...], i: int) -> bool:
+    """Whether `loc[i]` is a discriminator value pydantic inserted: a stage's type after
+    `stages[i]`, a loss's mode after `rl.loss`."""
+    part = loc[i]
+    if i >= 2 and isinstance(loc[i - 1], int) and loc[i - 2] == "stages":
+        return part in _STAGE_TAGS
+    return i >= 1 and loc[i - 1] == "loss" and part in LOSS_MODES
+
+
 def _strip_tag(loc: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Drop the discriminator value pydantic inserts after `stages[i]`; the user never wrote it."""
-    out: list[Any] = []
-    for i, part in enumerate(loc):
-        if (
-            i >= 2
-            and isinstance(loc[i - 1], int)
-            and loc[i - 2] == "stages"
-            and part in _STAGE_TAGS
-        ):
-            continue
-        out.append(part)
-    return tuple(out)
+    """Drop the discriminator values pydantic inserts; the user never wrote them."""
+    return tuple(part for i, part in enumerate(loc) if not _is_tag(loc, i))
+
+
+def _unknown_field(loc: tuple[Any, ...]) -> str:
+    """An unknown field's message: where it moved (a field `rl` had before `rl.loss`), the loss
+    mode it belongs to (a field of the other mode), or a hint at a misspelling. `loc` is
+    pydantic's, tags included: a loss's mode is read from it."""
+    field, written = loc[-1], _strip_tag(loc)
+    if len(written) >= 2 and written[-2] == "rl" and field in MOVED_TO_LOSS:
+        new = MOVED_TO_LOSS[field]
+        only = modes_with(new)
+        return f"rl.{field} moved to rl.loss.{new}" + (
+            f" (loss mode {only[0]} only)" if len(only) == 1 else "")
+    mode = loc[-2] if len(loc) >= 3 and loc[-3] == "loss" else None
+    if mode in LOSS_MODES and modes_with(field):
+        other = " or ".join(modes_with(field))
+        return f"{field} applies to rl.loss.mode {other} only, not {mode} (set mode: {other})"
+    return "unknown field (not part of the RLJob schema; check the spelling)"
 
 
 def _node_line(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
@@ -105,15 +126,16 @@ def _describe(value: Any) -> str:
 def _message(err: dict[str, Any]) -> str:
     kind = err["type"]
     if kind == "extra_forbidden":
-        return "unknown field (not part of the RLJob schema; check the spelling)"
+        return _unknown_field(tuple(err["loc"]))
     if kind == "missing":
         return "required field is missing"
     if kind == "literal_error":
         expected = err.get("ctx", {}).get("expected", "")
         return f"expected one of {expected}, found {_describe(err['input'])}"
     if kind == "union_tag_invalid":
-        expected = err.get("ctx", {}).get("expected_tags", "")
-        return f"expected type to be one of {expected}, found {_describe(err['input'])}"
+        ctx = err.get("ctx", {})
+        key = str(ctx.get("discriminator", "'type'")).strip("'")
+        return f"expected {key} to be one of {ctx.get('expected_tags', '')}, found {_describe(ctx.get('tag'))}"
     if kind == "union_tag_not_found":
         return "missing the 'type' field that says which kind of stage this is (sft or rl)"
     if kind == "value_error":
@@ -164,10 +186,21 @@ def validate_document(data: Any, *, file: str, node: yaml.Node | None = None,
 
 def model_check_problems(job: RLJob, *, file: str, node: yaml.Node | None = None) -> list[Problem]:
     """The model capabilities `job`'s checkpoint fails, when the checkpoint is on this machine
-    (not on a PVC, not yet to be made by spec.model.init); [] otherwise."""
+    (not on a PVC, not yet to be made by spec.model.init or downloaded by spec.model.hub); a
+    problem when it is not here and nothing would get it here."""
     model = job.spec.model
-    if model.pvc or not (Path(model.path) / "config.json").exists():
+    if model.pvc:
         return []
+    if not (Path(model.path) / "config.json").exists():
+        line = _node_line(node, ("spec", "model", "path"))
+        if model.init is not None or model.hub is not None:
+            return []  # made or downloaded before the job starts; checked then
+        hint = (f" (if {model.path!r} is a Hugging Face Hub id, set spec.model.hub: "
+                f"{{id: {model.path}}}; spec.model.path is then where the download is kept)"
+                if HUB_ID.match(model.path) and not Path(model.path).exists() else "")
+        return [Problem(file, line, "spec.model.path",
+                        f"{model.path} holds no config.json, and neither spec.model.init nor "
+                        f"spec.model.hub is set to get one there{hint}")]
     try:
         refusals = job_model_refusals(job.spec)
     except ValueError as exc:

@@ -16,8 +16,8 @@ own model code, `kiln.services.rollout.megatron_engine`) for DeepSeek-sparse-att
 check. For a DSA model in float32 the two must agree bit for bit (default threshold 0), and the
 per-layer hashes of the selected top-k indices must match too.
 
-For a mixture-of-experts checkpoint (Qwen2-MoE) the rollout engine is `megatron` too (vLLM's CPU
-build cannot return the experts it routes to): it records the experts it chose for every token,
+For a mixture-of-experts checkpoint (Qwen2-MoE, Qwen3-MoE) the rollout engine is `megatron` too
+(vLLM's CPU build cannot return the experts it routes to): it records the experts it chose for every token,
 and the trainer scores the tokens twice, replaying that routing (`--routing-replay on`, the
 default: the verdict rows) and with its own top-k; the routing-flip rate is the share of
 (token, layer) pairs where the trainer's own top-k differs from the rollout's. `--engine torch`

@@ -66,7 +66,7 @@ def export_run(run_dir: Path, out: Path, step: int | None = None) -> Path:
         raise ValueError(f"{ckpt} was written by {meta['tensor_parallel']} tensor-parallel ranks; "
                          "export it from its stage's weights in RUN_DIR/trainer/stages/ instead")
     dtype = job.spec.model.dtype if job.spec.model.dtype != "float16" else "float32"
-    engine = TrainerEngine(TrainerConfig(model_dir=Path(job.spec.model.path), params_dtype=dtype,
+    engine = TrainerEngine(TrainerConfig(model_dir=job.spec.model.local_path(), params_dtype=dtype,
                                          checkpoint_dir=ckpt.parent, seed=job.spec.seed),
                            resume=False)
     engine.load_checkpoint(ckpt)

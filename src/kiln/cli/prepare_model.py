@@ -1,6 +1,7 @@
-"""`kiln prepare-model --job FILE`: create the job's model (`spec.model.init`) if it is not
-there yet. `kiln run` does this before it starts the services; in a cluster the operator runs it
-as an init container of the trainer and rollout pods.
+"""`kiln prepare-model --job FILE`: get the job's model to `spec.model.path` if it is not there
+yet: download it from the Hugging Face Hub (`spec.model.hub`) or create it (`spec.model.init`).
+`kiln run` does this before it starts the services; in a cluster the operator runs it as an init
+container of the trainer and rollout pods.
 
 Safe to run from several processes on one folder at once (the development cluster's pods
 share one): a lock file serialises them, and the second finds the model made. Each run from the
@@ -16,9 +17,11 @@ from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("prepare-model", help="create the job's model (spec.model.init) if missing",
-                       description="Create the model a job's spec.model.init describes, at "
-                                   "spec.model.path, unless a checkpoint is already there.")
+    p = sub.add_parser("prepare-model", help="download (spec.model.hub) or create "
+                       "(spec.model.init) the job's model if missing",
+                       description="Download the checkpoint a job's spec.model.hub names, or "
+                                   "create the model its spec.model.init describes, at "
+                                   "spec.model.path, unless it is already there.")
     p.add_argument("--job", type=Path, required=True, help="the RLJob manifest")
     p.set_defaults(func=run)
 
@@ -31,8 +34,9 @@ def run(args: argparse.Namespace) -> int:
     except ManifestError as exc:
         print(exc, file=sys.stderr)
         return 2
-    path = Path(job.spec.model.path)
+    path = job.spec.model.local_path()
     path.parent.mkdir(parents=True, exist_ok=True)
+    from kiln.cli.local.hub import HubError
     from kiln.cli.local.model import prepare_model
 
     with open(path.with_name(path.name + ".lock"), "w") as lock:
@@ -42,4 +46,8 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"kiln prepare-model: {exc}", file=sys.stderr)
             return 2
+        except HubError as exc:
+            # 1: a rerun resumes the download (an init container is restarted); 2: it cannot help.
+            print(f"kiln prepare-model: {exc}", file=sys.stderr)
+            return 1 if exc.retry else 2
     return 0

@@ -21,6 +21,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _download_note(job) -> str | None:  # type: ignore[no-untyped-def]
+    """What getting the job's model will download, if anything."""
+    import os
+
+    from kiln.cli.local.hub import recorded
+
+    hub = job.spec.model.hub
+    if hub is None:
+        return None
+    where = f"spec.model.pvc {job.spec.model.pvc}, " if job.spec.model.pvc else ""
+    if not job.spec.model.pvc and recorded(hub, job.spec.model.local_path()):
+        return f"model {hub.id}@{hub.revision} already downloaded to {job.spec.model.path}"
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    token = "with" if (hub.token_secret and job.spec.model.pvc) or os.environ.get("HF_TOKEN") \
+        else "without"
+    return (f"will download {hub.id}@{hub.revision} from {endpoint} to {where}"
+            f"{job.spec.model.path} ({token} a token) before the job starts")
+
+
 def run(args: argparse.Namespace) -> int:
     failed = 0
     for path in args.files:
@@ -32,6 +51,9 @@ def run(args: argparse.Namespace) -> int:
         elif not args.quiet:
             names = ", ".join(j.metadata.name for j in jobs)
             print(f"{path}: OK ({names})")
+            for job in jobs:
+                if (note := _download_note(job)) is not None:
+                    print(f"  {job.metadata.name}: {note}")
     if failed:
         print(f"{failed} of {len(args.files)} file(s) invalid", file=sys.stderr)
     return 1 if failed else 0

@@ -30,7 +30,7 @@ class StepSignals:
     """What one optimizer step showed."""
 
     step: int
-    waited_seconds: float
+    wait_seconds: float
     """Time the trainer spent waiting for this step's batch."""
     step_seconds: float
     """Time of the step itself."""
@@ -75,7 +75,7 @@ class Autoscaler:
         s, w = self.spec, list(self.window)
         worst = max(x.max_staleness for x in w)
         depth = w[-1].buffer_depth
-        waited = sum(x.waited_seconds for x in w)
+        waited = sum(x.wait_seconds for x in w)
         busy = sum(x.step_seconds for x in w)
         idle = waited / (waited + busy) if waited + busy > 0 else 0.0
         # At least 1: a margin as large as tau must not make every fresh step a reason to shrink.

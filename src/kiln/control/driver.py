@@ -34,6 +34,7 @@ from kiln.api.spec import RLJob, RLStage, SFTStage
 from kiln.control.autoscale import Autoscaler, StepSignals
 from kiln.control.records import (BufferControl, ModeRequest, RolloutControl, RolloutMode,
                                   RolloutScaler, RolloutStatus, TrainerControl, TrainerStatus)
+from kiln.metrics import STATUS, StepMetrics
 
 
 class StateStore(Protocol):
@@ -82,22 +83,14 @@ class Stopped(Exception):
 
 
 def trainer_record(s: TrainerStatus) -> dict[str, Any]:
-    """The trainer's part of a progress record (what the report plots)."""
-    m = s.last_metrics
+    """The trainer's part of a progress record (what the report plots): the stage's position and
+    the last step's metrics under their names (`kiln.metrics.StepMetrics`)."""
     return {
-        "stage": s.stage, "step": s.stage_step, "global_step": s.step,
-        "policy_version": s.policy_version, "stage_done": s.stage_done,
-        "failed": s.stage_failed, "message": s.message,
-        "loss": m.get("loss"), "reward": m.get("reward_mean"), "grad_norm": m.get("grad_norm"),
-        "lr": m.get("lr"), "ratio_mask": m.get("ratio_mask_frac"),
-        "icepop_mask": m.get("icepop_mask_frac"), "ratio_only": m.get("ratio_only_frac"),
-        "icepop_only": m.get("icepop_only_frac"), "both_masked": m.get("both_masked_frac"),
-        "mismatch_abs": m.get("mismatch_abs"),
-        "mismatch_kl": m.get("mismatch_kl"), "routing_flips": m.get("routing_flip_frac"),
-        "kl_ref": m.get("kl_ref"), "dense_kl": m.get("dense_kl"),
-        "tokens_per_second": m.get("tokens_per_s"),
-        "step_seconds": m.get("step_time_s"),
-        "staleness_counts": {str(k): v for k, v in s.staleness_counts().items()},
+        **(s.last_step.record() if s.last_step else {}),
+        # After the step's own: the trainer's version now (the step's weights may have been
+        # published since), not the one the step trained.
+        "stage": s.stage, "stage_step": s.stage_step, "policy_version": s.policy_version,
+        "stage_done": s.stage_done, "failed": s.stage_failed, "message": s.message,
     }
 
 
@@ -122,31 +115,53 @@ class Progress:
                 "buffer": dataclasses.asdict(self.buffer)}
 
 
+@dataclass(frozen=True)
+class ControlPlane:
+    """The services a stage driver orders and reads (the control clients, or in-process fakes)."""
+
+    trainer: TrainerControl
+    rollout: RolloutControl
+    buffer: BufferControl
+    scaler: RolloutScaler | None = None
+    """Owner of the rollout replicas; with `spec.rollout.autoscale`, asynchronous RL stages
+    resize rollout through it."""
+
+
+@dataclass
+class DriverHooks:
+    """What the host (`kiln run`, the operator) is told and asked while stages run."""
+
+    say: Callable[[str], None] = print
+    on_progress: Callable[[Progress], None] = lambda p: None
+    on_event: Callable[[dict[str, Any]], None] = lambda e: None
+    supervise: Callable[[], list[str]] = lambda: []
+    """Called every poll (`kiln run`: restart services that died, return their names; those
+    get their orders again at once)."""
+    should_stop: Callable[[], bool] = lambda: False
+    tracker: Tracker | None = None
+
+
+@dataclass(frozen=True)
+class DriverOptions:
+    poll_seconds: float = 1.0
+    transient: tuple[type[BaseException], ...] = ()
+    """Errors that mean a service is restarting: waited out, up to `unavailable_seconds`."""
+    unavailable_seconds: float = 600.0
+
+
 class Driver:
-    def __init__(self, job: RLJob, trainer: TrainerControl, rollout: RolloutControl,
-                 buffer: BufferControl, state: RunState, *, poll_seconds: float = 1.0,
-                 say: Callable[[str], None] = print,
-                 on_progress: Callable[[Progress], None] = lambda p: None,
-                 on_event: Callable[[dict[str, Any]], None] = lambda e: None,
-                 supervise: Callable[[], list[str]] = lambda: [],
-                 should_stop: Callable[[], bool] = lambda: False,
-                 transient: tuple[type[BaseException], ...] = (),
-                 unavailable_seconds: float = 600.0,
-                 tracker: Tracker | None = None, scaler: RolloutScaler | None = None) -> None:
+    def __init__(self, job: RLJob, plane: ControlPlane, state: RunState,
+                 hooks: DriverHooks | None = None, options: DriverOptions | None = None) -> None:
+        hooks, options = hooks or DriverHooks(), options or DriverOptions()
         self.job, self.state = job, state
-        self.trainer, self.rollout, self.buffer = trainer, rollout, buffer
-        self.poll_seconds = poll_seconds
-        self.say, self.on_progress, self.on_event = say, on_progress, on_event
-        # Called every poll (`kiln run`: restart services that died, return their names; those
-        # get their orders again at once).
-        self.supervise = supervise
+        self.trainer, self.rollout, self.buffer = plane.trainer, plane.rollout, plane.buffer
+        self.scaler = plane.scaler
+        self.poll_seconds = options.poll_seconds
+        self.transient, self.unavailable_seconds = options.transient, options.unavailable_seconds
+        self.say, self.on_progress, self.on_event = hooks.say, hooks.on_progress, hooks.on_event
+        self.supervise, self.should_stop = hooks.supervise, hooks.should_stop
+        self.tracker = hooks.tracker
         self._restarted: list[str] = []  # restarted while a call waited; announced next poll
-        self.should_stop = should_stop
-        self.transient, self.unavailable_seconds = transient, unavailable_seconds
-        self.tracker = tracker
-        self.scaler = scaler
-        """Owner of the rollout replicas; with `spec.rollout.autoscale`, asynchronous RL stages
-        resize rollout through it."""
         self._global_step = 0
 
     # ------------------------------------------------------------------ stages
@@ -196,8 +211,7 @@ class Driver:
                            "task_set": task_set, **result})
             if self.tracker is not None:
                 self.tracker.log(self._global_step, {
-                    f"eval/{task_set}/greedy_success": ev.greedy_success,
-                    f"eval/{task_set}/sampled_success": ev.sampled_success})
+                    f"eval/{task_set}/{k}": getattr(ev, k) for k in STATUS["eval"]})
 
     def _mode(self, stage: SFTStage | RLStage) -> ModeRequest:
         rl = isinstance(stage, RLStage)
@@ -247,9 +261,9 @@ class Driver:
             self.on_progress(progress)
             if self.tracker is not None:
                 self.tracker.log(t.step, {
-                    "rollout/pass_rate": r.mean_reward, "rollout/tokens_per_s": r.tokens_per_second,
-                    "rollout/in_flight": r.in_flight, "rollout/policy_version": r.policy_version,
-                    "buffer/depth": b.depth, "buffer/dropped_stale": b.dropped_stale,
+                    **{f"rollout/{k}": getattr(r, k) for k in STATUS["rollout"]},
+                    **{f"buffer/{k}": getattr(b, k) for k in STATUS["buffer"]},
+                    # -1: no batch acknowledged yet
                     "buffer/max_staleness": b.max_staleness if b.max_staleness >= 0 else None})
             if t.stage == stage.name and t.stage_done:
                 break
@@ -270,9 +284,9 @@ class Driver:
         return Autoscaler(spec, tau=stage.rl.tau, batch_size=stage.batch_size)
 
     def _autoscale(self, autoscaler: Autoscaler, t: TrainerStatus, b: Any) -> None:
-        m = t.last_metrics
-        staleness = [k for k, n in t.staleness_counts().items() if n > 0]
-        signals = StepSignals(t.stage_step, m.get("wait_s", 0.0), m.get("step_time_s", 0.0),
+        m = t.last_step or StepMetrics()
+        staleness = [k for k, n in m.staleness.items() if n > 0]
+        signals = StepSignals(t.stage_step, m.wait_seconds, m.step_seconds,
                               max(staleness, default=-1), int(getattr(b, "depth", 0)))
         if not self.scaler.settled():
             # A replica is starting or draining: steps now show neither count's effect.

@@ -10,6 +10,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kiln.metrics import StepMetrics
+
 
 class RolloutMode(enum.IntEnum):
     """What rollout produces; the values are those of `kiln.v1.RolloutMode` (a test checks)."""
@@ -108,8 +110,8 @@ class TrainerStatus:
     """Optimizer steps taken, all stages together."""
     policy_version: int = 0
     stage: str = ""
-    last_metrics: dict[str, float] = field(default_factory=dict)
-    """The last step's metrics (`TrainerEngine.step`)."""
+    last_step: StepMetrics | None = None
+    """The last step's metrics (`TrainerEngine.step`); None before the stage's first step."""
     last_checkpoint: str = ""
     tensor_parallel: int = 1
     model_dir: str = ""
@@ -120,15 +122,6 @@ class TrainerStatus:
     stage_failed: bool = False
     message: str = ""
     """Why the stage failed."""
-
-    def metric(self, name: str) -> float | None:
-        return self.last_metrics.get(name)
-
-    def staleness_counts(self) -> dict[int, float]:
-        """Trajectories of the last step by staleness (versions behind the trainer)."""
-        return {int(k.removeprefix("staleness_")): v for k, v in self.last_metrics.items()
-                if k.startswith("staleness_")}
-
 
 
 @dataclass

@@ -3,8 +3,11 @@ converters that the rollout, trainer and buffer servicers, the control clients a
 drivers (`kiln run`'s and the operator's) use."""
 from __future__ import annotations
 
+import dataclasses
+
 from kiln.control.records import (BufferStatus, Evaluation, ModeRequest, RolloutMode, RolloutStatus,
                                   TrainerStatus)
+from kiln.metrics import StepMetrics
 from kiln.protos.kiln.v1 import buffer_pb2 as bpb
 from kiln.protos.kiln.v1 import rollout_pb2 as rpb
 from kiln.protos.kiln.v1 import trainer_pb2 as tpb
@@ -53,9 +56,24 @@ def evaluation_from_proto(msg: rpb.EvaluateResponse) -> Evaluation:
                       msg.seconds, msg.critical_path_steps)
 
 
+def step_metrics_to_proto(m: StepMetrics) -> tpb.StepMetrics:
+    values = {k: v for k, v in dataclasses.asdict(m).items() if v is not None and k != "staleness"}
+    return tpb.StepMetrics(**values, staleness=m.staleness)
+
+
+def step_metrics_from_proto(msg: tpb.StepMetrics) -> StepMetrics:
+    # The same names on both sides (tests/unit/test_metric_names.py); unset optional fields are
+    # the metrics a step did not measure.
+    values = {f.name: getattr(msg, f.name) for f in dataclasses.fields(StepMetrics)
+              if f.name != "staleness" and (not msg.DESCRIPTOR.fields_by_name[f.name].has_presence
+                                            or msg.HasField(f.name))}
+    return StepMetrics(**values, staleness=dict(msg.staleness))
+
+
 def trainer_status_to_proto(s: TrainerStatus) -> tpb.TrainerStatus:
     return tpb.TrainerStatus(
-        step=s.step, policy_version=s.policy_version, stage=s.stage, last_metrics=s.last_metrics,
+        step=s.step, policy_version=s.policy_version, stage=s.stage,
+        last_step=step_metrics_to_proto(s.last_step) if s.last_step is not None else None,
         last_checkpoint=s.last_checkpoint, tensor_parallel=s.tensor_parallel,
         model_dir=s.model_dir, stage_step=s.stage_step, stage_max_steps=s.stage_max_steps,
         stage_done=s.stage_done, stage_failed=s.stage_failed, message=s.message)
@@ -64,7 +82,8 @@ def trainer_status_to_proto(s: TrainerStatus) -> tpb.TrainerStatus:
 def trainer_status_from_proto(msg: tpb.TrainerStatus) -> TrainerStatus:
     return TrainerStatus(
         step=msg.step, policy_version=msg.policy_version, stage=msg.stage,
-        last_metrics=dict(msg.last_metrics), last_checkpoint=msg.last_checkpoint,
+        last_step=step_metrics_from_proto(msg.last_step) if msg.HasField("last_step") else None,
+        last_checkpoint=msg.last_checkpoint,
         tensor_parallel=msg.tensor_parallel, model_dir=msg.model_dir, stage_step=msg.stage_step,
         stage_max_steps=msg.stage_max_steps, stage_done=msg.stage_done,
         stage_failed=msg.stage_failed, message=msg.message)

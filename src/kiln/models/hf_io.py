@@ -1,25 +1,23 @@
-"""Hugging Face <-> Megatron-core weight mapping for Llama and Qwen2, with tensor parallelism.
+"""Hugging Face <-> Megatron-core weights, with tensor parallelism, driven by the family's
+weight table (`kiln.api.model_families.WeightTable`).
 
-Megatron-core ships no converter, so the layout rules live here:
-- attention: Megatron fuses Q, K and V into one `linear_qkv` whose rows are grouped per KV head:
+Megatron-core ships no converter. The names live in the registry, one table per family read in
+both directions; the layout rules of each row's kind live here:
+- `qkv`: Megatron fuses Q, K and V into one `linear_qkv` whose rows are grouped per KV head:
   for each of the `num_kv_heads` groups, that group's `heads_per_group` query heads, then its key
-  head, then its value head (Qwen2's q/k/v biases follow the same order). Tensor parallelism
-  splits the fused rows into `tp` contiguous blocks, i.e. whole KV groups per rank;
-- MLP: `linear_fc1` is `cat[gate, up]` per rank (each rank's gate shard then its up shard),
+  head, then its value head (q/k/v biases follow the same order). Tensor parallelism splits the
+  fused rows into `tp` contiguous blocks, i.e. whole KV groups per rank;
+- `gate_up`: `linear_fc1` is `cat[gate, up]` per rank (each rank's gate shard then its up shard),
   because Megatron's gated MLP splits its local fc1 output in two halves;
-- column-parallel weights (embedding, qkv, fc1, lm head) split along rows, row-parallel ones
-  (attention output, fc2) along columns; norms are replicated;
-- DSA models (config.json `kiln_dsa`): the lightning indexer's weights
-  `model.layers.N.self_attn.indexer.{wq,wk,weights_proj}.weight` map one to one onto
-  `decoder.layers.N.self_attention.indexer.*` and are replicated on every rank.
+- `column` weights (embedding, lm head) split along rows, `row` ones (attention output, fc2)
+  along columns; `copy` ones (norms, q/k norms, the router, DSA indexers) are replicated.
 
-`load_hf_checkpoint` fills a GPTModel from a checkpoint directory; `iter_hf_tensors` yields
+`load_hf_checkpoint` fills a GPTModel from a checkpoint directory; `iter_hf_tensors` streams
 `(hf_name, tensor)` for the full (unsharded) model on every TP rank (it gathers shards, so all
-ranks must call it together); `save_hf_checkpoint` writes config.json + model.safetensors.
-
-- MoE models (Qwen2-MoE): the router, each expert and the shared expert map as `moe.py` says,
-  one expert at a time under the hub's per-expert names (`mlp.experts.J.gate_proj.weight`...),
-  which are also the names vLLM loads; TP=1 only.
+ranks must call it together), for weight sync and export; `save_hf_checkpoint` writes
+config.json + model.safetensors. MoE experts map one expert at a time under the hub's
+per-expert names (`mlp.experts.J.gate_proj.weight`...), which are also the names vLLM loads;
+TP=1 only.
 
 Not covered: expert parallelism, MLA, quantised checkpoints, sharded safetensors writing.
 """
@@ -33,16 +31,10 @@ from pathlib import Path
 
 import torch
 
+from kiln.api.model_families import Weight, WeightTable
 from kiln.models import parallel
 from kiln.models.dsa import HF_INDEXER_WEIGHTS
-from kiln.models.moe import hf_moe_to_megatron, iter_hf_moe
 from kiln.models.megatron_model import ArchSpec, AttentionBackend, DSABackend, build_gpt_model
-
-# Megatron name (per layer, after "decoder.layers.{i}.") -> HF name (after "model.layers.{i}.")
-_LAYER_NORMS = {
-    "input_layernorm.weight": "input_layernorm.weight",
-    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-}
 
 
 def read_hf_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -88,35 +80,48 @@ def split_qkv(fused: torch.Tensor, spec: ArchSpec) -> tuple[torch.Tensor, torch.
     )
 
 
-def hf_to_megatron_shard(hf: dict[str, torch.Tensor], spec: ArchSpec, rank: int, tp: int) -> dict[str, torch.Tensor]:
-    """The Megatron state dict of TP rank `rank` from a full HF state dict."""
-    out: dict[str, torch.Tensor] = {}
-    out["embedding.word_embeddings.weight"] = _shard(hf["model.embed_tokens.weight"], 0, rank, tp)
+def weight_rows(spec: ArchSpec) -> Iterator[tuple[Weight, str, tuple[str, ...]]]:
+    """Every row of the model's weight table with its full names: `(row, megatron name, hf
+    names)`, model-wide rows first, then layer by layer (the same order on every rank)."""
+    table, flags = spec.family.weights, spec.weight_flags()
+
+    def named(row: Weight, m: str, h: str, **fmt: int) -> tuple[Weight, str, tuple[str, ...]]:
+        return row, m + row.megatron.format(**fmt), tuple(h + n.format(**fmt) for n in row.hf)
+
+    for row in WeightTable.rows(table.model, flags):
+        yield named(row, "", "")
     for i in range(spec.num_layers):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for mname, hname in _LAYER_NORMS.items():
-            out[m + mname] = hf[h + hname]
-        a = h + "self_attn."
-        qkv = fuse_qkv(hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], spec)
-        out[m + "self_attention.linear_qkv.weight"] = _shard(qkv, 0, rank, tp)
-        if spec.qkv_bias:
-            bias = fuse_qkv(hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], spec)
-            out[m + "self_attention.linear_qkv.bias"] = _shard(bias, 0, rank, tp)
-        out[m + "self_attention.linear_proj.weight"] = _shard(hf[a + "o_proj.weight"], 1, rank, tp)
-        if spec.dsa is not None:
-            for name in HF_INDEXER_WEIGHTS:
-                out[m + f"self_attention.indexer.{name}.weight"] = hf[a + f"indexer.{name}.weight"]
-        if spec.moe is not None:
-            out.update(hf_moe_to_megatron(hf, spec.moe, h + "mlp.", m + "mlp."))
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        for row in WeightTable.rows(table.layer, flags):
+            yield named(row, m, h)
+        if spec.moe is None:
+            for row in WeightTable.rows(table.dense_mlp, flags):
+                yield named(row, m, h)
             continue
-        gate = _shard(hf[h + "mlp.gate_proj.weight"], 0, rank, tp)
-        up = _shard(hf[h + "mlp.up_proj.weight"], 0, rank, tp)
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
-        out[m + "mlp.linear_fc2.weight"] = _shard(hf[h + "mlp.down_proj.weight"], 1, rank, tp)
-    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
-    if not spec.tie_word_embeddings:
-        out["output_layer.weight"] = _shard(hf["lm_head.weight"], 0, rank, tp)
-    return out
+        for row in WeightTable.rows(table.moe, flags):
+            yield named(row, m, h)
+        for e in range(spec.moe.num_experts):
+            for row in WeightTable.rows(table.expert, flags):
+                yield named(row, m, h, e=e)
+
+
+def _to_megatron(row: Weight, ts: list[torch.Tensor], spec: ArchSpec, rank: int, tp: int) -> torch.Tensor:
+    if row.kind == "copy":
+        return ts[0]
+    if row.kind in ("column", "row"):
+        return _shard(ts[0], 0 if row.kind == "column" else 1, rank, tp)
+    if row.kind == "qkv":
+        return _shard(fuse_qkv(*ts, spec), 0, rank, tp)
+    if row.kind == "gate_up":
+        return torch.cat([_shard(t, 0, rank, tp) for t in ts], dim=0)
+    raise ValueError(f"weight kind {row.kind!r} is unknown")
+
+
+def hf_to_megatron_shard(hf: dict[str, torch.Tensor], spec: ArchSpec, rank: int, tp: int) -> dict[str, torch.Tensor]:
+    """The Megatron state dict of TP rank `rank` from a full HF state dict (KeyError naming
+    the first HF tensor it lacks)."""
+    return {m: _to_megatron(row, [hf[n] for n in names], spec, rank, tp)
+            for row, m, names in weight_rows(spec)}
 
 
 def load_state_into(model: torch.nn.Module, mstate: dict[str, torch.Tensor]) -> None:
@@ -154,52 +159,30 @@ def load_hf_checkpoint(
     return model, spec
 
 
-def _gather(model_params: dict[str, torch.Tensor], name: str, dim: int) -> torch.Tensor:
-    return parallel.all_gather_tp(model_params[name].detach(), dim)
-
-
-def _gather_fc1(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each rank holds cat[gate_r, up_r]; return the full gate and up."""
-    gate_r, up_r = torch.chunk(t.detach(), 2, dim=0)
-    return parallel.all_gather_tp(gate_r, 0), parallel.all_gather_tp(up_r, 0)
+def _from_megatron(row: Weight, p: torch.Tensor, spec: ArchSpec) -> tuple[torch.Tensor, ...]:
+    p = p.detach()
+    if row.kind == "copy":
+        return (p,)
+    if row.kind in ("column", "row"):
+        return (parallel.all_gather_tp(p, 0 if row.kind == "column" else 1),)
+    if row.kind == "qkv":
+        return split_qkv(parallel.all_gather_tp(p, 0), spec)
+    if row.kind == "gate_up":
+        # Each rank holds cat[gate_r, up_r].
+        return tuple(parallel.all_gather_tp(half, 0) for half in torch.chunk(p, 2, dim=0))
+    raise ValueError(f"weight kind {row.kind!r} is unknown")
 
 
 def iter_hf_tensors(model: torch.nn.Module, spec: ArchSpec) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(hf_name, full_tensor)` for every HF weight, layer by layer (collective at TP>1).
+    """Yield `(hf_name, full_tensor)` for every HF weight, row by row of the weight table
+    (collective at TP>1: every rank must iterate to the end).
 
-    Tensors are detached; at TP=1 the norms and row/column-parallel weights share storage with
-    the model, so copy them before mutating.
+    Tensors are detached and may share storage with the model (at TP=1 most do), so copy them
+    before mutating.
     """
-    p = dict(model.named_parameters())
-    yield "model.embed_tokens.weight", _gather(p, "embedding.word_embeddings.weight", 0)
-    for i in range(spec.num_layers):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for mname, hname in _LAYER_NORMS.items():
-            yield h + hname, p[m + mname].detach()
-        a = h + "self_attn."
-        q, k, v = split_qkv(_gather(p, m + "self_attention.linear_qkv.weight", 0), spec)
-        yield a + "q_proj.weight", q
-        yield a + "k_proj.weight", k
-        yield a + "v_proj.weight", v
-        if spec.qkv_bias:
-            qb, kb, vb = split_qkv(_gather(p, m + "self_attention.linear_qkv.bias", 0), spec)
-            yield a + "q_proj.bias", qb
-            yield a + "k_proj.bias", kb
-            yield a + "v_proj.bias", vb
-        yield a + "o_proj.weight", _gather(p, m + "self_attention.linear_proj.weight", 1)
-        if spec.dsa is not None:
-            for name in HF_INDEXER_WEIGHTS:
-                yield a + f"indexer.{name}.weight", p[m + f"self_attention.indexer.{name}.weight"].detach()
-        if spec.moe is not None:
-            yield from iter_hf_moe(p, spec.moe, h + "mlp.", m + "mlp.")
-            continue
-        gate, up = _gather_fc1(p[m + "mlp.linear_fc1.weight"])
-        yield h + "mlp.gate_proj.weight", gate
-        yield h + "mlp.up_proj.weight", up
-        yield h + "mlp.down_proj.weight", _gather(p, m + "mlp.linear_fc2.weight", 1)
-    yield "model.norm.weight", p["decoder.final_layernorm.weight"].detach()
-    if not spec.tie_word_embeddings:
-        yield "lm_head.weight", _gather(p, "output_layer.weight", 0)
+    params = dict(model.named_parameters())
+    for row, m, names in weight_rows(spec):
+        yield from zip(names, _from_megatron(row, params[m], spec))
 
 
 def save_hf_checkpoint(

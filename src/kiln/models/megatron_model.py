@@ -1,6 +1,7 @@
-"""Build a Megatron-core GPTModel shaped like a Hugging Face Llama or Qwen2 checkpoint.
+"""Build a Megatron-core GPTModel shaped like a Hugging Face checkpoint of a registered family
+(`kiln.api.model_families`: Llama, Qwen2, Qwen3 and their MoE variants).
 
-`ArchSpec.from_hf_config` reads the dimensions out of config.json; `build_gpt_model` turns them
+`ArchSpec.from_hf_config` (`arch.py`) reads the dimensions out of config.json; `build_gpt_model` turns them
 into a TransformerConfig and a GPTModel with Megatron's local (pure PyTorch) layer spec, which
 runs on CPUs and GPUs alike without transformer-engine or apex. A config.json with a `kiln_dsa`
 entry gets DeepSeek sparse attention in every layer (see `dsa.py`). `causal_mask` gives the
@@ -9,113 +10,26 @@ per-token log-probs of the given sequences, with the vocabulary split across ten
 ranks; `next_token_logprob` computes one such log-prob from a single logits row with the same
 arithmetic, for an inference engine that must reproduce the trainer's numbers bit for bit.
 
-A Qwen2-MoE config (`Qwen2MoeForCausalLM`) gets Megatron's MoE layers in every layer (see
-`moe.py`, which also holds routing record and replay).
+A MoE family (Qwen2-MoE, Qwen3-MoE) gets Megatron's MoE layers in every layer (see `moe.py`,
+which also holds routing record and replay); Qwen3's q/k RMSNorm per head is Megatron's
+`qk_layernorm` (applied per head before RoPE, as transformers does).
 
 Weights are not loaded here (see `hf_io.py`). Not covered: MLA, sliding-window attention,
 RoPE scaling, pipeline parallelism, tensor parallelism of MoE models.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from kiln.models import cpu_shims
-from kiln.models.dsa import DSAConfig, apply_dsa_spec, is_dsa_model, padded_length
-from kiln.models.moe import MoESpec, install_taps
-from kiln.api.capabilities import SUPPORTED_ARCHS
-
-
-@dataclass(frozen=True)
-class ArchSpec:
-    """The parts of a HF config that decide the Megatron model's shape."""
-
-    arch: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rms_norm_eps: float
-    rope_theta: float
-    qkv_bias: bool
-    tie_word_embeddings: bool
-    dsa: DSAConfig | None = None
-    """DeepSeek sparse attention settings (config.json `kiln_dsa`); None for dense attention."""
-    moe: MoESpec | None = None
-    """Mixture-of-experts settings (Qwen2-MoE); None for a dense MLP."""
-
-    @classmethod
-    def from_hf_config(cls, config: dict) -> "ArchSpec":
-        archs = config.get("architectures") or []
-        known = [a for a in archs if a in SUPPORTED_ARCHS]
-        if not known:
-            raise ValueError(
-                f"config.json architectures={archs} is not one of {sorted(SUPPORTED_ARCHS)}; "
-                "this model cannot be trained by the Megatron trainer"
-            )
-        arch = SUPPORTED_ARCHS[known[0]]
-        if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json hidden_act={config['hidden_act']!r}: only 'silu' is supported")
-        rope_scaling = config.get("rope_scaling")
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
-            raise ValueError(f"config.json rope_scaling={rope_scaling}: RoPE scaling is not supported")
-        rope_theta = config.get("rope_theta")
-        if rope_theta is None:
-            rope_theta = (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        heads = config["num_attention_heads"]
-        if arch == "qwen2":
-            qkv_bias = True
-        elif arch == "qwen2_moe":
-            qkv_bias = bool(config.get("qkv_bias", True))
-        else:
-            qkv_bias = bool(config.get("attention_bias", False))
-            if config.get("mlp_bias"):
-                raise ValueError("config.json mlp_bias=true is not supported")
-        return cls(
-            arch=arch,
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            max_position_embeddings=config["max_position_embeddings"],
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            qkv_bias=qkv_bias,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            dsa=DSAConfig.from_hf(config["kiln_dsa"]) if config.get("kiln_dsa") is not None else None,
-            moe=MoESpec.from_hf(config) if arch == "qwen2_moe" else None,
-        )
-
-    @classmethod
-    def from_dir(cls, model_dir: Path) -> "ArchSpec":
-        return cls.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
-
-    def check_tp(self, tp: int) -> None:
-        """Raise ValueError if this model cannot be split over `tp` ranks."""
-        if self.moe is not None and tp > 1:
-            raise ValueError(f"tensor_parallel={tp}: MoE models train with tensor_parallel 1 only "
-                             "(their expert weights are not sharded)")
-        for field, value in (
-            ("num_key_value_heads", self.num_kv_heads),
-            ("vocab_size", self.vocab_size),
-            ("intermediate_size", self.intermediate_size),
-        ):
-            if value % tp:
-                raise ValueError(f"{field}={value} is not divisible by tensor_parallel={tp}")
-
+from kiln.models.arch import ArchSpec
+from kiln.models.dsa import apply_dsa_spec, is_dsa_model, padded_length
+from kiln.models.moe import install_taps
 
 AttentionBackend = Literal["sdpa", "megatron"]
 DSABackend = Literal["auto", "triton", "torch"]
@@ -180,6 +94,7 @@ def build_gpt_model(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
@@ -200,7 +115,8 @@ def build_gpt_model(
         **(spec.moe.transformer_config() if spec.moe is not None else {}),
     )
     layer_spec = get_gpt_layer_local_spec(
-        num_experts=spec.moe.num_experts if spec.moe is not None else None, normalization="RMSNorm")
+        num_experts=spec.moe.num_experts if spec.moe is not None else None, normalization="RMSNorm",
+        qk_layernorm=spec.qk_layernorm)
     if attention not in ("sdpa", "megatron"):
         raise ValueError(f"attention={attention!r} is not 'sdpa' or 'megatron'")
     if spec.dsa is not None:

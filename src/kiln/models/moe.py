@@ -1,4 +1,4 @@
-"""Mixture-of-experts layers (Qwen2-MoE) in the Megatron model, and routing record/replay.
+"""Mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE) in the Megatron model, and routing record/replay.
 
 An MoE model chooses, per token and layer, `topk` of `num_experts` expert MLPs. The choice is a
 top-k over router scores, so a difference in the last bit between the inference engine and the
@@ -9,13 +9,15 @@ its own top-k. The router's gate still runs and is trained: the replayed experts
 gathered from the trainer's own softmax over all experts (Megatron's `get_replay_topk` does
 the same), so the gradient reaches the gate through them.
 
-Layout (Qwen2-MoE, `Qwen2MoeForCausalLM`; see `hf_io.py` for the weight names):
+Layout (Qwen2-MoE and Qwen3-MoE; the weight names are the family's table in
+`kiln.api.model_families`, applied by `hf_io.py`):
 - router: `mlp.gate.weight` [E, H] -> Megatron `mlp.router.weight`; softmax over all experts,
   then top-k (`norm_topk_prob` renormalises the k weights, which is the softmax over the top-k
   logits: Megatron's default order);
 - experts: per expert a gated MLP of `moe_intermediate_size` -> `mlp.experts.local_experts.j`;
-- shared expert: a gated MLP of `shared_expert_intermediate_size` scaled by
-  `sigmoid(shared_expert_gate(x))` -> `mlp.shared_experts` with `gate_weight`.
+- shared expert (Qwen2-MoE; Qwen3-MoE has none): a gated MLP of
+  `shared_expert_intermediate_size` scaled by `sigmoid(shared_expert_gate(x))` ->
+  `mlp.shared_experts` with `gate_weight`.
 
 `RouterTap` replaces each router's `router_replay` hook (Megatron calls it for the top-k) and
 serves the three modes per model rather than through Megatron's process-global list of
@@ -23,8 +25,9 @@ instances, so that a trainer and an inference engine built in one process do not
 Token order inside a router is Megatron's `[S, B]` flattened: index `s * B + b`.
 
 Not covered: expert parallelism and tensor parallelism of MoE layers (refused at load), dense
-layers interleaved with sparse ones (`decoder_sparse_step` > 1, `mlp_only_layers`), auxiliary
-load-balancing losses (off: RL fine-tuning keeps the routing the model has).
+layers interleaved with sparse ones (`decoder_sparse_step` > 1, `mlp_only_layers`; refused by
+the family registry), auxiliary load-balancing losses (off: RL fine-tuning keeps the routing the
+model has).
 """
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+from kiln.api.model_families import MoE
 
 
 @dataclass(frozen=True)
@@ -45,21 +50,18 @@ class MoESpec:
     shared_ffn_hidden_size: int
     """0 when the model has no shared expert."""
     norm_topk_prob: bool
+    shared_expert_gate: bool = True
+    """The shared expert's output is scaled by sigmoid(gate(x)) (Qwen2-MoE)."""
 
     @classmethod
-    def from_hf(cls, config: dict) -> "MoESpec":
-        if config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
-            raise ValueError(
-                f"config.json decoder_sparse_step={config.get('decoder_sparse_step')} "
-                f"mlp_only_layers={config.get('mlp_only_layers')}: only models whose every layer is "
-                "sparse (decoder_sparse_step 1, no mlp_only_layers) are supported")
-        num, k = config["num_experts"], config["num_experts_per_tok"]
-        if not 1 <= k <= num:
-            raise ValueError(f"config.json num_experts_per_tok={k} must be in [1, num_experts={num}]")
+    def from_hf(cls, config: dict, family: MoE) -> "MoESpec":
+        """Read a config.json the family registry accepts (`config_problems` is empty)."""
+        shared = family.shared_width(config)
         return cls(
-            num_experts=num, topk=k, ffn_hidden_size=config["moe_intermediate_size"],
-            shared_ffn_hidden_size=config.get("shared_expert_intermediate_size") or 0,
-            norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+            num_experts=family.experts(config), topk=config[family.topk],
+            ffn_hidden_size=config[family.ffn], shared_ffn_hidden_size=shared,
+            norm_topk_prob=bool(config.get("norm_topk_prob", family.norm_topk_prob)),
+            shared_expert_gate=family.shared_expert_gate and bool(shared),
         )
 
     def transformer_config(self) -> dict:
@@ -69,8 +71,8 @@ class MoESpec:
             moe_router_topk=self.topk,
             moe_ffn_hidden_size=self.ffn_hidden_size,
             moe_shared_expert_intermediate_size=self.shared_ffn_hidden_size or None,
-            moe_shared_expert_gate=bool(self.shared_ffn_hidden_size),
-            # Qwen2-MoE: softmax over all experts, then top-k, unnormalised; with norm_topk_prob
+            moe_shared_expert_gate=bool(self.shared_ffn_hidden_size) and self.shared_expert_gate,
+            # Qwen2-MoE, Qwen3-MoE: softmax over all experts, then top-k, unnormalised; with norm_topk_prob
             # the k weights sum to 1, which is Megatron's top-k-then-softmax.
             moe_router_pre_softmax=not self.norm_topk_prob,
             moe_router_score_function="softmax",
@@ -226,41 +228,3 @@ def recorded_to_BSLK(recorded: list[torch.Tensor], b: int, s: int) -> torch.Tens
     stacked = torch.stack([r.reshape(s, b, -1) for r in recorded])  # [L, S, B, K]
     return stacked.permute(2, 1, 0, 3).contiguous()
 
-
-def hf_moe_to_megatron(hf: dict[str, torch.Tensor], spec: MoESpec, hf_prefix: str, m_prefix: str
-                       ) -> dict[str, torch.Tensor]:
-    """One layer's MoE weights (HF names under `hf_prefix` = "model.layers.N.mlp.") as
-    Megatron's (under `m_prefix` = "decoder.layers.N.mlp."), TP=1."""
-    out = {m_prefix + "router.weight": hf[hf_prefix + "gate.weight"]}
-    for j in range(spec.num_experts):
-        e = f"{hf_prefix}experts.{j}."
-        me = f"{m_prefix}experts.local_experts.{j}."
-        out[me + "linear_fc1.weight"] = torch.cat([hf[e + "gate_proj.weight"], hf[e + "up_proj.weight"]])
-        out[me + "linear_fc2.weight"] = hf[e + "down_proj.weight"]
-    if spec.shared_ffn_hidden_size:
-        s = hf_prefix + "shared_expert."
-        out[m_prefix + "shared_experts.linear_fc1.weight"] = torch.cat(
-            [hf[s + "gate_proj.weight"], hf[s + "up_proj.weight"]])
-        out[m_prefix + "shared_experts.linear_fc2.weight"] = hf[s + "down_proj.weight"]
-        out[m_prefix + "shared_experts.gate_weight"] = hf[hf_prefix + "shared_expert_gate.weight"]
-    return out
-
-
-def iter_hf_moe(params: dict[str, torch.Tensor], spec: MoESpec, hf_prefix: str, m_prefix: str
-                ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Inverse of `hf_moe_to_megatron`: `(hf_name, tensor)` of one layer, TP=1."""
-    yield hf_prefix + "gate.weight", params[m_prefix + "router.weight"].detach()
-    for j in range(spec.num_experts):
-        e = f"{hf_prefix}experts.{j}."
-        me = f"{m_prefix}experts.local_experts.{j}."
-        gate, up = torch.chunk(params[me + "linear_fc1.weight"].detach(), 2, dim=0)
-        yield e + "gate_proj.weight", gate
-        yield e + "up_proj.weight", up
-        yield e + "down_proj.weight", params[me + "linear_fc2.weight"].detach()
-    if spec.shared_ffn_hidden_size:
-        s = hf_prefix + "shared_expert."
-        gate, up = torch.chunk(params[m_prefix + "shared_experts.linear_fc1.weight"].detach(), 2, dim=0)
-        yield s + "gate_proj.weight", gate
-        yield s + "up_proj.weight", up
-        yield s + "down_proj.weight", params[m_prefix + "shared_experts.linear_fc2.weight"].detach()
-        yield hf_prefix + "shared_expert_gate.weight", params[m_prefix + "shared_experts.gate_weight"].detach()

@@ -2,9 +2,9 @@
 quickstart.
 
 Nothing is downloaded: the tokenizer is a byte-level BPE trained with the `tokenizers` library
-on whatever texts the caller gives, and the model is a Qwen2 or Llama checkpoint with random
-weights written in the Hugging Face layout (config.json, generation_config.json,
-model.safetensors and the tokenizer files). Both transformers (`AutoTokenizer`,
+on whatever texts the caller gives, and the model is a checkpoint of one of `ARCHS` (Qwen2,
+Llama, Qwen3 and the MoE variants) with random weights written in the Hugging Face layout
+(config.json, generation_config.json, model.safetensors and the tokenizer files). Both transformers (`AutoTokenizer`,
 `AutoModelForCausalLM`) and vLLM's CPU engine load the result.
 
 Token ids are laid out so that every caller can rely on them: the chat control tokens come first
@@ -95,7 +95,7 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
 )
 
-ARCHS = ("qwen2", "llama", "qwen2_moe")
+ARCHS = ("qwen2", "llama", "qwen2_moe", "qwen3", "qwen3_moe")
 VOCAB_MULTIPLE = 64
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -208,12 +208,18 @@ def make_tiny_model(
     num_experts_per_tok: int = 2,
     moe_intermediate_size: int = 64,
     shared_expert_intermediate_size: int = 128,
+    head_dim: int | None = None,
+    norm_topk_prob: bool | None = None,
 ) -> Path:
-    """Write a randomly initialised `arch` checkpoint (Qwen2, Llama or Qwen2-MoE) to `out_dir`,
-    with the tokenizer from `tokenizer_dir` copied in. Returns `out_dir`.
+    """Write a randomly initialised `arch` checkpoint (one of `ARCHS`: Qwen2, Llama, Qwen2-MoE,
+    Qwen3, Qwen3-MoE) to `out_dir`, with the tokenizer from `tokenizer_dir` copied in. Returns
+    `out_dir`.
 
-    `qwen2_moe` uses the `num_experts*`, `moe_intermediate_size` and
-    `shared_expert_intermediate_size` arguments (0: no shared expert); every layer is sparse.
+    The MoE archs use the `num_experts*` and `moe_intermediate_size` arguments, and `qwen2_moe`
+    also `shared_expert_intermediate_size` (0: no shared expert); every layer is sparse.
+    `norm_topk_prob` defaults to each family's usual value (Qwen2-MoE False, Qwen3-MoE True).
+    `head_dim` (default hidden_size / num_heads) is written for Qwen3 and Qwen3-MoE, whose heads
+    need not divide the hidden size.
 
     The vocabulary is exactly the tokenizer's, so every id the model can sample decodes.
     The same arguments give bit-identical weights. `perturb_norms` (for tests) draws norm
@@ -221,14 +227,15 @@ def make_tiny_model(
     be trained should pass False.
     """
     import torch
-    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, Qwen2Config, Qwen2MoeConfig
+    from transformers import (AutoTokenizer, GenerationConfig, LlamaConfig, Qwen2Config, Qwen2MoeConfig,
+                              Qwen3Config, Qwen3MoeConfig)
     from transformers import AutoModelForCausalLM
 
     if arch not in ARCHS:
         raise ValueError(f"arch={arch!r} is not one of {ARCHS}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {DTYPES}")
-    if hidden_size % num_heads:
+    if hidden_size % num_heads and (head_dim is None or arch not in ("qwen3", "qwen3_moe")):
         raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} must be divisible by num_kv_heads={num_kv_heads}")
@@ -260,7 +267,17 @@ def make_tiny_model(
             use_sliding_window=False, num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
             moe_intermediate_size=moe_intermediate_size,
             shared_expert_intermediate_size=shared_expert_intermediate_size,
-            decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False,
+            decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=bool(norm_topk_prob),
+            output_router_logits=False, router_aux_loss_coef=0.0, **common)
+    elif arch == "qwen3":
+        config = Qwen3Config(use_sliding_window=False, head_dim=head_dim or hidden_size // num_heads,
+                             attention_bias=False, **common)
+    elif arch == "qwen3_moe":
+        config = Qwen3MoeConfig(
+            use_sliding_window=False, head_dim=head_dim or hidden_size // num_heads, attention_bias=False,
+            num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=moe_intermediate_size, decoder_sparse_step=1, mlp_only_layers=[],
+            norm_topk_prob=True if norm_topk_prob is None else norm_topk_prob,
             output_router_logits=False, router_aux_loss_coef=0.0, **common)
     else:
         config = LlamaConfig(attention_bias=False, mlp_bias=False, **common)

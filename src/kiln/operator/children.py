@@ -22,7 +22,8 @@ import yaml
 from kiln.api.spec import API_GROUP, API_VERSION, KIND, RLJobSpec, StorageSpec
 from kiln.operator import frozen, naming
 from kiln.operator.naming import GRPC_PORT, METRICS_PORT, JobRef
-from kiln.operator.workloads import HEALTH_PORT, TRAINER_REPLICAS, SandboxHosting, workloads
+from kiln.operator.pods import HEALTH_PORT
+from kiln.operator.workloads import TRAINER_REPLICAS, SandboxHosting, workloads
 
 JOB_FILE_KEY = "job.yaml"
 

@@ -23,7 +23,8 @@ from typing import Any, Callable
 
 from kiln.api.spec import API_GROUP, API_VERSION, KIND, RLJob
 from kiln.api.status import EvaluationResult
-from kiln.control.driver import Driver, Progress, RunState, Stopped
+from kiln.control.driver import (ControlPlane, Driver, DriverHooks, DriverOptions, Progress,
+                                 RunState, Stopped)
 from kiln.operator.replicas import TRANSIENT, Controls
 from kiln.operator.kube import Kube
 from kiln.operator.naming import JobRef
@@ -113,15 +114,15 @@ def drive(job: RLJob, ref: JobRef, kube: Kube, address: Callable[[str], str],
             log.info("%s/%s stage %s step %d/%d version %d", ref.namespace, ref.name,
                      p.stage.name, p.step, p.stage.max_steps, p.trainer.policy_version)
 
-    driver = Driver(job, controls.trainer, controls.rollout, controls.buffer, state,
-                    poll_seconds=poll_seconds,
-                    say=lambda s: log.info("%s/%s %s", ref.namespace, ref.name, s.strip()),
+    scaler = SpecReplicas(kube, store.ref(), rollout_replicas or (lambda: job.spec.rollout.replicas),
+                          controls.rollout.serving)
+    driver = Driver(
+        job, ControlPlane(controls.trainer, controls.rollout, controls.buffer, scaler), state,
+        DriverHooks(say=lambda s: log.info("%s/%s %s", ref.namespace, ref.name, s.strip()),
                     on_progress=on_progress,
-                    should_stop=lambda: bool(stopped.is_set()) or suspended(),
-                    transient=TRANSIENT, unavailable_seconds=unavailable_seconds,
-                    scaler=SpecReplicas(kube, store.ref(), rollout_replicas or
-                                        (lambda: job.spec.rollout.replicas),
-                                        controls.rollout.serving))
+                    should_stop=lambda: bool(stopped.is_set()) or suspended()),
+        DriverOptions(poll_seconds=poll_seconds, transient=TRANSIENT,
+                      unavailable_seconds=unavailable_seconds))
     try:
         driver.run()
     except Stopped:

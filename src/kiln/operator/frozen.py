@@ -31,9 +31,9 @@ from typing import Any
 from kiln.api.distillation import teacher_refs
 from kiln.api.spec import RLJobSpec
 from kiln.operator import naming
-from kiln.operator.naming import GRPC_PORT, JobRef, RUN_DIR
-from kiln.operator.workloads import (HEALTH_PORT, METRICS_PORT, _deployment, _job_volume,
-                                     _model_volume, _scratch, pod_template, service_container)
+from kiln.operator import pods
+from kiln.operator.naming import GRPC_PORT, METRICS_PORT, JobRef, RUN_DIR
+from kiln.operator.pods import job_volume, model_volume, pod_template, scratch, service_container
 
 # Who may call a frozen deployment's gRPC port (Score, Generate; as the services' CALLERS).
 CLIENTS = ("operator", "rollout")
@@ -65,7 +65,7 @@ def addresses(job: JobRef, spec: RLJobSpec) -> list[dict[str, Any]]:
 
 def deployment(job: JobRef, spec: RLJobSpec, name: str, ref: str, stage: str | None,
                config_hash: str, replicas: int) -> dict[str, Any]:
-    volumes, mounts, env = _model_volume(spec)
+    volumes, mounts, env = model_volume(spec)
     container = service_container(job, spec, "rollout", spec.rollout.resources, env, mounts)
     container["name"] = name
     container["args"] += (["--teacher", TEACHER_DIR, "--teacher-stage", stage] if stage
@@ -74,10 +74,10 @@ def deployment(job: JobRef, spec: RLJobSpec, name: str, ref: str, stage: str | N
     container["env"] = [{"name": "KILN_COMPONENT", "value": name} if e["name"] == "KILN_COMPONENT"
                         else e for e in container["env"]]
     template = pod_template(job, spec, "rollout", config_hash, [container],
-                            [_job_volume(job), {"name": "run", **_scratch(spec.rollout.resources)},
+                            [job_volume(job), {"name": "run", **scratch(spec.rollout.resources)},
                              *volumes])
     template["metadata"]["labels"].update(naming.selector_labels(job, name))
-    body = _deployment(job, spec, name, replicas, template)
+    body = pods.deployment(job, spec, name, replicas, template)
     body["metadata"] = naming.metadata(job, name, spec.image)
     return body
 

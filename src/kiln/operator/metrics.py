@@ -1,11 +1,8 @@
-"""Prometheus metrics of the operator process itself (the services' metrics are elsewhere).
-
-Not covered: job metrics (policy versions, staleness, ...), which the services export.
-"""
+"""Prometheus collectors of the operator process itself (defined, like every metric, in
+`kiln.metrics`; the job's metrics are the services')."""
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge
+from kiln.metrics import ALL, prometheus
 
-RECONCILES = Counter(
-    "kiln_operator_reconciles_total", "RLJob reconciliations by outcome", ["result"])
-JOBS = Gauge("kiln_operator_jobs", "RLJobs known to the operator, by phase", ["phase"])
+RECONCILES = prometheus(ALL["operator_reconciles"])
+JOBS = prometheus(ALL["operator_jobs"])

@@ -199,8 +199,8 @@ class GrpcStatusReader:
         obs.policy_version = int(st.policy_version)
         obs.step = int(st.stage_step)
         obs.stage_done = bool(st.stage_done)
-        if "reward_mean" in st.last_metrics:
-            obs.reward = float(st.last_metrics["reward_mean"])
+        if st.last_step is not None and st.last_step.reward_mean is not None:
+            obs.reward = float(st.last_step.reward_mean)
         if st.stage_failed:
             obs.failure = st.message or "stage failed"
 

@@ -93,7 +93,7 @@ def main(args: argparse.Namespace) -> int:
     from kiln.cli.local import processes
     from kiln.cli.local.fleet import RolloutFleet
     from kiln.cli.local.progress import LocalProgress
-    from kiln.control.driver import Driver, FileStore, RunState
+    from kiln.control.driver import ControlPlane, Driver, DriverHooks, DriverOptions, FileStore, RunState
     from kiln.cli.local.report import write_report, write_summary
     from kiln.control.clients import BufferStatusClient, RolloutControlClient, TrainerControlClient
     from kiln.control.retry import ServiceUnavailable
@@ -127,14 +127,21 @@ def main(args: argparse.Namespace) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         job_file = run_dir / "job.yaml"
         job_file.write_text(_dump(job))
-    if job.spec.model.init is None and not (Path(job.spec.model.path) / "config.json").exists():
-        print(f"kiln run: spec.model.path: {job.spec.model.path} holds no config.json and "
-              "spec.model.init is not set", file=sys.stderr)
+    model = job.spec.model
+    if model.init is None and model.hub is None and not (Path(model.path) / "config.json").exists():
+        print(f"kiln run: spec.model.path: {model.path} holds no config.json, and neither "
+              "spec.model.init nor spec.model.hub is set to get one there", file=sys.stderr)
         return 2
     from kiln.api.capabilities import job_model_refusals
+    from kiln.cli.local.hub import HubError
     from kiln.cli.local.model import prepare_model
 
-    prepare_model(job, out)
+    try:
+        prepare_model(job, out)
+    except HubError as exc:
+        again = f"; continue with kiln run --resume {run_dir}" if exc.retry else ""
+        print(f"kiln run: {exc}{again}", file=sys.stderr)
+        return 1 if exc.retry else 2
     teachers = teachers_of(job, run_dir)
     for _, teacher, teacher_stage in teachers:
         if teacher_stage is None and not (Path(teacher) / "config.json").exists():
@@ -212,10 +219,11 @@ def main(args: argparse.Namespace) -> int:
         fleet = RolloutFleet(services, start_worker, lambda svc: RolloutControlClient(svc.address),
                              drain_seconds=job.spec.rollout.episode_timeout_seconds, say=shown.say)
         fleet.scale(max(1, job.spec.rollout.replicas))  # the others join once healthy
-        driver = Driver(job, trainer, fleet, buffer, RunState.load(FileStore(run_dir / "state.json")),
-                        say=shown.say, on_progress=shown.progress, on_event=shown.event,
-                        supervise=supervise, transient=(ServiceUnavailable,), tracker=tracker,
-                        scaler=fleet)
+        driver = Driver(job, ControlPlane(trainer, fleet, buffer, scaler=fleet),
+                        RunState.load(FileStore(run_dir / "state.json")),
+                        DriverHooks(say=shown.say, on_progress=shown.progress, on_event=shown.event,
+                                    supervise=supervise, tracker=tracker),
+                        DriverOptions(transient=(ServiceUnavailable,)))
         state = driver.run()
     except KeyboardInterrupt:
         interrupted = True

@@ -88,13 +88,21 @@ def call_openers(envs: list[tuple[object, list]], fmt: str) -> list[str]:
 
 
 def prepare_model(job: RLJob, out=sys.stdout) -> None:
-    """Create the job's model if it asks for one and none exists yet."""
-    path = Path(job.spec.model.path)
+    """Get the job's model to `spec.model.path` if it asks for one: download it from the Hub
+    (`spec.model.hub`; raises `hub.HubError`) or create it (`spec.model.init`), unless it is
+    there already."""
+    path = job.spec.model.local_path()
+    if job.spec.model.hub is not None:
+        from kiln.cli.local.hub import download
+
+        download(job.spec.model.hub, path, out)
+        return
     if (path / "config.json").exists():
         return
     init = job.spec.model.init
     if init is None:
-        raise ValueError(f"spec.model.path: {path} holds no config.json and spec.model.init is not set")
+        raise ValueError(f"spec.model.path: {path} holds no config.json, and neither "
+                         "spec.model.init nor spec.model.hub is set to get one there")
     from kiln.models.tiny import (CHAT_TEMPLATE, CHAT_TEMPLATE_WITH_TOOLS, DEFAULT_SPECIAL_TOKENS,
                                   make_tiny_model, train_tokenizer)
     from kiln.services.sandbox.environments.chain import SPECIAL_TOKENS as TAGS

@@ -36,7 +36,7 @@ class LocalProgress:
         step, stage = p.step, p.stage
         t, r, b = p.trainer, p.rollout, p.buffer
         eta = p.elapsed / step * (stage.max_steps - step) if step else float("nan")
-        reward = t.last_metrics.get("reward_mean")
+        reward = t.last_step.reward_mean if t.last_step else None
         line = (f"\r[{stage.name}] step {step}/{stage.max_steps}  v{t.policy_version}"
                 f"  reward {reward if reward is None else f'{reward:.3f}'}"
                 f"  rollout pass {r.mean_reward:.3f}"

@@ -42,8 +42,8 @@ def write_summary(job: RLJob, run_dir: Path, state, *, wall_seconds: float) -> d
         "evaluations": stage_evaluations(job, state.evaluations),
         "evaluation_details": state.evaluations,
     }
-    flips = [r["trainer"]["routing_flips"] for _, r in steps_seen(recs)
-             if r["trainer"].get("routing_flips") is not None]
+    flips = [r["trainer"]["routing_flip_frac"] for _, r in steps_seen(recs)
+             if r["trainer"].get("routing_flip_frac") is not None]
     if flips:
         # MoE with routing recorded: the share of (token, layer) pairs the trainer would have
         # routed differently from rollout, over the RL steps seen.
@@ -121,8 +121,8 @@ def steps_seen(progress: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]
     steps: dict[int, dict[str, Any]] = {}
     for r in progress:
         t = r["trainer"]
-        if r.get("step") and t.get("stage") == r["stage"] and t.get("global_step") is not None:
-            steps.setdefault(int(t["global_step"]), r)
+        if r.get("step") and t.get("stage") == r["stage"] and t.get("step") is not None:
+            steps.setdefault(int(t["step"]), r)
     return sorted(steps.items())
 
 
@@ -131,7 +131,7 @@ def staleness_histogram(steps: list[tuple[int, dict[str, Any]]]) -> dict[int, fl
     trainer, summed over `steps` (from `steps_seen`)."""
     hist: dict[int, float] = {}
     for _, r in steps:
-        for k, v in (r["trainer"].get("staleness_counts") or {}).items():
+        for k, v in (r["trainer"].get("staleness") or {}).items():
             hist[int(k)] = hist.get(int(k), 0.0) + v
     return dict(sorted(hist.items()))
 
@@ -167,14 +167,14 @@ def write_report(run_dir: Path, rl_stages: set[str] | None = None,
 
     plots = {
         "reward.png": ("Reward and rollout pass rate per step", [
-            ("train batch reward", lambda r: r["trainer"].get("reward")),
+            ("train batch reward", lambda r: r["trainer"].get("reward_mean")),
             ("rollout pass rate (last 256)", lambda r: r["rollout"].get("mean_reward"))]),
         "masks.png": ("Masked token fractions (exclusive, and each mask in all)", [
-            ("ratio only", lambda r: r["trainer"].get("ratio_only")),
-            ("IcePop only", lambda r: r["trainer"].get("icepop_only")),
-            ("both", lambda r: r["trainer"].get("both_masked")),
-            ("ratio (all)", lambda r: r["trainer"].get("ratio_mask")),
-            ("IcePop (all)", lambda r: r["trainer"].get("icepop_mask"))]),
+            ("ratio only", lambda r: r["trainer"].get("ratio_only_frac")),
+            ("IcePop only", lambda r: r["trainer"].get("icepop_only_frac")),
+            ("both", lambda r: r["trainer"].get("both_masked_frac")),
+            ("ratio (all)", lambda r: r["trainer"].get("ratio_mask_frac")),
+            ("IcePop (all)", lambda r: r["trainer"].get("icepop_mask_frac"))]),
         "mismatch.png": ("Train/inference log-prob mismatch, and KL to a frozen model", [
             ("mean |diff|", lambda r: r["trainer"].get("mismatch_abs")),
             ("KL estimate", lambda r: r["trainer"].get("mismatch_kl")),
@@ -182,7 +182,7 @@ def write_report(run_dir: Path, rl_stages: set[str] | None = None,
             ("KL to the teacher's top k (teacherTopK)",
              lambda r: r["trainer"].get("dense_kl") or None),
             ("MoE routing flips (fraction of token-layer pairs)",
-             lambda r: r["trainer"].get("routing_flips"))]),
+             lambda r: r["trainer"].get("routing_flip_frac"))]),
     }
     for name, (title, lines) in plots.items():
         fig, ax = plt.subplots(figsize=(7, 3.5))

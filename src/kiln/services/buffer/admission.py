@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from kiln.freshness import is_stale
-from kiln.services.buffer import groups as G
 from kiln.services.buffer.index import BufferIndex
 from kiln.services.buffer.types import BufferFull, InvalidTrajectory
 from kiln.services.common import codec
@@ -119,7 +118,7 @@ def _check(index: BufferIndex, traj: Trajectory, size: int, in_put: dict[str, in
         traj.check()
     except ValueError as exc:
         raise InvalidTrajectory(traj.id, str(exc)) from None
-    key = G.group_key(traj.group_id, traj.id)
+    key = traj.group_key
     if size > 1 and not traj.group_id:
         raise InvalidTrajectory(traj.id, f"group_id is empty but the group size is {size}")
     if key in index.dropped_keys:

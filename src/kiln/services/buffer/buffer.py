@@ -32,22 +32,20 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from kiln.freshness import is_stale
 from kiln.control.records import BufferStatus
 from kiln.services.buffer import groups as G
 from kiln.services.buffer.admission import plan_put
 from kiln.services.buffer.index import BufferIndex
-from kiln.services.buffer.leases import REDELIVERED, AckResult, AckStatus, Lease, LeaseTable
+from kiln.services.buffer.leases import AckResult, AckStatus, Lease, LeaseTable
 from kiln.services.buffer.store import TrajectoryStore
 from kiln.services.buffer.types import Batch, BufferConfig, PutResult
 from kiln.services.common import metrics
 from kiln.trajectory import Trajectory
 
 log = logging.getLogger("kiln.buffer")
-
-_UNSET: Any = object()
 
 
 class TrajectoryBuffer:
@@ -110,7 +108,7 @@ class TrajectoryBuffer:
             stale_n = index.drop(plan.doomed, arriving, self.store.log_event)
         for a in plan.keep:
             t = a.trajectory
-            index.add_entry(G.Entry(t.id, a.key, t.oldest_version, t.reward, a.payload), size)
+            index.add_entry(G.Entry(t.id, a.key, t.oldest_version, a.payload), size)
         metrics.ACCEPTED.inc(plan.new)
         self._changed_locked()
         return PutResult(plan.new, plan.duplicates, stale_n, index.depth)
@@ -166,7 +164,7 @@ class TrajectoryBuffer:
         picked = G.pick_groups(list(index.ready.values()), size)
         count = sum(len(g.members) for g in picked)
         if count == 0 or (count < size and not allow_partial):
-            return Batch([], [], 0, version), index.leases.seconds_to_next_due(now)
+            return Batch([], 0, version), index.leases.seconds_to_next_due(now)
         lease = Lease(index.leases.last_id + 1, picked, version, 1,
                       now + index.config.lease_timeout)
         self.store.log_event(LeaseTable.leased_event(lease))
@@ -202,7 +200,7 @@ class TrajectoryBuffer:
         lease.version, lease.delivery, lease.deadline = (
             served_again.version, served_again.delivery, served_again.deadline)
         index.leases.redeliveries += 1
-        REDELIVERED.inc()
+        metrics.BATCHES_REDELIVERED.inc()
         log.info("serving batch %d again (delivery %d, %d trajectories)", lease.batch_id,
                  lease.delivery, lease.count)
         self._changed_locked()
@@ -250,16 +248,17 @@ class TrajectoryBuffer:
             index.sweep(self.store.log_event)
             self._changed_locked()
 
-    def configure(self, group_size: int | None = None, tau: int | None = _UNSET,
+    def configure(self, *, tau: int | None, group_size: int | None = None,
                   drop_unserved: bool = False) -> BufferStatus:
-        """Change the default group size and/or tau (durably); optionally drop everything not
-        consumed: waiting trajectories and unacked batches (whose ids are then released)."""
+        """Set tau, the freshness bound from now on (None: no bound, as for SFT data), and
+        optionally the default group size (None keeps it), durably; optionally drop everything
+        not consumed: waiting trajectories and unacked batches (whose ids are then released)."""
         with self._cv:
             index = self.index
             new = BufferConfig.model_validate({
                 **index.config.model_dump(),
                 "group_size": group_size or index.config.group_size,
-                "tau": index.config.tau if tau is _UNSET else tau,
+                "tau": tau,
             })
             self.store.log_event({"t": "config", "group_size": new.group_size, "tau": new.tau})
             index.config, index.config_set = new, True
@@ -309,5 +308,5 @@ class TrajectoryBuffer:
 
 def _batch_of(lease: Lease) -> Batch:
     entries = lease.entries
-    return Batch([e.payload for e in entries], [e.advantage for e in entries], lease.batch_id,
-                 lease.version, lease.staleness(), lease.delivery)
+    return Batch([e.payload for e in entries], lease.batch_id, lease.version, lease.staleness(),
+                 lease.delivery)

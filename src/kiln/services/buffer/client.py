@@ -70,7 +70,7 @@ class BufferClient(Protocol):
 
     def set_policy_version(self, version: int) -> BufferStatus: ...
 
-    def configure(self, group_size: int | None = None, tau: int | None = None,
+    def configure(self, *, tau: int | None, group_size: int | None = None,
                   drop_unserved: bool = False) -> BufferStatus: ...
 
     def status(self) -> BufferStatus: ...
@@ -197,7 +197,7 @@ class GrpcBufferClient:
         req = buffer_pb2.SetPolicyVersionRequest(policy_version=version)
         return control_wire.buffer_status_from_proto(self._call(self._stub.SetPolicyVersion, req, "SetPolicyVersion"))
 
-    def configure(self, group_size: int | None = None, tau: int | None = None,
+    def configure(self, *, tau: int | None, group_size: int | None = None,
                   drop_unserved: bool = False) -> BufferStatus:
         req = buffer_pb2.ConfigureRequest(group_size=group_size or 0, drop_unserved=drop_unserved)
         if tau is not None:
@@ -252,9 +252,9 @@ class InProcessBufferClient:
     def set_policy_version(self, version: int) -> BufferStatus:
         return self.buffer.set_policy_version(version)
 
-    def configure(self, group_size: int | None = None, tau: int | None = None,
+    def configure(self, *, tau: int | None, group_size: int | None = None,
                   drop_unserved: bool = False) -> BufferStatus:
-        return self.buffer.configure(group_size, tau, drop_unserved)
+        return self.buffer.configure(tau=tau, group_size=group_size, drop_unserved=drop_unserved)
 
     def status(self) -> BufferStatus:
         return self.buffer.status()

@@ -1,7 +1,8 @@
-"""Groups of samples of one task, group-relative advantages, and how freshness applies to them.
+"""Groups of samples of one task, and how freshness applies to them.
 
 Pure functions and small records, no I/O: `buffer.py` holds the state and decides when to apply
-them.
+them. The buffer forms groups and serves them whole (`pick_groups`), never in part; their
+advantages are the trainer's (`kiln.services.trainer.advantages`), taken over each served group.
 
 Freshness (`kiln.freshness`): with the trainer at policy version V, a trajectory whose oldest
 token version is more than tau behind (`V - oldest > tau`) is stale. A group is judged by its oldest member: if any
@@ -21,11 +22,10 @@ class Entry:
 
     id: str
     group_key: str
+    """`Trajectory.group_key`."""
     oldest_version: int
-    reward: float
     payload: bytes
     """The `kiln.v1.Trajectory` bytes, as stored."""
-    advantage: float = 0.0
 
 
 @dataclass
@@ -85,18 +85,6 @@ class GroupPool(dict[str, Group]):
         raise TypeError("GroupPool supports only item assignment, del and pop")
 
     clear = popitem = setdefault = update = __ior__ = _unsupported  # type: ignore[assignment]
-
-
-def group_key(group_id: str, trajectory_id: str) -> str:
-    """Trajectories without a group id each form their own group (SFT data, group size 1).
-    The NUL prefix keeps such keys apart from any real group id."""
-    return group_id if group_id else "\0" + trajectory_id
-
-
-def group_advantages(rewards: list[float]) -> list[float]:
-    """A_i = r_i - mean_j r_j over one complete group (0 for a group of one)."""
-    mean = sum(rewards) / len(rewards)
-    return [r - mean for r in rewards]
 
 
 def pick_groups(ready: list[Group], size: int) -> list[Group]:

@@ -20,7 +20,7 @@ from typing import Any, Callable
 from kiln.freshness import is_stale
 from kiln.control.records import BufferStatus
 from kiln.services.buffer import groups as G
-from kiln.services.buffer.leases import LEASED, LeaseTable
+from kiln.services.buffer.leases import LeaseTable
 from kiln.services.buffer.store import Recovered
 from kiln.services.buffer.types import BufferConfig
 from kiln.services.common import codec, metrics
@@ -33,8 +33,7 @@ LogFn = Callable[[dict[str, Any]], None]
 def entry_of(payload: bytes) -> G.Entry:
     """The index entry of a stored trajectory (one decode of its bytes)."""
     traj = codec.from_bytes(payload)
-    return G.Entry(traj.id, G.group_key(traj.group_id, traj.id), traj.oldest_version,
-                   traj.reward, payload)
+    return G.Entry(traj.id, traj.group_key, traj.oldest_version, payload)
 
 
 class BufferIndex:
@@ -104,8 +103,7 @@ class BufferIndex:
     # -------------------------------------------------------------------------------- groups
 
     def add_entry(self, entry: G.Entry, size: int) -> None:
-        """File a stored trajectory into its group; a group that completes becomes ready, with
-        its members' advantages computed."""
+        """File a stored trajectory into its group; a group that completes becomes ready."""
         group = self.pending.get(entry.group_key)
         if group is None:
             self.seq += 1
@@ -113,9 +111,6 @@ class BufferIndex:
         group.members.append(entry)
         self._unconsumed_bytes += len(entry.payload)
         if group.complete:
-            for member, adv in zip(group.members,
-                                   G.group_advantages([m.reward for m in group.members])):
-                member.advantage = adv
             del self.pending[entry.group_key]
             self.ready[entry.group_key] = group
             self.complete_keys.add(entry.group_key)
@@ -186,7 +181,7 @@ class BufferIndex:
     def update_gauges(self) -> None:
         metrics.BUFFER_DEPTH.set(self.depth)
         metrics.BUFFER_BYTES.set(self.unconsumed_bytes)
-        LEASED.set(self.leases.trajectories)
+        metrics.BUFFER_LEASED.set(self.leases.trajectories)
         metrics.POLICY_VERSION.labels("buffer").set(self.policy_version)
 
     def snapshot_state(self) -> dict[str, Any]:

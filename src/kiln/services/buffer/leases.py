@@ -27,16 +27,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-from prometheus_client import Counter, Gauge
-
 from kiln.freshness import staleness
 from kiln.services.buffer import groups as G
-
-# Not yet in src/kiln/services/common/metrics.py, which holds every other buffer metric.
-LEASED = Gauge("kiln_buffer_leased", "Trajectories in served batches not yet acknowledged")
-REDELIVERED = Counter(
-    "kiln_buffer_batches_redelivered_total",
-    "Batches served again after their lease ended without an acknowledgement")
 
 
 class AckStatus(enum.Enum):

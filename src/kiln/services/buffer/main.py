@@ -26,12 +26,26 @@ from kiln.services.buffer.types import BufferConfig
 from kiln.services.common.server import Registration, run_service, service_argparser
 
 
+def _tau(text: str) -> int | str:
+    if text == "none":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of versions (0 or more) or 'none', "
+                                         f"got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = service_argparser("buffer")
     p.add_argument("--stage", help="RL stage whose groupSize and tau apply (default: the first)")
     p.add_argument("--capacity", type=int, help="override spec.buffer.capacity")
     p.add_argument("--group-size", type=int, help="override the stage's rl.groupSize")
-    p.add_argument("--tau", type=int, help="override the stage's rl.tau (negative: no bound)")
+    p.add_argument("--tau", type=_tau, help="override the stage's rl.tau: a number of versions, "
+                   "or 'none' for no bound")
     p.add_argument("--lease-timeout", type=float, default=300.0,
                    help="seconds a served batch may go unacknowledged before it is served again")
     p.add_argument("--segment-bytes", type=int, default=64 << 20, help="segment file size")
@@ -60,7 +74,7 @@ def config_from(job: RLJob | None, args: argparse.Namespace) -> BufferConfig:
     if args.group_size is not None:
         values["group_size"] = args.group_size
     if args.tau is not None:
-        values["tau"] = args.tau if args.tau >= 0 else None
+        values["tau"] = None if args.tau == "none" else args.tau
     return BufferConfig(**values)
 
 

@@ -127,8 +127,9 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
                         context: grpc.aio.ServicerContext) -> buffer_pb2.BufferStatus:
         tau = request.tau if request.HasField("tau") else None
         try:
-            s = await asyncio.to_thread(self.buffer.configure, request.group_size or None, tau,
-                                        request.drop_unserved)
+            s = await asyncio.to_thread(self.buffer.configure, tau=tau,
+                                        group_size=request.group_size or None,
+                                        drop_unserved=request.drop_unserved)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self._on_change()

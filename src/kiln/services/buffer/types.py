@@ -56,12 +56,12 @@ class PutResult:
 
 @dataclass
 class Batch:
-    """A leased batch of whole groups. The trajectories stay in the form they were put in
-    (`payloads`, serialized `kiln.v1.Trajectory`) until a consumer decodes them."""
+    """A leased batch of whole groups (never part of one: the trainer takes each group's
+    advantages over the batch, `kiln.services.trainer.advantages`). The trajectories stay in
+    the form they were put in (`payloads`, serialized `kiln.v1.Trajectory`) until a consumer
+    decodes them."""
 
     payloads: list[bytes]
-    advantages: list[float]
-    """Group-relative advantage of each trajectory, in order."""
     batch_id: int
     """1, 2, ... in order of first service; 0 for an empty batch."""
     policy_version: int
@@ -73,13 +73,8 @@ class Batch:
 
     @functools.cached_property
     def trajectories(self) -> list[Trajectory]:
-        """The decoded trajectories, advantages filled in (decoded once, on first access)."""
-        out = []
-        for payload, advantage in zip(self.payloads, self.advantages):
-            traj = codec.from_bytes(payload)
-            traj.advantage = advantage
-            out.append(traj)
-        return out
+        """The decoded trajectories (decoded once, on first access)."""
+        return [codec.from_bytes(payload) for payload in self.payloads]
 
     def __len__(self) -> int:
         return len(self.payloads)

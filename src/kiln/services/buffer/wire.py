@@ -15,14 +15,13 @@ from kiln.services.buffer.types import Batch, PutResult
 def batch_to_proto(b: Batch) -> pb.Batch:
     msg = pb.Batch(batch_id=b.batch_id, policy_version=b.policy_version, delivery=b.delivery)
     msg.trajectories.extend(b.payloads)
-    msg.advantages.extend(b.advantages)
     msg.staleness.extend(b.staleness)
     return msg
 
 
 def batch_from_proto(msg: pb.Batch) -> Batch:
-    return Batch(list(msg.trajectories), list(msg.advantages), msg.batch_id, msg.policy_version,
-                 list(msg.staleness), msg.delivery)
+    return Batch(list(msg.trajectories), msg.batch_id, msg.policy_version, list(msg.staleness),
+                 msg.delivery)
 
 
 def put_result_to_proto(r: PutResult) -> pb.PutResponse:

@@ -40,9 +40,7 @@ def to_proto(traj: Trajectory) -> trajectory_pb2.Trajectory:
         prompt_len=traj.prompt_len,
         reward=traj.reward,
         verifier_output=traj.verifier_output,
-        advantage=traj.advantage,
         shaping_reward=traj.shaping_reward,
-        shaping_advantage=traj.shaping_advantage,
         sandbox_image_digest=traj.sandbox_image_digest,
         engine_fingerprint=traj.engine_fingerprint,
         created_at=traj.created_at,
@@ -102,10 +100,8 @@ def from_proto(msg: trajectory_pb2.Trajectory) -> Trajectory:
         teacher_top_k=msg.teacher_top_k,
         teacher_topk_ids=msg.teacher_topk_ids[:],
         teacher_topk_logp=msg.teacher_topk_logp[:],
-        advantage=msg.advantage,
         shaping_reward=msg.shaping_reward,
         shaping_mask=msg.shaping_mask[:],
-        shaping_advantage=msg.shaping_advantage,
         created_at=msg.created_at,
     )
 

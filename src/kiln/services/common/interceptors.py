@@ -12,20 +12,14 @@ import uuid
 from typing import Any, Awaitable, Callable
 
 import grpc
-from prometheus_client import Counter, Histogram
 
 from kiln.services.common.logs import request_id_var
+from kiln.services.common.metrics import RPC_SECONDS, RPC_TOTAL
 from kiln.services.common.ratelimit import LogLimiter
 
 log = logging.getLogger("kiln.rpc")
 # A client looping on a failing call logs a few lines a minute, not one per call.
 _FAILED_CALLS = LogLimiter(burst=5, period_s=60)
-
-RPC_TOTAL = Counter("kiln_rpc_requests_total", "RPCs handled", ["method", "code"])
-RPC_SECONDS = Histogram(
-    "kiln_rpc_duration_seconds", "RPC handling time", ["method"],
-    buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 2, 10, 60),
-)
 
 
 def _request_id(context: grpc.aio.ServicerContext) -> str:

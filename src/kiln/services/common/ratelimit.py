@@ -1,6 +1,6 @@
 """Rate-limited logging of refused requests: a client looping on a bad call (or an attacker
 probing) must not turn each refusal into a log line, filling the disk and hiding everything
-else. The counters (`kiln_rpc_total{code=...}`) still count every call.
+else. The counters (`kiln_rpc_requests_total{code=...}`) still count every call.
 
     refusals = LogLimiter(burst=5, period_s=60)
     refusals.log(log, logging.WARNING, ("Publish", "stale"), "publish rejected: %s", exc)

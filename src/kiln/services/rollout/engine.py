@@ -195,7 +195,7 @@ class EngineSettings(BaseModel):
     @classmethod
     def from_job(cls, job: "RLJob", model_dir: str | None = None, **overrides: Any) -> "EngineSettings":
         spec = job.spec
-        return cls(**{"model": model_dir or spec.model.path, "dtype": spec.model.dtype,
+        return cls(**{"model": model_dir or str(spec.model.local_path()), "dtype": spec.model.dtype,
                       "kv_cache_bytes": spec.rollout.kv_cache_bytes,
                       "enforce_eager": spec.rollout.enforce_eager, "seed": spec.seed,
                       "record_routing": spec.model.routing_replay != "off",

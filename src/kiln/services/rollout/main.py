@@ -70,12 +70,14 @@ def teachers_by_task(job: RLJob, scorers: list) -> dict[tuple[str, str], object]
 
 
 def swarm_runs(job: RLJob, fmt, sampling) -> dict[str, object]:
-    """Stage -> `SwarmRun` of the job's swarm stages, each one's subagents on the frozen
-    deployment of its checkpoint (`kiln.api.distillation.teacher_refs` numbers them), sampling
-    at the stage's `subagentTemperature` where it sets one, without tool choices."""
+    """Stage -> `SwarmRun` (an episode extension) of the job's swarm stages, each one's
+    subagents on the frozen deployment of its checkpoint (`kiln.api.distillation.teacher_refs`
+    numbers them), sampling at the stage's `subagentTemperature` where it sets one, without tool
+    choices."""
     from kiln.services.rollout.agent import Limits
     from kiln.services.rollout.client import FrozenEngine
-    from kiln.services.rollout.swarm import Subagents, SwarmRun
+    from kiln.services.rollout.swarm import Subagents
+    from kiln.services.rollout.swarm_run import SwarmRun
 
     refs, spec, out = teacher_refs(job.spec), job.spec, {}
     s = spec.rollout.sampling
@@ -173,7 +175,7 @@ async def build(job: RLJob | None, args: argparse.Namespace):
                                               start_engine)
     from kiln.services.rollout.formats import choose_format, make_format
     from kiln.services.rollout.client import TeacherScorer
-    from kiln.services.rollout.producer import Producer
+    from kiln.services.rollout.producer import Producer, ProducerConfig
     from kiln.services.rollout.servicer import RolloutServicer
     from kiln.services.sandbox.client import GrpcEnvClient
     from kiln.services.weight_sync.client import subscribe_and_apply
@@ -187,13 +189,13 @@ async def build(job: RLJob | None, args: argparse.Namespace):
     if refused:
         raise ValueError(f"{spec.model.path}: {refused[0]}")
     sandbox, buffer_addr, sync_addr = _addr("SANDBOX"), _addr("BUFFER"), _addr("WEIGHT_SYNC")
-    tokenizer = AutoTokenizer.from_pretrained(spec.model.tokenizer or spec.model.path)
-    model_type = json.loads((Path(spec.model.path) / "config.json").read_text()).get("model_type", "")
+    tokenizer = AutoTokenizer.from_pretrained(spec.model.tokenizer_path())
+    model_type = json.loads((spec.model.local_path() / "config.json").read_text()).get("model_type", "")
     fmt = make_format(choose_format(spec.rollout.tool_call_format, tokenizer, model_type),
                       tokenizer, thinking=spec.rollout.thinking,
                       think_every=spec.rollout.think_every)
     # vLLM has no CPU path for DSA checkpoints; the trainer's own model code generates instead.
-    engine = await start_engine(engine_kind(spec.rollout.engine, spec.model.path),
+    engine = await start_engine(engine_kind(spec.rollout.engine, spec.model.local_path()),
                                 EngineSettings.from_job(job))
     env_channel = channels.aio_channel(sandbox, "sandbox")
     env = GrpcEnvClient(env_channel, owner=socket.gethostname())
@@ -206,22 +208,24 @@ async def build(job: RLJob | None, args: argparse.Namespace):
     sampling = SamplingOptions(temperature=s.temperature, top_p=s.top_p,
                                max_tokens=s.max_tokens_per_turn, seed=None,
                                tool_choice_temperature=s.tool_choice_temperature)
-    swarms = swarm_runs(job, fmt, sampling)  # subagents: at swarm.subagentTemperature if set
+    # Stage -> its episode extension (`extensions.py`): the swarm stages' (subagents sampling at
+    # swarm.subagentTemperature if set).
+    extensions = swarm_runs(job, fmt, sampling)
     judged = reward_models(job, fmt, clients)
-    producer = Producer(
-        engine, env, fmt, buffer,
+    config = ProducerConfig(
         sampling=sampling,
         limits=Limits(spec.rollout.max_turns, s.max_tokens_per_turn, s.max_total_tokens,
                       thinking=spec.rollout.thinking),
         max_concurrent=spec.rollout.max_concurrent_episodes,
         target_occupancy=spec.rollout.target_engine_occupancy,
         samples_path=args.run_dir / "trajectories.jsonl", sample_every=spec.rollout.sample_every,
-        teachers=teachers, opd_stages=distilled, swarms=swarms,
+        opd_stages=distilled,
         teacher_top_k={st.name: st.rl.teacher_top_k for st in spec.stages
                        if getattr(st, "rl", None) is not None and st.rl.teacher_top_k},
-        reward_models=judged,
         # Set per replica (kiln run's worker index, the pod's name on a cluster).
         stream=os.environ.get("KILN_ROLLOUT_REPLICA", ""))
+    producer = Producer(config, engine, env, fmt, buffer, teachers=teachers, reward_models=judged,
+                        extensions=extensions)
     producer.start()
     sync_channel = channels.aio_channel(sync_addr, "weight-sync")
 
@@ -267,8 +271,8 @@ async def build(job: RLJob | None, args: argparse.Namespace):
         await sync_channel.close()
         for client in clients:
             await client.close()
-        for run in swarms.values():
-            await run.subagents.engine.close()
+        for extension in extensions.values():
+            await extension.close()
         for models in judged.values():
             if models.judge_engine is not None:
                 await models.judge_engine.close()

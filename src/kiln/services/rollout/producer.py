@@ -3,7 +3,7 @@
 Modes (set by the stage driver through the Rollout RPC):
 - DEMONSTRATE (SFT stages): the environment's scripted solver acts; one trajectory per task.
 - EXPLORE (RL stages): the policy acts; G episodes of the same task form a group, shipped
-  together so the buffer can compute group-relative advantages.
+  together (the buffer serves groups whole; the trainer takes their advantages).
 - IDLE: nothing new starts; episodes in flight finish and are shipped.
 
 Asynchronous RL keeps up to `maxConcurrentEpisodes` episodes running whatever the trainer does;
@@ -19,6 +19,11 @@ that just joined). Synchronous RL (`async:
 false`) produces exactly one batch per policy version and waits for the next version before
 starting another, so the trainer and rollout take turns.
 
+A stage's episodes are the agent's (`agent.run_episode`), or its episode extension's
+(`extensions.py`) where it has one: the producer knows features only through that interface.
+It is built from a `ProducerConfig` (what it does) and its collaborators (engine, environment,
+format, buffer, teachers, reward models, extensions).
+
 Also `evaluate`: greedy and sampled success on a task set at the current version.
 """
 from __future__ import annotations
@@ -32,7 +37,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import Mapping
 
 from kiln.freshness import is_stale
 from kiln.episode import Demonstration
@@ -40,18 +45,15 @@ from kiln.services.buffer.client import BufferClient
 from kiln.services.common import metrics
 from kiln.services.rollout.agent import EpisodeStale, Limits, demonstration_trajectory, run_episode
 from kiln.services.rollout.engine import Engine, SamplingOptions
+from kiln.services.rollout.extensions import EpisodeContext, EpisodeExtension, plain_outcome
 from kiln.services.rollout.formats import Format
 from kiln.services.rollout.occupancy import EngineTimer, EnvTimer, Occupancy
 from kiln.services.rollout.reward_models import RewardModels
 from kiln.services.rollout.samples import Samples
-from kiln.services.rollout.swarm import SwarmRun, run_swarm_episode
+from kiln.services.rollout.teachers import Scorer, add_teacher_logprobs
 from kiln.control.records import ModeRequest, RolloutMode
 from kiln.services.sandbox.client import EnvClient
 from kiln.trajectory import Trajectory
-
-#: Per-token log-probs of token sequences (a teacher's Score: `client.TeacherScorer`, whose
-#: `topk` also gives the teacher's top k in each place).
-Scorer = Callable[[list[list[int]]], Awaitable[list[list[float]]]]
 
 log = logging.getLogger(__name__)
 
@@ -80,40 +82,49 @@ class Mode:
                    request.seed, request.tau, request.min_version)
 
 
+@dataclass(frozen=True)
+class ProducerConfig:
+    """What the producer does, from the job's rollout and stage settings (`main.build`)."""
+
+    sampling: SamplingOptions
+    limits: Limits
+    max_concurrent: int
+    """At most this many episodes at once (`rollout.maxConcurrentEpisodes`)."""
+    target_occupancy: int | None = None
+    """`rollout.targetEngineOccupancy` (see the module doc); None: no such bound."""
+    samples_path: Path | None = None
+    """Where sampled trajectories are kept for reading (`samples.py`); None: nowhere."""
+    sample_every: int = 10
+    stream: str = ""
+    """Which replica's task stream this is ("" for the first): replicas of one job draw
+    different tasks from the same seed."""
+    opd_stages: frozenset[str] = frozenset()
+    """Stages whose trajectories a frozen model scores: on-policy distillation's teacher, or a
+    KL-penalised stage's reference (its per-token log-probs go on each trajectory, for the
+    trainer's advantage or penalty)."""
+    teacher_top_k: Mapping[str, int] = field(default_factory=dict)
+    """Stage -> k of its dense distillation (`rl.teacherTopK`; the Scorer's `topk`)."""
+
+
 class Producer:
-    def __init__(self, engine: Engine, env: EnvClient, fmt: Format, buffer: BufferClient,
-                 *, sampling: SamplingOptions, limits: Limits, max_concurrent: int,
-                 target_occupancy: int | None = None, samples_path: Path | None = None,
-                 sample_every: int = 10,
-                 teachers: dict[tuple[str, str], Scorer] | None = None,
-                 opd_stages: frozenset[str] = frozenset(), stream: str = "",
-                 teacher_top_k: dict[str, int] | None = None,
-                 swarms: dict[str, SwarmRun] | None = None,
-                 reward_models: dict[str, RewardModels] | None = None) -> None:
+    def __init__(self, config: ProducerConfig, engine: Engine, env: EnvClient, fmt: Format,
+                 buffer: BufferClient, *, teachers: dict[tuple[str, str], Scorer] | None = None,
+                 reward_models: dict[str, RewardModels] | None = None,
+                 extensions: dict[str, EpisodeExtension] | None = None) -> None:
+        self.config = config
         self.occupancy = Occupancy()
         self.engine, self.env = EngineTimer(engine), EnvTimer(env, self.occupancy)
         self.fmt, self.buffer = fmt, buffer
-        self.target_occupancy = target_occupancy
         self.teachers = teachers or {}
-        """(stage, task set) -> the frozen model that scores trajectories of the `opd_stages`
-        (on-policy distillation's teacher, or a KL-penalised stage's reference): its per-token
-        log-probs go on each trajectory, for the trainer's advantage or penalty."""
-        self.opd_stages = opd_stages
-        self.teacher_top_k = teacher_top_k or {}
-        """Stage -> k of its dense distillation (`rl.teacherTopK`; the Scorer's `topk`)."""
-        self.swarms = swarms or {}
-        """Stage -> its swarm: those stages' episodes are orchestrators' (`swarm.py`)."""
+        """(stage, task set) -> the frozen model that scores trajectories of the `opd_stages`."""
         self.reward_models = reward_models or {}
         """Task set -> its outcome model and judge: they rescore its RL episodes."""
+        self.extensions = extensions or {}
+        """Stage -> the extension that plays its episodes (`extensions.py`)."""
         self._stage_start: dict[str, int] = {}
-        self.stream = stream
-        """Which replica's task stream this is ("" for the first): replicas of one job draw
-        different tasks from the same seed."""
-        self.sampling, self.limits = sampling, limits
-        self.max_concurrent = max_concurrent
         self.mode = Mode()
         self._changed = asyncio.Event()
-        self._slots = asyncio.Semaphore(max_concurrent)
+        self._slots = asyncio.Semaphore(config.max_concurrent)
         self._tasks: set[asyncio.Task] = set()
         self.episodes = 0
         self.shipped = 0
@@ -128,7 +139,7 @@ class Producer:
         self.recent_rewards: collections.deque[float] = collections.deque(maxlen=256)
         self._token_times: collections.deque[tuple[float, int]] = collections.deque(maxlen=512)
         self._main: asyncio.Task | None = None
-        self.samples = Samples(samples_path, sample_every)
+        self.samples = Samples(config.samples_path, config.sample_every)
         self._demos: dict[tuple[str, int], Demonstration] = {}
 
     # ---------------------------------------------------------------- control
@@ -184,8 +195,9 @@ class Producer:
                 continue
             if rng_mode is not mode:
                 # One task stream per stage, reproducible from the job's seed.
+                stream = self.config.stream
                 rng_mode, rng = mode, random.Random(
-                    f"{mode.seed}/{mode.stage}" + (f"/{self.stream}" if self.stream else ""))
+                    f"{mode.seed}/{mode.stage}" + (f"/{stream}" if stream else ""))
             if self.engine.policy_version < mode.min_version:
                 # Just joined (or restarted): no episode on weights older than the trainer's.
                 await asyncio.sleep(0.05)
@@ -198,8 +210,8 @@ class Producer:
             # max_concurrent episodes run at once.
             for _ in range(group):
                 await self._slots.acquire()
-            if self.target_occupancy and mode.mode == EXPLORE:
-                await self.occupancy.below(self.target_occupancy)
+            if self.config.target_occupancy and mode.mode == EXPLORE:
+                await self.occupancy.below(self.config.target_occupancy)
             if self.mode is not mode:
                 for _ in range(group):
                     self._slots.release()
@@ -221,8 +233,8 @@ class Producer:
             for _ in range(-(-missing // mode.group_size)):
                 for _ in range(mode.group_size):
                     await self._slots.acquire()
-                if self.target_occupancy:
-                    await self.occupancy.below(self.target_occupancy)
+                if self.config.target_occupancy:
+                    await self.occupancy.below(self.config.target_occupancy)
                 name, size = rng.choice(mode.task_sets)
                 self.occupancy.admit(mode.group_size)
                 jobs.append(asyncio.ensure_future(
@@ -254,8 +266,8 @@ class Producer:
             else:
                 stale = self._staleness_check(mode)
                 results = await asyncio.gather(*[
-                    member(task_set=task_set, index=index, sampling=self.sampling,
-                           limits=self.limits, group_id=gid, stale=stale)
+                    member(task_set=task_set, index=index, sampling=self.config.sampling,
+                           limits=self.config.limits, group_id=gid, stale=stale)
                     for _ in range(group)], return_exceptions=True)
                 trajs = [t for r in results if isinstance(r, list) for t in r]
                 errors = [r for r in results if not isinstance(r, list)]
@@ -269,9 +281,12 @@ class Producer:
                     log.warning("episode of %s[%d] failed: %r", task_set, index, err)
                 if errors:
                     return  # a partial group would bias the group-relative baseline
-                if mode.stage in self.opd_stages:
-                    await self._add_teacher_logprobs(trajs, self.teachers.get((mode.stage, task_set)),
-                                                     self.teacher_top_k.get(mode.stage, 0))
+                if mode.stage in self.config.opd_stages:
+                    seconds, tokens = await add_teacher_logprobs(
+                        trajs, self.teachers.get((mode.stage, task_set)),
+                        self.config.teacher_top_k.get(mode.stage, 0))
+                    self.teacher_seconds += seconds
+                    self.teacher_tokens += tokens
             for t in trajs:
                 n = sum(t.loss_mask)
                 self.tokens += n
@@ -297,19 +312,18 @@ class Producer:
                 self._slots.release()
 
     async def _episode(self, stage: str, rescore: bool = False, **kwargs) -> list[Trajectory]:
-        """One episode of the stage: an orchestrator's in a swarm stage, else the agent's. When
-        `rescore` (RL, not evaluation), reward models rescore it or a swarm's budget binds."""
-        swarm = self.swarms.get(stage)
-        if swarm is None:
+        """One episode of the stage: its extension's where it has one, else the agent's.
+        `rescore`: an RL episode, not an evaluation's (reward models rescore the agent's; the
+        extension plays a training episode)."""
+        extension = self.extensions.get(stage)
+        if extension is None:
             score = self.reward_models.get(kwargs["task_set"]) if rescore else None
             return await run_episode(self.engine, self.env, self.fmt, score=score, **kwargs)
-        step = self.engine.policy_version - self._stage_start.get(stage, self.engine.policy_version)
-        kwargs.update(swarm.options(step, rescore, kwargs["sampling"]))
-        trajs = await run_swarm_episode(
-            self.engine, self.env.env, self.fmt, swarm.subagents, swarm.parl(step),
-            wrap=lambda env: EnvTimer(env, self.occupancy), **kwargs)
-        swarm.observe(trajs)
-        return trajs
+        version = self.engine.policy_version
+        ctx = EpisodeContext(self.engine, self.env.env, self.fmt,
+                             lambda env: EnvTimer(env, self.occupancy),
+                             version - self._stage_start.get(stage, version))
+        return await extension.play(ctx, training=rescore, **kwargs)
 
     def _staleness_check(self, mode: Mode):
         """The group's `stale` test for run_episode: a group is as old as its oldest member
@@ -324,30 +338,6 @@ class Producer:
             return is_stale(self.engine.policy_version, oldest[0], mode.tau)
         return stale
 
-    async def _add_teacher_logprobs(self, trajs: list[Trajectory], teacher: Scorer | None,
-                                    top_k: int = 0) -> None:
-        """Each trajectory's tokens scored by its task set's teacher; kept on the trained tokens
-        (with `top_k`, also the teacher's top k in each trained place)."""
-        if teacher is None:
-            raise RuntimeError("an on-policy distillation stage needs a teacher (a KL-penalised "
-                               "stage its reference) for each task set, and this rollout was "
-                               "started without one for it")
-        t0 = time.perf_counter()
-        scored = (await teacher.topk([t.tokens for t in trajs], top_k) if top_k else
-                  [(row, [], []) for row in await teacher([t.tokens for t in trajs])])
-        for t, (row, ids, lps) in zip(trajs, scored):
-            t.teacher_logp = [lp if m else 0.0 for lp, m in zip(row, t.loss_mask)]
-            if top_k:
-                keep = [m for m in t.loss_mask for _ in range(top_k)]
-                t.teacher_top_k = top_k
-                t.teacher_topk_ids = [i if m else 0 for i, m in zip(ids, keep)]
-                t.teacher_topk_logp = [lp if m else 0.0 for lp, m in zip(lps, keep)]
-        seconds, tokens = time.perf_counter() - t0, sum(len(t.tokens) for t in trajs)
-        self.teacher_seconds += seconds
-        self.teacher_tokens += tokens
-        metrics.TEACHER_SCORE_SECONDS.observe(seconds)
-        metrics.TEACHER_SCORED_TOKENS.inc(tokens)
-
     async def _demonstration(self, task_set: str, index: int) -> Demonstration:
         """The task's fixed demonstration, asked of the environment (which runs its tool calls
         in sandboxes) once and then reused: SFT revisits each task many times, and repeating
@@ -361,30 +351,27 @@ class Producer:
     # ---------------------------------------------------------------- evaluation
     async def evaluate(self, task_set: str, size: int, *, max_tasks: int, samples: int,
                        greedy: bool) -> tuple[int, float, float, float]:
-        """(tasks, greedy success, sampled success, mean critical-path steps of a swarm task
-        set's episodes or 0) at the current policy version."""
+        """(tasks, greedy success, sampled success, mean critical-path steps of the episodes as
+        their extension measures them, or 0) at the current policy version."""
         n = min(size, max_tasks) if max_tasks else size
-        sem = asyncio.Semaphore(self.max_concurrent)
-
-        # A task set a swarm stage trains or evaluates on is played by orchestrators.
-        stage = next((name for name, run in self.swarms.items() if task_set in run.task_sets), "")
+        sem = asyncio.Semaphore(self.config.max_concurrent)
+        # A task set a stage's extension trains or evaluates on is played by that extension.
+        stage = next((name for name, ext in self.extensions.items() if task_set in ext.task_sets), "")
+        outcome = self.extensions[stage].outcome if stage else plain_outcome
         version = self.engine.policy_version  # the version the evaluation reports
 
         async def one(index: int, temperature: float) -> tuple[float, float]:
             async with sem:
                 trajs = await self._episode(
                     stage, task_set=task_set, index=index,
-                    sampling=dataclasses.replace(self.sampling, temperature=temperature, seed=None),
-                    limits=self.limits)
+                    sampling=dataclasses.replace(self.config.sampling, temperature=temperature,
+                                                 seed=None),
+                    limits=self.config.limits)
                 self.samples.keep_evaluation(task_set, temperature, version, trajs[0])
-                parts = trajs[0].reward_parts
-                # Success is the task's own outcome, not PARL's shaped total (evaluation asks no
-                # reward model either).
-                return (parts.get("parl/perf", trajs[0].reward),
-                        parts.get("swarm/critical_path_steps", 0.0))
+                return outcome(trajs[0])
 
         greedy_runs = await asyncio.gather(*[one(i, 0.0) for i in range(n)]) if greedy else []
-        sampled = await asyncio.gather(*[one(i, self.sampling.temperature)
+        sampled = await asyncio.gather(*[one(i, self.config.sampling.temperature)
                                          for i in range(n) for _ in range(samples)])
         g = sum(r >= 1.0 for r, _ in greedy_runs) / len(greedy_runs) if greedy_runs else 0.0
         s = sum(r >= 1.0 for r, _ in sampled) / len(sampled) if sampled else 0.0

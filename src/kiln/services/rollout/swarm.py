@@ -21,7 +21,8 @@ reward becomes PARL's (`kiln.swarm.Parl`, `SwarmEnv.rewarded`) with every part, 
 episode's measurements (subagents, critical-path and total steps, wall time), in
 `reward_parts`.
 
-Not covered: scheduling episodes (`producer.py`), the sub-tasks themselves (the environment).
+Not covered: a swarm stage's schedules and its place in the producer (`swarm_run.py`, an
+episode extension), the sub-tasks themselves (the environment).
 """
 from __future__ import annotations
 
@@ -36,9 +37,7 @@ from kiln.services.rollout.agent import Limits, run_episode
 from kiln.services.rollout.engine import Engine, SamplingOptions
 from kiln.services.rollout.formats import Format
 from kiln.services.sandbox.client import EnvClient
-from kiln.api.swarm import SwarmSettings
-from kiln.services.common import metrics
-from kiln.swarm import ASSIGN, CREATE, TOOL_NAMES, Parl, SwarmStats, annealed, replies_mask
+from kiln.swarm import ASSIGN, CREATE, TOOL_NAMES, Parl, SwarmStats, replies_mask
 from kiln.trajectory import Trajectory
 
 
@@ -356,41 +355,3 @@ async def run_swarm_episode(engine: Engine, env: EnvClient, fmt: Format, subagen
     played = await run_episode(engine, wrap(swarm) if wrap else swarm, fmt, **kwargs)
     return swarm.rewarded(played)
 
-
-@dataclass
-class SwarmRun:
-    """A swarm stage as rollout runs it: its subagents, PARL's weights and their schedule."""
-
-    settings: SwarmSettings
-    subagents: Subagents
-    max_steps: int
-    task_sets: frozenset[str] = frozenset()
-    """The stage's training and evaluation task sets (played by orchestrators)."""
-
-    def parl(self, step: int) -> Parl:
-        s = self.settings
-        end = s.anneal_end or self.max_steps
-        return Parl(annealed(s.lambda_parallel, step, s.anneal_start, end),
-                    annealed(s.lambda_finish, step, s.anneal_start, end), s.target,
-                    paid=s.parallel_reward)
-
-    def options(self, step: int, training: bool, sampling: SamplingOptions) -> dict:
-        """`run_swarm_episode`'s settings for an episode at `step` sampled with `sampling`: a
-        training one's (the tool choice cooled on schedule), or an evaluation's (the rollout's
-        sampling, no latency budget, refusals observed)."""
-        s = self.settings
-        if training and sampling.tool_choice_temperature is not None:
-            sampling = dataclasses.replace(sampling, tool_choice_temperature=s.tool_choice_temperature(
-                step, sampling.tool_choice_temperature))
-        return {"sampling": sampling, "budget": s.budget(step) if training else None,
-                "end_on_refusal": training and s.end_on_refusal, "credit": s.shaping_credit,
-                "withdraw": s.withdraw_at_limit}
-
-    def observe(self, trajs: list[Trajectory]) -> None:
-        """The episode's measurements into Prometheus."""
-        if not trajs:
-            return
-        parts = trajs[-1].reward_parts
-        metrics.SWARM_SUBAGENTS.observe(parts.get("swarm/subagents", 0.0))
-        metrics.SWARM_CRITICAL_PATH.observe(parts.get("swarm/critical_path_steps", 0.0))
-        metrics.SWARM_TOTAL_STEPS.observe(parts.get("swarm/total_steps", 0.0))

@@ -11,7 +11,7 @@ Sampling follows vLLM's semantics: log-probs are those of the raw model distribu
 temperature and top-p), or with `tempered_logprobs` of softmax(logits / temperature); temperature 0 is greedy; generation stops at `stop_token_ids` or the
 model's end-of-sequence token(s), which are kept in the output.
 
-Mixture-of-experts models (Qwen2-MoE): with `record_routing`, each generation carries the
+Mixture-of-experts models (Qwen2-MoE, Qwen3-MoE): with `record_routing`, each generation carries the
 experts transformers routed every position to (the top-k of its router's softmax, from
 `output_router_logits`), an implementation independent of the trainer's Megatron MoE layers,
 which is what `kiln consistency --engine torch` uses to measure routing flips. transformers

@@ -168,7 +168,7 @@ class SessionManager:
             if strict:
                 raise
             # Creates still work without a warm sandbox (they start their own); the failure
-            # is counted in kiln_sandbox_start_failures_total and logged here.
+            # is counted in kiln_sandbox_failures_total{reason="start"} and logged here.
             log.exception("refilling the warm pool for %s failed", key)
 
     def _bg_task(self, coro) -> None:

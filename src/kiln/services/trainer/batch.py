@@ -1,14 +1,13 @@
 """Turn trajectories into padded `[B, S]` tensors for the trainer.
 
-Token `t`'s entries (loss mask, inference log-prob, teacher log-prob) describe token `t` itself,
-as in `kiln.trajectory.Trajectory`; the model's log-prob of token `t` comes from position
-`t - 1`, which `megatron_model.token_logprobs` lines up. Sequences are right-padded; padding has
-loss mask 0 and is never trained on.
+The per-sequence advantages come from `advantages.sequence_advantages` (passed to `collate`);
+this module only lays them out. Token `t`'s entries (loss mask, inference log-prob, teacher
+log-prob) describe token `t` itself, as in `kiln.trajectory.Trajectory`; the model's log-prob of
+token `t` comes from position `t - 1`, which `megatron_model.token_logprobs` lines up. Sequences
+are right-padded; padding has loss mask 0 and is never trained on.
 """
 from __future__ import annotations
 
-import dataclasses
-import statistics
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +28,8 @@ class TensorBatch:
     logp_infer: torch.Tensor
     """[B, S] float32."""
     advantages: torch.Tensor
-    """[B] float32, the per-sequence (group-relative) advantage."""
+    """[B] float32, the per-sequence advantage every token carries (`advantages.py`'s E_i);
+    0 where none was given (SFT)."""
     teacher_logp: torch.Tensor
     """[B, S] float32; meaningful only where has_teacher."""
     has_teacher: torch.Tensor
@@ -53,7 +53,8 @@ class TensorBatch:
     """[B, S] float32, 1 on the tokens that earned their sequence's shaping reward; None when
     no sequence credits one by turn (`Trajectory.shaping_mask`)."""
     shaping_advantages: torch.Tensor | None = None
-    """[B] float32, the shaping reward's advantage, for the `shaping_mask` tokens alone."""
+    """[B] float32, the shaping reward's advantage, for the `shaping_mask` tokens alone
+    (`advantages.py`'s S_i); set whenever `shaping_mask` is."""
 
     @property
     def num_tokens(self) -> int:
@@ -92,18 +93,13 @@ class TensorBatch:
               for t in (self.shaping_mask, self.shaping_advantages)),
         )
 
-    def token_advantages(self) -> torch.Tensor:
-        """[B] advantages, one per sequence, or [B, S] where a sequence credits a shaping
-        reward by turn: the episode's advantage on every token plus the shaping reward's on the
-        tokens that earned it."""
-        if self.shaping_mask is None:
-            return self.advantages
-        return self.advantages[:, None] + self.shaping_mask * self.shaping_advantages[:, None]
 
-
-def collate(trajs: list[Trajectory]) -> TensorBatch:
-    """Pad `trajs` into tensors. The trajectories were checked once, by the buffer when they
-    arrived (`Trajectory.check`); they are not checked again here."""
+def collate(trajs: list[Trajectory], advantages: list[float] | None = None,
+            shaping_advantages: list[float] | None = None) -> TensorBatch:
+    """Pad `trajs` into tensors, with their per-sequence `advantages` and `shaping_advantages`
+    (`advantages.SequenceAdvantages`; zeros where not given). The trajectories were checked
+    once, by the buffer when they arrived (`Trajectory.check`); they are not checked again
+    here."""
     if not trajs:
         raise ValueError("cannot collate an empty batch")
     b, s = len(trajs), max(len(t.tokens) for t in trajs)
@@ -136,7 +132,7 @@ def collate(trajs: list[Trajectory]) -> TensorBatch:
         for i, t in enumerate(trajs):
             if t.shaping_mask:
                 shaping_mask[i, :len(t.tokens)] = torch.tensor(t.shaping_mask, dtype=torch.float32)
-        shaping_adv = torch.tensor([t.shaping_advantage for t in trajs], dtype=torch.float32)
+        shaping_adv = torch.tensor(shaping_advantages or [0.0] * b, dtype=torch.float32)
     return TensorBatch(
         shaping_mask=shaping_mask,
         shaping_advantages=shaping_adv,
@@ -149,7 +145,7 @@ def collate(trajs: list[Trajectory]) -> TensorBatch:
         tokens=tokens,
         loss_mask=mask,
         logp_infer=infer,
-        advantages=torch.tensor([t.advantage for t in trajs], dtype=torch.float32),
+        advantages=torch.tensor(advantages or [0.0] * b, dtype=torch.float32),
         teacher_logp=teacher,
         has_teacher=torch.tensor([bool(t.teacher_logp) for t in trajs]),
         lengths=[len(t.tokens) for t in trajs],
@@ -204,48 +200,4 @@ def collate_tokens(sequences: list[list[int]]) -> tuple[torch.Tensor, list[int]]
     for i, x in enumerate(sequences):
         tokens[i, : len(x)] = torch.tensor(x, dtype=torch.long)
     return tokens, [len(x) for x in sequences]
-
-
-def rl_advantages(batch: list[Trajectory], advantage_norm: str) -> list[Trajectory]:
-    """The advantages an RL step trains `batch` on: shaping rewards credited by turn split
-    off (`shaping_split`), then, with `mean-std`, scaled by their groups' std."""
-    batch = shaping_split(batch)
-    return std_normalized(batch) if advantage_norm == "mean-std" else batch
-
-
-def std_normalized(batch: list[Trajectory], eps: float = 1e-6) -> list[Trajectory]:
-    """`batch` with each advantage (reward minus its group's mean, from the buffer) divided by
-    the standard deviation of its group's rewards (GRPO's normalisation), its shaping part
-    (`shaping_split`) too. A batch holds whole groups (the buffer serves no partial one), so
-    each group's rewards are all here."""
-    std = {g: statistics.pstdev(rs) + eps for g, rs in _by_group(batch, "reward").items()}
-    return [dataclasses.replace(t, advantage=t.advantage / std[t.group_id],
-                                shaping_advantage=t.shaping_advantage / std[t.group_id])
-            for t in batch]
-
-
-def shaping_split(batch: list[Trajectory]) -> list[Trajectory]:
-    """`batch` with the advantage of each shaping reward credited by turn split off its
-    advantage: `shaping_advantage` is the shaping reward minus its group's mean, for the
-    tokens that earned it (`Trajectory.shaping_mask`), and `advantage` keeps the rest, for
-    every token, so that on a sequence whose every generated token earned it the two add up to
-    the advantage it had. Sequences without a mask are left whole. Whole groups, as in
-    `std_normalized`."""
-    if not any(t.shaping_mask for t in batch):
-        return batch
-    mean = {g: statistics.fmean(rs) for g, rs in _by_group(batch, "shaping_reward").items()}
-    out = []
-    for t in batch:
-        if t.shaping_mask:
-            a = t.shaping_reward - mean[t.group_id]
-            t = dataclasses.replace(t, advantage=t.advantage - a, shaping_advantage=a)
-        out.append(t)
-    return out
-
-
-def _by_group(batch: list[Trajectory], attr: str) -> dict[str, list[float]]:
-    values: dict[str, list[float]] = {}
-    for t in batch:
-        values.setdefault(t.group_id, []).append(getattr(t, attr))
-    return values
 

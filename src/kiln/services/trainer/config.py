@@ -8,8 +8,8 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 
 from kiln.api.capabilities import spec_refusals
+from kiln.api.loss import Loss, MaskedLoss
 from kiln.api.spec import RLJob, RLStage
-from kiln.services.trainer.loss import PolicyLossConfig
 
 
 class OptimizerConfig(BaseModel):
@@ -24,6 +24,30 @@ class OptimizerConfig(BaseModel):
     """Clip the global gradient norm to this; 0 disables clipping (the norm is still reported)."""
     reset_moments_on_publish: bool = True
     """Zero AdamW's first and second moments (and its step count) after each weight publish."""
+
+
+class RLTerms(BaseModel):
+    """What the trainer's RL step reads besides the policy loss (`TrainerConfig.loss`, the
+    RLJob's `rl.loss` as it is): the stage's advantage and penalty settings, which the API keeps
+    flat in `rl`, and two constants of `rollout.sampling`. Only what the trainer needs, under
+    the API's names; SFT stages keep the defaults."""
+
+    advantage_norm: Literal["mean", "mean-std"] = "mean"
+    """`rl.advantageNorm`."""
+    task_reward_weight: float = Field(0.0, ge=0.0)
+    """`rl.taskRewardWeight` (on-policy distillation)."""
+    sampled_weight: float = Field(1.0, ge=0.0)
+    """`rl.sampledWeight` (on-policy distillation)."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """`rl.klCoef`: weight of the KL penalty to the reference, whose log-probs the trajectories
+    then carry instead of a teacher's."""
+    dense_weight: float = Field(0.0, ge=0.0)
+    """`rl.denseWeight` where `rl.teacherTopK` is set, else 0: weight of the forward KL on the
+    teacher's top k (`kiln.services.trainer.distill`)."""
+    temperature: float = Field(1.0, gt=0.0)
+    """The policy's log-probs are of softmax(logits / temperature): rollout's sampling one."""
+    seq_sum_tokens: int = Field(1024, ge=1)
+    """`rollout.sampling.maxTotalTokens`: what `sequence-sum` divides each sequence's loss by."""
 
 
 class TrainerConfig(BaseModel):
@@ -43,7 +67,11 @@ class TrainerConfig(BaseModel):
     """Optimizer updates per `step(batch)`: the batch is split into this many parts. With more
     than one, the log-probs of the weights at the start of the step (`logp_train_old`, used by
     IcePop) differ from the current ones in later updates."""
-    loss: PolicyLossConfig = PolicyLossConfig()
+    loss: Loss = Field(default_factory=MaskedLoss)
+    """The stage's policy loss, `rl.loss` as the RLJob writes it (SFT: the default, whose
+    aggregation the cross-entropy takes)."""
+    terms: RLTerms = RLTerms()
+    """The RL step's other settings (advantages, penalties, temperature)."""
     optimizer: OptimizerConfig = OptimizerConfig()
     checkpoint_dir: Path | None = None
     """Where `step_*` checkpoints go; the latest one there is resumed on start."""
@@ -75,8 +103,9 @@ def stage_by_name(job: RLJob, name: str | None):
 def config_from_job(job: RLJob, *, run_dir: Path, stage: str | None = None, model_dir: Path | None = None) -> TrainerConfig:
     """The trainer configuration an RLJob asks for, for stage `stage` (default: the first).
 
-    Learning rate and micro-batch size come from the stage, loss settings from its `rl` section
-    (SFT stages keep the loss defaults, unused), everything else from `spec.trainer`.
+    Learning rate and micro-batch size come from the stage, the loss (`rl.loss`, as it is) and
+    the advantage and penalty settings from its `rl` section (SFT stages keep the defaults,
+    unused but for the aggregation), everything else from `spec.trainer`.
     Checkpoints go to `<run_dir>/checkpoints`. `model_dir` overrides `spec.model.path`.
     """
     st = stage_by_name(job, stage)
@@ -84,20 +113,14 @@ def config_from_job(job: RLJob, *, run_dir: Path, stage: str | None = None, mode
     refused = spec_refusals(job.spec)  # a job built in-process skipped the file's validation
     if refused:
         raise ValueError(str(refused[0]))
-    loss = PolicyLossConfig()
+    loss: Loss = MaskedLoss()
+    terms = RLTerms()
     reset = True
     minibatches = 1
     if isinstance(st, RLStage):
         rl = st.rl
-        loss = PolicyLossConfig(
-            mode=rl.loss_mode,
-            eps_low=rl.eps_low,
-            eps_high=rl.eps_high,
-            dual_clip=rl.dual_clip,
-            icepop_beta=rl.icepop_beta,
-            aggregation={"token-mean": "token_mean", "sequence-mean": "seq_mean",
-                         "sequence-sum": "seq_sum"}[rl.loss_aggregation],
-            seq_sum_tokens=job.spec.rollout.sampling.max_total_tokens,
+        loss = rl.loss
+        terms = RLTerms(
             advantage_norm=rl.advantage_norm,
             task_reward_weight=rl.task_reward_weight,
             sampled_weight=rl.sampled_weight,
@@ -105,17 +128,19 @@ def config_from_job(job: RLJob, *, run_dir: Path, stage: str | None = None, mode
             dense_weight=rl.dense_weight if rl.teacher_top_k else 0.0,
             # Rollout records log-probs at its temperature (raw for 0 and 1): so does the trainer.
             temperature=s.temperature if (s := job.spec.rollout.sampling).tempered else 1.0,
+            seq_sum_tokens=job.spec.rollout.sampling.max_total_tokens,
         )
         reset = rl.reset_optimizer_on_sync
         minibatches = rl.minibatches
     return TrainerConfig(
-        model_dir=model_dir if model_dir is not None else Path(job.spec.model.path),
+        model_dir=model_dir if model_dir is not None else job.spec.model.local_path(),
         tensor_parallel=t.tensor_parallel,
         data_parallel=t.data_parallel,
         params_dtype=job.spec.model.dtype,
         micro_batch_size=st.micro_batch_size,
         minibatches_per_step=minibatches,
         loss=loss,
+        terms=terms,
         optimizer=OptimizerConfig(
             lr=st.learning_rate, weight_decay=t.weight_decay, grad_clip=t.grad_clip, reset_moments_on_publish=reset,
             betas=(t.adam_beta1, t.adam_beta2),

@@ -5,8 +5,8 @@ current process group), AdamW, the step and policy-version counters, and the Pro
 It knows nothing of gRPC, buffers or weight transport:
 - `logprobs(sequences)`: per-token log-probs under the current weights (`logprobs_routed`
   with an MoE model's recorded routing replayed: `replay.py`, which every forward here uses);
-- `step(trajectories, staleness)`: one RL step (the policy loss in the stage's mode, masked or
-  ppo with IcePop, see `loss.py`);
+- `step(trajectories, staleness)`: one RL step (the advantages of `advantages.py`, the one place
+  they are computed; the policy loss in the stage's mode, masked or ppo with IcePop, `loss.py`);
 - `sft_step(trajectories)`: one supervised step (cross-entropy on loss-masked tokens);
 - `new_version()`: declare the current weights a new policy version (on publish), resetting the
   optimizer moments if configured; `named_hf_tensors()`: the weights under HF names;
@@ -21,7 +21,7 @@ the others at start-up.
 
 `logp_train_old` (ppo mode's ratio and IcePop) is the log-prob under the weights at the start of
 the step: the current one, computed anyway, with one update per step; with `minibatches_per_step
-> 1` an extra no-grad pass. RL log-probs are at rollout's temperature (`PolicyLossConfig`).
+> 1` an extra no-grad pass. RL log-probs are at rollout's temperature (`RLTerms.temperature`).
 """
 from __future__ import annotations
 
@@ -36,13 +36,15 @@ import torch.distributed as dist
 
 from kiln.models import cpu_shims, dsa, moe, parallel
 from kiln.models.hf_io import iter_hf_tensors, load_hf_checkpoint, save_hf_checkpoint
+from kiln.metrics import STEP, StepMetrics
 from kiln.models.megatron_model import forward_logits
 from kiln.routing import RoutedExperts
 from kiln.services.trainer import checkpoint as ckpt
 from kiln.services.trainer import metrics
-from kiln.services.trainer.batch import TensorBatch, collate, collate_tokens, rl_advantages
+from kiln.services.trainer.advantages import SequenceAdvantages, sequence_advantages, token_advantages
+from kiln.services.trainer.batch import TensorBatch, collate, collate_tokens
 from kiln.services.trainer.config import TrainerConfig
-from kiln.services.trainer.loss import LossStats, policy_loss, sft_loss, token_advantages
+from kiln.services.trainer.loss import LossStats, loss_normalizer, policy_loss, sft_loss
 from kiln.services.trainer.replay import batch_logprobs, score as score_routed
 from kiln.trajectory import Trajectory
 
@@ -73,7 +75,7 @@ class TrainerEngine:
         self.policy_version = 0
         self.published_step = 0
         """The step whose weights are `policy_version`'s (the initial weights: version 0)."""
-        self.last_metrics: dict[str, float] = {}
+        self.last_step: StepMetrics | None = None
         self.stage: str | None = None
         """Stage name for the metrics' `stage` label; None labels steps "sft" or "rl"."""
         self.stage_steps: dict[str, int] = {}
@@ -131,30 +133,28 @@ class TrainerEngine:
 
     # --- training steps --------------------------------------------------------------------
 
-    def step(self, batch: list[Trajectory], staleness: list[int] | None = None) -> dict[str, float]:
+    def step(self, batch: list[Trajectory], staleness: list[int] | None = None) -> StepMetrics:
         """One RL step on `batch` (policy loss). Returns the step's metrics. `staleness` (from
         the buffer, per trajectory) is counted into the metrics as `staleness_<k>`."""
-        cfg = self.config.loss
-        batch = rl_advantages(batch, cfg.advantage_norm)
+        cfg, terms = self.config.loss, self.config.terms
+        # Advantages (advantages.py): per sequence here, over whole groups; per token in loss_fn.
+        per_seq = sequence_advantages(batch, terms.advantage_norm)
 
         def loss_fn(logp, mb, train_old, normalizer, student_topk):
-            if cfg.kl_coef:
-                # A KL-penalised stage: the frozen log-probs are the reference's, not a teacher's.
-                return policy_loss(logp, mb.logp_infer, mb.loss_mask, mb.token_advantages(), cfg,
-                                   logp_train_old=train_old, normalizer=normalizer,
-                                   logp_ref=mb.teacher_logp, has_ref=mb.has_teacher)
-            # On-policy distillation: per-token advantage from the teacher, else the sequence's.
-            adv = token_advantages(mb.token_advantages(), logp, mb.teacher_logp, mb.has_teacher,
-                                   cfg.task_reward_weight, cfg.sampled_weight)
-            return policy_loss(
-                logp, mb.logp_infer, mb.loss_mask, adv, cfg, logp_train_old=train_old, normalizer=normalizer,
-                student_topk=student_topk, teacher_topk=mb.topk_logp, has_topk=mb.has_topk,
-            )
+            # A KL-penalised stage's frozen log-probs are the reference's: nothing is distilled.
+            adv = token_advantages(mb, logp, distill=not terms.kl_coef, sampled_weight=terms.sampled_weight,
+                                   task_reward_weight=terms.task_reward_weight)
+            frozen = (dict(kl_coef=terms.kl_coef, logp_ref=mb.teacher_logp, has_ref=mb.has_teacher)
+                      if terms.kl_coef else
+                      dict(dense_weight=terms.dense_weight, student_topk=student_topk,
+                           teacher_topk=mb.topk_logp, has_topk=mb.has_topk))
+            return policy_loss(logp, mb.logp_infer, mb.loss_mask, adv, cfg, logp_train_old=train_old,
+                               normalizer=normalizer, **frozen)
 
-        return self._run(batch, loss_fn, needs_old=cfg.mode == "ppo",
-                         aggregation=cfg.aggregation, rl=True, staleness=staleness)
+        return self._run(batch, loss_fn, needs_old=cfg.mode == "ppo", aggregation=cfg.aggregation,
+                         rl=True, staleness=staleness, advantages=per_seq)
 
-    def sft_step(self, batch: list[Trajectory]) -> dict[str, float]:
+    def sft_step(self, batch: list[Trajectory]) -> StepMetrics:
         """One supervised step: cross-entropy on the loss-masked tokens of `batch`."""
         agg = self.config.loss.aggregation
 
@@ -165,10 +165,10 @@ class TrainerEngine:
 
     def _run(
         self, batch: list[Trajectory], loss_fn: LossFn, *, needs_old: bool, aggregation: str, rl: bool,
-        staleness: list[int] | None = None,
-    ) -> dict[str, float]:
+        staleness: list[int] | None = None, advantages: SequenceAdvantages | None = None,
+    ) -> StepMetrics:
         t0 = time.perf_counter()
-        tb = collate(batch)
+        tb = collate(batch, *advantages) if advantages is not None else collate(batch)
         self._check_vocab(tb.tokens)
         if tb.loss_mask.sum() == 0:
             raise ValueError("batch has no trainable tokens (every loss_mask is 0)")
@@ -183,16 +183,11 @@ class TrainerEngine:
         # The learning rate of this step (a stage sets it per step): every minibatch of the step
         # takes it, and it is the one reported.
         lrs = [g["lr"] for g in self.optimizer.param_groups]
-        dense = self.config.loss.dense_weight > 0  # the student's log-probs of a teacher's top k
-        temp = self.config.loss.temperature if rl else 1.0  # rollout's sampling temperature
+        dense = self.config.terms.dense_weight > 0  # the student's log-probs of a teacher's top k
+        temp = self.config.terms.temperature if rl else 1.0  # rollout's sampling temperature
         for part in parts:
             mask = tb.loss_mask[part]
-            if aggregation == "token_mean":
-                normalizer = float(mask.sum().clamp(min=1))
-            elif aggregation == "seq_sum":
-                normalizer = float(len(part) * self.config.loss.seq_sum_tokens)
-            else:
-                normalizer = float((mask.sum(dim=1) > 0).sum().clamp(min=1))
+            normalizer = loss_normalizer(mask, aggregation, self.config.terms.seq_sum_tokens)
             self.optimizer.zero_grad(set_to_none=True)
             part_loss = 0.0
             part_stats = LossStats()
@@ -220,29 +215,26 @@ class TrainerEngine:
         self.step_count += 1
 
         elapsed = time.perf_counter() - t0
-        out = {
-            "step": float(self.step_count),
-            "policy_version": float(self.policy_version),
-            "loss": sum(losses) / len(losses),
-            "grad_norm": sum(norms) / len(norms),
-            "lr": lrs[0],
-            "sequences": float(len(batch)),
-            "step_time_s": elapsed,
-            "tokens_per_s": tb.num_tokens / elapsed if elapsed > 0 else 0.0,
-            "reward_mean": sum(t.reward for t in batch) / len(batch),
-            **stats.as_dict(),
-        }
+        loss_stats = stats.as_dict()
+        tokens = int(loss_stats.pop("tokens"))
+        out = StepMetrics(
+            step=self.step_count, policy_version=self.policy_version,
+            loss=sum(losses) / len(losses), grad_norm=sum(norms) / len(norms), lr=lrs[0],
+            sequences=len(batch), tokens=tokens, step_seconds=elapsed,
+            tokens_per_second=tb.num_tokens / elapsed if elapsed > 0 else 0.0,
+            # The masks, drift and reward mean nothing in a supervised step (kiln.metrics).
+            **{k: v for k, v in loss_stats.items() if rl or not STEP[k].rl_only},
+            **({"reward_mean": sum(t.reward for t in batch) / len(batch)} if rl else {}))
         if staleness is not None:
             # How many versions behind the trainer each trajectory's oldest token was when the
             # buffer served it (the buffer computes it, where freshness is enforced), counted
             # per value: the run report's staleness histogram.
             for k in staleness:
-                key = f"staleness_{k}"
-                out[key] = out.get(key, 0.0) + 1.0
-        self.last_metrics = out
+                out.staleness[k] = out.staleness.get(k, 0) + 1
+        self.last_step = out
         if self.stage:
             self.stage_steps[self.stage] = self.stage_steps.get(self.stage, 0) + 1
-        metrics.observe_step(out, self.stage or ("rl" if rl else "sft"), rl=rl)
+        metrics.observe_step(out, self.stage or ("rl" if rl else "sft"))
         self.maybe_checkpoint()
         return out
 
@@ -253,7 +245,7 @@ class TrainerEngine:
         for idx in torch.split(torch.arange(tb.tokens.shape[0]), self.config.micro_batch_size):
             mb = tb.select(idx)
             out[idx, : mb.tokens.shape[1]] = batch_logprobs(self.model, mb, self.config.routing_replay,
-                                                            temperature=self.config.loss.temperature)[0]
+                                                            temperature=self.config.terms.temperature)[0]
         return out
 
     def _reduce_replicas(self, loss: float, stats: LossStats) -> tuple[float, LossStats]:
@@ -384,7 +376,8 @@ class TrainerEngine:
         """What a checkpoint keeps beside the tensors."""
         return {"step": self.step_count, "policy_version": self.policy_version,
                 "published_step": self.published_step, "model_dir": str(self.config.model_dir),
-                "last_metrics": self.last_metrics, "stage": self.stage, "stage_steps": self.stage_steps}
+                "last_step": self.last_step and self.last_step.record(),
+                "stage": self.stage, "stage_steps": self.stage_steps}
 
     def _restore(self, state: dict, meta: dict, path: Path) -> None:
         self.model.load_state_dict(state["model"], strict=True)
@@ -394,6 +387,7 @@ class TrainerEngine:
         # A checkpoint that does not say (older ones) is taken as holding unpublished weights:
         # publishing them once more is harmless, serving other weights under its version is not.
         self.published_step = int(meta.get("published_step", -1))
-        self.last_metrics = dict(meta.get("last_metrics") or {})
+        self.last_step = (StepMetrics.from_record(meta["last_step"])
+                             if meta.get("last_step") else None)
         self.stage, self.stage_steps = meta.get("stage"), dict(meta.get("stage_steps") or {})
         self.resumed_from = self.last_checkpoint = path

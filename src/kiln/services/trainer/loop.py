@@ -23,6 +23,7 @@ from typing import Literal, Protocol
 import torch
 from pydantic import BaseModel, Field
 
+from kiln.metrics import StepMetrics
 from kiln.services.common import metrics as common_metrics
 from kiln.services.trainer.engine import TrainerEngine
 from kiln.models.hf_io import write_hf_dir
@@ -67,7 +68,7 @@ class StageSettings(BaseModel):
 class StageResult:
     steps: int = 0
     versions: list[int] = field(default_factory=list)
-    metrics: list[dict[str, float]] = field(default_factory=list)
+    metrics: list[StepMetrics] = field(default_factory=list)
 
 
 def publish(engine: TrainerEngine, publisher: WeightPublisher) -> int:
@@ -83,7 +84,7 @@ def run_stage(
     settings: StageSettings,
     *,
     should_stop: Callable[[], bool] = lambda: False,
-    on_step: Callable[[dict[str, float]], None] | None = None,
+    on_step: Callable[[StepMetrics], None] | None = None,
 ) -> StageResult:
     """Train one stage until `max_steps`, an exhausted source, or `should_stop()`."""
     engine.stage = settings.name or settings.kind
@@ -100,7 +101,7 @@ def run_stage(
             m = engine.step(batch.trajectories, batch.staleness)
         else:
             m = engine.sft_step(batch.trajectories)
-        m["wait_s"] = waited  # what rollout autoscaling reads (kiln.control.autoscale)
+        m.wait_seconds = waited  # what rollout autoscaling reads (kiln.control.autoscale)
         result.steps += 1
         result.metrics.append(m)
         if on_step is not None:
@@ -117,7 +118,9 @@ def run_stage(
 
 
 class ListBatchSource:
-    """Serves trajectories from a list in order; `cycle=True` starts over when it runs out."""
+    """Serves trajectories from a list in order; `cycle=True` starts over when it runs out. For
+    an RL stage, lay the list out so that every batch holds whole groups, as the buffer serves
+    them: the trainer takes each group's advantages over the batch (`advantages.py`)."""
 
     def __init__(self, trajectories: Iterable[Trajectory], *, cycle: bool = False) -> None:
         self._items = list(trajectories)

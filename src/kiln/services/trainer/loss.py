@@ -5,7 +5,8 @@ is about token `t` (its log-prob given tokens `< t`). No Megatron, no model: the
 computes the log-probs and calls these functions, so the rules can be tested on hand-made
 numbers.
 
-Modes (DESIGN.md, "Training algorithms"; `PolicyLossConfig.mode`):
+Modes (DESIGN.md, "Training algorithms"; `mode` of the RLJob's `rl.loss`, `kiln.api.loss`, which
+the trainer passes here as it is):
 - `masked` (asynchronous agentic RL): `r_t = exp(logp - logp_infer)`, the ratio to the policy
   that generated the token; a token with `r_t` outside `[1 - eps_low, 1 + eps_high]` is dropped
   from the gradient (masked, not clipped); kept tokens contribute `-A_t * r_t`. No separate
@@ -27,15 +28,16 @@ only, by IcePop only, by both), the ratio's mean over the tokens that carry grad
 train/inference mismatch with log-ratios clamped to +-`LOG_RATIO_CLAMP` (and non-finite ones
 left out), so the KL estimate stays finite and NaN-free whatever the engines disagree on.
 
-Aggregation: "token_mean" divides the summed token losses by the number of loss-masked tokens
-(masked-out tokens still count, so dropping a token does not up-weight the others);
-"seq_mean" averages each sequence over its loss-masked tokens, then averages sequences;
-"seq_sum" (Dr. GRPO) sums every token loss and divides by sequences x `seq_sum_tokens`, a
-constant (the longest a sequence may be), so no sequence's tokens weigh less for its length. Pass
-`normalizer` to divide by a count over the whole batch instead, when a batch is split into
-micro-batches whose gradients are accumulated.
+Aggregation (`rl.loss.aggregation`): "token-mean" divides the summed token losses by the number
+of loss-masked tokens (masked-out tokens still count, so dropping a token does not up-weight the
+others); "sequence-mean" averages each sequence over its loss-masked tokens, then averages
+sequences; "sequence-sum" (Dr. GRPO) sums every token loss and divides by sequences x
+`seq_sum_tokens`, a constant (the longest a sequence may be), so no sequence's tokens weigh less
+for its length. What is divided by is `loss_normalizer`'s, its one home: the engine takes it over
+a whole minibatch and passes it as `normalizer`, so the micro-batches' accumulated gradients are
+the minibatch's; without one, the (micro-)batch's own is taken.
 
-KL penalty (`kl_coef` > 0, with `logp_ref`: a frozen reference's log-probs of the sampled
+KL penalty (`kl_coef` > 0, `rl.klCoef`, with `logp_ref`: a frozen reference's log-probs of the sampled
 tokens): every trainable token's loss gets `kl_coef * (exp(d) - 1 - d)`, `d = logp_ref - logp`,
 the k3 estimate of KL(pi_theta || pi_ref) (non-negative; unbiased for tokens sampled from
 pi_theta itself, nearly so for the slightly stale samples of asynchronous RL), whatever the
@@ -49,64 +51,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, Field, model_validator
 
+from kiln.api.loss import Aggregation, Loss
 from kiln.services.trainer.distill import dense_kl
-
-Aggregation = Literal["token_mean", "seq_mean", "seq_sum"]
-LossMode = Literal["masked", "ppo"]
 
 #: Log-ratios beyond this are clamped in the mismatch metrics: exp(20) is 5e8, far past any
 #: window, and float32's expm1 overflows near 88.
 LOG_RATIO_CLAMP = 20.0
-
-
-class PolicyLossConfig(BaseModel):
-    """Knobs of the policy loss."""
-
-    mode: LossMode = "masked"
-    """`masked` or `ppo` (see the module doc)."""
-    eps_low: float = Field(0.2, ge=0.0, lt=1.0)
-    """masked: tokens with `r_t < 1 - eps_low` are dropped; ppo: the clip's lower bound."""
-    eps_high: float = Field(0.28, ge=0.0)
-    """masked: tokens with `r_t > 1 + eps_high` are dropped; ppo: the clip's upper bound."""
-    dual_clip: float | None = Field(None, gt=1.0)
-    """ppo: for negative advantages, bound the loss at `-dual_clip * A` (dual-clip PPO)."""
-    icepop_beta: float | None = Field(2.0, gt=1.0)
-    """ppo: keep a token only if `pi_train_old / pi_infer` is in `[1/beta, beta]`, weighted by
-    that ratio; None disables. masked mode has no separate IcePop and ignores it."""
-    aggregation: Aggregation = "token_mean"
-    seq_sum_tokens: int = Field(1024, ge=1)
-    """seq_sum: the constant each sequence's summed loss is divided by."""
-    advantage_norm: Literal["mean", "mean-std"] = "mean"
-    """mean-std: divide each sequence's (group-relative) advantage by its group's reward std."""
-    task_reward_weight: float = Field(0.0, ge=0.0)
-    """On-policy distillation: weight of the sequence's task advantage added to each token's
-    teacher advantage."""
-    sampled_weight: float = Field(1.0, ge=0.0)
-    """On-policy distillation: weight of each sampled token's teacher advantage (0: the dense
-    term and the task advantage only)."""
-    kl_coef: float = Field(0.0, ge=0.0)
-    """Weight of the KL penalty to a reference (see the module doc); the trajectories' frozen
-    log-probs are then the reference's, not a teacher's."""
-    dense_weight: float = Field(0.0, ge=0.0)
-    """Dense distillation (`kiln.services.trainer.distill`): weight of the forward KL on the
-    teacher's top k added to each trained token's loss, where the trajectory carries them."""
-    temperature: float = Field(1.0, gt=0.0)
-    """The policy's log-probs are of softmax(logits / temperature): rollout's sampling one."""
-
-    @model_validator(mode="after")
-    def _dual_clip_is_ppo(self) -> "PolicyLossConfig":
-        if self.dual_clip is not None and self.mode != "ppo":
-            raise ValueError("dual_clip applies to mode 'ppo' only")
-        return self
-
-    @property
-    def uses_icepop(self) -> bool:
-        return self.mode == "ppo" and self.icepop_beta is not None
 
 
 @dataclass
@@ -214,45 +167,32 @@ def icepop_keep_mask(logp_train_old: torch.Tensor, logp_infer: torch.Tensor, bet
     return _in_log_bounds((logp_train_old - logp_infer).detach(), 1.0 / beta, beta)
 
 
-def opd_advantages(logp_teacher: torch.Tensor, logp_student: torch.Tensor) -> torch.Tensor:
-    """Per-token advantage of on-policy distillation: `stopgrad(logp_teacher - logp_student)`."""
-    return (logp_teacher - logp_student).detach()
-
-
-def token_advantages(seq_adv: torch.Tensor, logp_BS: torch.Tensor, teacher_BS: torch.Tensor,
-                     has_teacher_B: torch.Tensor, task_reward_weight: float = 0.0,
-                     sampled_weight: float = 1.0) -> torch.Tensor:
-    """[B, S] advantages: a sequence with teacher log-probs gets `sampled_weight` times the
-    distillation advantage of each token plus `task_reward_weight` times its group-relative
-    task advantage; any other sequence its task advantage on every token. `seq_adv`: the task
-    advantage, [B] (one per sequence) or [B, S] (per token: a shaping reward credited by turn)."""
-    seq = seq_adv.expand_as(logp_BS) if seq_adv.dim() == 2 else seq_adv[:, None].expand_as(logp_BS)
-    opd = sampled_weight * opd_advantages(teacher_BS, logp_BS) + task_reward_weight * seq
-    return torch.where(has_teacher_B[:, None], opd, seq)
-
-
 def _check_shapes(name_to_tensor: dict[str, torch.Tensor], shape: torch.Size) -> None:
     for name, t in name_to_tensor.items():
         if t.shape != shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} like logp")
 
 
+def loss_normalizer(loss_mask: torch.Tensor, aggregation: Aggregation, seq_sum_tokens: int) -> float:
+    """What the summed losses of a batch are divided by under `aggregation` (module doc): its
+    loss-masked tokens, its sequences with any, or its sequences x `seq_sum_tokens`."""
+    if aggregation == "token-mean":
+        return float(loss_mask.sum().clamp(min=1))
+    if aggregation == "sequence-mean":
+        return float((loss_mask.sum(dim=1) > 0).sum().clamp(min=1))
+    if aggregation == "sequence-sum":
+        return float(seq_sum_tokens * loss_mask.shape[0])
+    raise ValueError(f"aggregation={aggregation!r} is not 'token-mean', 'sequence-mean' or 'sequence-sum'")
+
+
 def _aggregate(
     per_token: torch.Tensor, mask: torch.Tensor, aggregation: Aggregation, normalizer: float | None,
     seq_sum_tokens: int = 1024,
 ) -> torch.Tensor:
-    if aggregation == "token_mean":
-        denom = normalizer if normalizer is not None else mask.sum().clamp(min=1.0)
-        return per_token.sum() / denom
-    if aggregation == "seq_mean":
-        seq_tokens = mask.sum(dim=1)
-        seq_loss = per_token.sum(dim=1) / seq_tokens.clamp(min=1.0)
-        denom = normalizer if normalizer is not None else (seq_tokens > 0).sum().clamp(min=1)
-        return seq_loss.sum() / denom
-    if aggregation == "seq_sum":
-        denom = normalizer if normalizer is not None else seq_sum_tokens * mask.shape[0]
-        return per_token.sum() / denom
-    raise ValueError(f"aggregation={aggregation!r} is not 'token_mean', 'seq_mean' or 'seq_sum'")
+    denom = normalizer if normalizer is not None else loss_normalizer(mask, aggregation, seq_sum_tokens)
+    if aggregation == "sequence-mean":
+        return (per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).sum() / denom
+    return per_token.sum() / denom
 
 
 def policy_loss(
@@ -260,12 +200,15 @@ def policy_loss(
     logp_infer: torch.Tensor,
     loss_mask: torch.Tensor,
     advantages: torch.Tensor,
-    config: PolicyLossConfig,
+    config: Loss,
     *,
     logp_train_old: torch.Tensor | None = None,
     normalizer: float | None = None,
+    seq_sum_tokens: int = 1024,
+    kl_coef: float = 0.0,
     logp_ref: torch.Tensor | None = None,
     has_ref: torch.Tensor | None = None,
+    dense_weight: float = 0.0,
     student_topk: torch.Tensor | None = None,
     teacher_topk: torch.Tensor | None = None,
     has_topk: torch.Tensor | None = None,
@@ -275,10 +218,12 @@ def policy_loss(
     Shapes: `logp`, `logp_infer`, `loss_mask`, `logp_train_old`: `[B, T]`; `advantages`: `[B]`
     (one per sequence, broadcast to its tokens) or `[B, T]` (per token, e.g. OPD).
     `logp_train_old` is needed in ppo mode (with one minibatch per step, `logp.detach()`).
-    `normalizer`: see the module doc. `logp_ref` `[B, T]` and `has_ref` `[B]` (rows that have
-    them): the reference's log-probs for the KL penalty, used when `config.kl_coef` > 0.
-    `student_topk`, `teacher_topk` `[B, T, K]` and `has_topk` `[B]`: the student's and the
-    teacher's log-probs of the teacher's top k, for the dense term (`config.dense_weight` > 0).
+    `normalizer` (else `loss_normalizer` with `seq_sum_tokens`): see the module doc.
+    `logp_ref` `[B, T]` and `has_ref` `[B]` (rows that have them): the reference's log-probs for
+    the KL penalty, used when `kl_coef` > 0. `student_topk`, `teacher_topk` `[B, T, K]` and
+    `has_topk` `[B]`: the student's and the teacher's log-probs of the teacher's top k, for the
+    dense term (`dense_weight` > 0). The two weights are the stage's (`TrainerConfig.terms`),
+    not the loss mode's.
     """
     shape = logp.shape
     mask = loss_mask.to(logp.dtype)
@@ -314,18 +259,18 @@ def policy_loss(
     stats.both_masked = float((ratio_drop & ice_drop).sum())
     stats.kept = float(keep.sum())
     stats.ratio_sum = float((ratio.detach() * keep).sum())
-    if config.kl_coef and logp_ref is not None:
+    if kl_coef and logp_ref is not None:
         _check_shapes({"logp_ref": logp_ref}, shape)
         rows = has_ref if has_ref is not None else torch.ones(shape[0], dtype=torch.bool)
         kl = kl_to_reference(logp, logp_ref.detach().to(logp.dtype), on & rows.to(on.device)[:, None])
         stats.kl_ref_sum = float(kl.detach().sum())
-        per_token = per_token + config.kl_coef * kl
-    if config.dense_weight and student_topk is not None:
+        per_token = per_token + kl_coef * kl
+    if dense_weight and student_topk is not None:
         rows = has_topk.to(on.device) if has_topk is not None else torch.ones(shape[0], dtype=torch.bool)
         dense = dense_kl(student_topk, teacher_topk, on & rows[:, None])
         stats.dense_kl_sum = float(dense.detach().sum())
-        per_token = per_token + config.dense_weight * dense
-    loss = _aggregate(per_token, mask, config.aggregation, normalizer, config.seq_sum_tokens)
+        per_token = per_token + dense_weight * dense
+    loss = _aggregate(per_token, mask, config.aggregation, normalizer, seq_sum_tokens)
     return loss, stats
 
 
@@ -385,7 +330,7 @@ def sft_loss(
     logp: torch.Tensor,
     loss_mask: torch.Tensor,
     *,
-    aggregation: Aggregation = "token_mean",
+    aggregation: Aggregation = "token-mean",
     normalizer: float | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """Cross-entropy (negative log-likelihood) of the loss-masked tokens."""

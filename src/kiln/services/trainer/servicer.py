@@ -77,7 +77,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         e = self.engine
         out = TrainerStatus(
             step=e.step_count, policy_version=e.policy_version, stage=e.stage or "",
-            last_metrics=dict(e.last_metrics), last_checkpoint=str(e.last_checkpoint or ""),
+            last_step=e.last_step, last_checkpoint=str(e.last_checkpoint or ""),
             tensor_parallel=e.config.tensor_parallel, model_dir=str(e.config.model_dir))
         if self.stages is not None:
             st = self.stages.status

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kiln/v1/buffer.proto\x12\x07kiln.v1\"6\n\nPutRequest\x12\x14\n\x0ctrajectories\x18\x01 \x03(\x0c\x12\x12\n\ngroup_size\x18\x02 \x01(\r\"Y\n\x0bPutResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x12\n\nduplicates\x18\x02 \x01(\r\x12\x15\n\rdropped_stale\x18\x03 \x01(\r\x12\r\n\x05\x64\x65pth\x18\x04 \x01(\r\"g\n\x0fGetBatchRequest\x12\x0c\n\x04size\x18\x01 \x01(\r\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\x12\x15\n\rallow_partial\x18\x04 \x01(\x08\"\x88\x01\n\x05\x42\x61tch\x12\x14\n\x0ctrajectories\x18\x01 \x03(\x0c\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x15\n\tstaleness\x18\x04 \x03(\x03\x42\x02\x10\x01\x12\x10\n\x08\x64\x65livery\x18\x05 \x01(\r\x12\x16\n\nadvantages\x18\x06 \x03(\x01\x42\x02\x10\x01\"#\n\x0f\x41\x63kBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\"\\\n\x10\x41\x63kBatchResponse\x12\"\n\x06status\x18\x01 \x01(\x0e\x32\x12.kiln.v1.AckStatus\x12\x14\n\x0ctrajectories\x18\x02 \x01(\r\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"1\n\x17SetPolicyVersionRequest\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\"W\n\x10\x43onfigureRequest\x12\x12\n\ngroup_size\x18\x01 \x01(\r\x12\x10\n\x03tau\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rdrop_unserved\x18\x03 \x01(\x08\x42\x06\n\x04_tau\"\x12\n\x10GetStatusRequest\"\xc0\x03\n\x0c\x42ufferStatus\x12\r\n\x05\x64\x65pth\x18\x01 \x01(\r\x12\r\n\x05ready\x18\x02 \x01(\r\x12\x16\n\x0egroups_pending\x18\x03 \x01(\r\x12\x14\n\x0cgroups_ready\x18\x04 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x05 \x01(\x04\x12\x0e\n\x06served\x18\x06 \x01(\x04\x12\x15\n\rdropped_stale\x18\x07 \x01(\x04\x12\x15\n\rdropped_other\x18\x08 \x01(\x04\x12\x0f\n\x07\x62\x61tches\x18\t \x01(\x04\x12\x15\n\rmax_staleness\x18\n \x01(\x03\x12\x16\n\x0epolicy_version\x18\x0b \x01(\x04\x12\x10\n\x08\x63\x61pacity\x18\x0c \x01(\r\x12\x12\n\ngroup_size\x18\r \x01(\r\x12\x10\n\x03tau\x18\x0e \x01(\rH\x00\x88\x01\x01\x12\x0e\n\x06leased\x18\x0f \x01(\r\x12\x0e\n\x06leases\x18\x10 \x01(\r\x12\x15\n\rbatches_acked\x18\x11 \x01(\x04\x12\x14\n\x0credeliveries\x18\x12 \x01(\x04\x12\x15\n\rlease_timeout\x18\x13 \x01(\x01\x12\x18\n\x10unconsumed_bytes\x18\x14 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x15 \x01(\x04\x42\x06\n\x04_tau\"B\n\x0c\x42ufferRecord\x12\x12\n\ntrajectory\x18\x01 \x01(\x0c\x12\x12\n\ngroup_size\x18\x02 \x01(\r\x12\n\n\x02id\x18\x03 \x01(\t*\x8c\x01\n\tAckStatus\x12\x1a\n\x16\x41\x43K_STATUS_UNSPECIFIED\x10\x00\x12\x14\n\x10\x41\x43K_STATUS_ACKED\x10\x01\x12\x1c\n\x18\x41\x43K_STATUS_ALREADY_ACKED\x10\x02\x12\x16\n\x12\x41\x43K_STATUS_UNKNOWN\x10\x03\x12\x17\n\x13\x41\x43K_STATUS_RELEASED\x10\x04\x32\xfc\x02\n\x06\x42uffer\x12\x30\n\x03Put\x12\x13.kiln.v1.PutRequest\x1a\x14.kiln.v1.PutResponse\x12\x34\n\x08GetBatch\x12\x18.kiln.v1.GetBatchRequest\x1a\x0e.kiln.v1.Batch\x12?\n\x08\x41\x63kBatch\x12\x18.kiln.v1.AckBatchRequest\x1a\x19.kiln.v1.AckBatchResponse\x12K\n\x10SetPolicyVersion\x12 .kiln.v1.SetPolicyVersionRequest\x1a\x15.kiln.v1.BufferStatus\x12=\n\tConfigure\x12\x19.kiln.v1.ConfigureRequest\x1a\x15.kiln.v1.BufferStatus\x12=\n\tGetStatus\x12\x19.kiln.v1.GetStatusRequest\x1a\x15.kiln.v1.BufferStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kiln/v1/buffer.proto\x12\x07kiln.v1\"6\n\nPutRequest\x12\x14\n\x0ctrajectories\x18\x01 \x03(\x0c\x12\x12\n\ngroup_size\x18\x02 \x01(\r\"Y\n\x0bPutResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x12\n\nduplicates\x18\x02 \x01(\r\x12\x15\n\rdropped_stale\x18\x03 \x01(\r\x12\r\n\x05\x64\x65pth\x18\x04 \x01(\r\"g\n\x0fGetBatchRequest\x12\x0c\n\x04size\x18\x01 \x01(\r\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\x12\x15\n\rallow_partial\x18\x04 \x01(\x08\"\x82\x01\n\x05\x42\x61tch\x12\x14\n\x0ctrajectories\x18\x01 \x03(\x0c\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x15\n\tstaleness\x18\x04 \x03(\x03\x42\x02\x10\x01\x12\x10\n\x08\x64\x65livery\x18\x05 \x01(\rJ\x04\x08\x06\x10\x07R\nadvantages\"#\n\x0f\x41\x63kBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\"\\\n\x10\x41\x63kBatchResponse\x12\"\n\x06status\x18\x01 \x01(\x0e\x32\x12.kiln.v1.AckStatus\x12\x14\n\x0ctrajectories\x18\x02 \x01(\r\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"1\n\x17SetPolicyVersionRequest\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\"W\n\x10\x43onfigureRequest\x12\x12\n\ngroup_size\x18\x01 \x01(\r\x12\x10\n\x03tau\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rdrop_unserved\x18\x03 \x01(\x08\x42\x06\n\x04_tau\"\x12\n\x10GetStatusRequest\"\xc0\x03\n\x0c\x42ufferStatus\x12\r\n\x05\x64\x65pth\x18\x01 \x01(\r\x12\r\n\x05ready\x18\x02 \x01(\r\x12\x16\n\x0egroups_pending\x18\x03 \x01(\r\x12\x14\n\x0cgroups_ready\x18\x04 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x05 \x01(\x04\x12\x0e\n\x06served\x18\x06 \x01(\x04\x12\x15\n\rdropped_stale\x18\x07 \x01(\x04\x12\x15\n\rdropped_other\x18\x08 \x01(\x04\x12\x0f\n\x07\x62\x61tches\x18\t \x01(\x04\x12\x15\n\rmax_staleness\x18\n \x01(\x03\x12\x16\n\x0epolicy_version\x18\x0b \x01(\x04\x12\x10\n\x08\x63\x61pacity\x18\x0c \x01(\r\x12\x12\n\ngroup_size\x18\r \x01(\r\x12\x10\n\x03tau\x18\x0e \x01(\rH\x00\x88\x01\x01\x12\x0e\n\x06leased\x18\x0f \x01(\r\x12\x0e\n\x06leases\x18\x10 \x01(\r\x12\x15\n\rbatches_acked\x18\x11 \x01(\x04\x12\x14\n\x0credeliveries\x18\x12 \x01(\x04\x12\x15\n\rlease_timeout\x18\x13 \x01(\x01\x12\x18\n\x10unconsumed_bytes\x18\x14 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x15 \x01(\x04\x42\x06\n\x04_tau\"B\n\x0c\x42ufferRecord\x12\x12\n\ntrajectory\x18\x01 \x01(\x0c\x12\x12\n\ngroup_size\x18\x02 \x01(\r\x12\n\n\x02id\x18\x03 \x01(\t*\x8c\x01\n\tAckStatus\x12\x1a\n\x16\x41\x43K_STATUS_UNSPECIFIED\x10\x00\x12\x14\n\x10\x41\x43K_STATUS_ACKED\x10\x01\x12\x1c\n\x18\x41\x43K_STATUS_ALREADY_ACKED\x10\x02\x12\x16\n\x12\x41\x43K_STATUS_UNKNOWN\x10\x03\x12\x17\n\x13\x41\x43K_STATUS_RELEASED\x10\x04\x32\xfc\x02\n\x06\x42uffer\x12\x30\n\x03Put\x12\x13.kiln.v1.PutRequest\x1a\x14.kiln.v1.PutResponse\x12\x34\n\x08GetBatch\x12\x18.kiln.v1.GetBatchRequest\x1a\x0e.kiln.v1.Batch\x12?\n\x08\x41\x63kBatch\x12\x18.kiln.v1.AckBatchRequest\x1a\x19.kiln.v1.AckBatchResponse\x12K\n\x10SetPolicyVersion\x12 .kiln.v1.SetPolicyVersionRequest\x1a\x15.kiln.v1.BufferStatus\x12=\n\tConfigure\x12\x19.kiln.v1.ConfigureRequest\x1a\x15.kiln.v1.BufferStatus\x12=\n\tGetStatus\x12\x19.kiln.v1.GetStatusRequest\x1a\x15.kiln.v1.BufferStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_BATCH'].fields_by_name['staleness']._loaded_options = None
   _globals['_BATCH'].fields_by_name['staleness']._serialized_options = b'\020\001'
-  _globals['_BATCH'].fields_by_name['advantages']._loaded_options = None
-  _globals['_BATCH'].fields_by_name['advantages']._serialized_options = b'\020\001'
-  _globals['_ACKSTATUS']._serialized_start=1235
-  _globals['_ACKSTATUS']._serialized_end=1375
+  _globals['_ACKSTATUS']._serialized_start=1229
+  _globals['_ACKSTATUS']._serialized_end=1369
   _globals['_PUTREQUEST']._serialized_start=33
   _globals['_PUTREQUEST']._serialized_end=87
   _globals['_PUTRESPONSE']._serialized_start=89
@@ -44,21 +42,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETBATCHREQUEST']._serialized_start=180
   _globals['_GETBATCHREQUEST']._serialized_end=283
   _globals['_BATCH']._serialized_start=286
-  _globals['_BATCH']._serialized_end=422
-  _globals['_ACKBATCHREQUEST']._serialized_start=424
-  _globals['_ACKBATCHREQUEST']._serialized_end=459
-  _globals['_ACKBATCHRESPONSE']._serialized_start=461
-  _globals['_ACKBATCHRESPONSE']._serialized_end=553
-  _globals['_SETPOLICYVERSIONREQUEST']._serialized_start=555
-  _globals['_SETPOLICYVERSIONREQUEST']._serialized_end=604
-  _globals['_CONFIGUREREQUEST']._serialized_start=606
-  _globals['_CONFIGUREREQUEST']._serialized_end=693
-  _globals['_GETSTATUSREQUEST']._serialized_start=695
-  _globals['_GETSTATUSREQUEST']._serialized_end=713
-  _globals['_BUFFERSTATUS']._serialized_start=716
-  _globals['_BUFFERSTATUS']._serialized_end=1164
-  _globals['_BUFFERRECORD']._serialized_start=1166
-  _globals['_BUFFERRECORD']._serialized_end=1232
-  _globals['_BUFFER']._serialized_start=1378
-  _globals['_BUFFER']._serialized_end=1758
+  _globals['_BATCH']._serialized_end=416
+  _globals['_ACKBATCHREQUEST']._serialized_start=418
+  _globals['_ACKBATCHREQUEST']._serialized_end=453
+  _globals['_ACKBATCHRESPONSE']._serialized_start=455
+  _globals['_ACKBATCHRESPONSE']._serialized_end=547
+  _globals['_SETPOLICYVERSIONREQUEST']._serialized_start=549
+  _globals['_SETPOLICYVERSIONREQUEST']._serialized_end=598
+  _globals['_CONFIGUREREQUEST']._serialized_start=600
+  _globals['_CONFIGUREREQUEST']._serialized_end=687
+  _globals['_GETSTATUSREQUEST']._serialized_start=689
+  _globals['_GETSTATUSREQUEST']._serialized_end=707
+  _globals['_BUFFERSTATUS']._serialized_start=710
+  _globals['_BUFFERSTATUS']._serialized_end=1158
+  _globals['_BUFFERRECORD']._serialized_start=1160
+  _globals['_BUFFERRECORD']._serialized_end=1226
+  _globals['_BUFFER']._serialized_start=1372
+  _globals['_BUFFER']._serialized_end=1752
 # @@protoc_insertion_point(module_scope)

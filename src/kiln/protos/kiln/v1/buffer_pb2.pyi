@@ -53,20 +53,18 @@ class GetBatchRequest(_message.Message):
     def __init__(self, size: _Optional[int] = ..., policy_version: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., allow_partial: _Optional[bool] = ...) -> None: ...
 
 class Batch(_message.Message):
-    __slots__ = ("trajectories", "batch_id", "policy_version", "staleness", "delivery", "advantages")
+    __slots__ = ("trajectories", "batch_id", "policy_version", "staleness", "delivery")
     TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     DELIVERY_FIELD_NUMBER: _ClassVar[int]
-    ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
     trajectories: _containers.RepeatedScalarFieldContainer[bytes]
     batch_id: int
     policy_version: int
     staleness: _containers.RepeatedScalarFieldContainer[int]
     delivery: int
-    advantages: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, trajectories: _Optional[_Iterable[bytes]] = ..., batch_id: _Optional[int] = ..., policy_version: _Optional[int] = ..., staleness: _Optional[_Iterable[int]] = ..., delivery: _Optional[int] = ..., advantages: _Optional[_Iterable[float]] = ...) -> None: ...
+    def __init__(self, trajectories: _Optional[_Iterable[bytes]] = ..., batch_id: _Optional[int] = ..., policy_version: _Optional[int] = ..., staleness: _Optional[_Iterable[int]] = ..., delivery: _Optional[int] = ...) -> None: ...
 
 class AckBatchRequest(_message.Message):
     __slots__ = ("batch_id",)

@@ -45,7 +45,7 @@ class VersionSpan(_message.Message):
     def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("id", "task_id", "group_id", "env", "tokens", "loss_mask", "logp_infer", "version_spans", "prompt_len", "teacher_logp", "teacher_top_k", "teacher_topk_ids", "teacher_topk_logp", "reward", "reward_parts", "verifier_output", "flags", "advantage", "shaping_reward", "shaping_mask", "shaping_advantage", "sandbox_image_digest", "engine_fingerprint", "index_hashes", "routed_experts", "tool_choice", "created_at")
+    __slots__ = ("id", "task_id", "group_id", "env", "tokens", "loss_mask", "logp_infer", "version_spans", "prompt_len", "teacher_logp", "teacher_top_k", "teacher_topk_ids", "teacher_topk_logp", "reward", "reward_parts", "verifier_output", "flags", "shaping_reward", "shaping_mask", "sandbox_image_digest", "engine_fingerprint", "index_hashes", "routed_experts", "tool_choice", "created_at")
     class RewardPartsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -70,10 +70,8 @@ class Trajectory(_message.Message):
     REWARD_PARTS_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     FLAGS_FIELD_NUMBER: _ClassVar[int]
-    ADVANTAGE_FIELD_NUMBER: _ClassVar[int]
     SHAPING_REWARD_FIELD_NUMBER: _ClassVar[int]
     SHAPING_MASK_FIELD_NUMBER: _ClassVar[int]
-    SHAPING_ADVANTAGE_FIELD_NUMBER: _ClassVar[int]
     SANDBOX_IMAGE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     INDEX_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -97,14 +95,12 @@ class Trajectory(_message.Message):
     reward_parts: _containers.ScalarMap[str, float]
     verifier_output: str
     flags: _containers.RepeatedScalarFieldContainer[str]
-    advantage: float
     shaping_reward: float
     shaping_mask: _containers.RepeatedScalarFieldContainer[int]
-    shaping_advantage: float
     sandbox_image_digest: str
     engine_fingerprint: str
     index_hashes: _containers.RepeatedScalarFieldContainer[int]
     routed_experts: RoutedExperts
     tool_choice: ToolChoice
     created_at: float
-    def __init__(self, id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., env: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logp_infer: _Optional[_Iterable[float]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., prompt_len: _Optional[int] = ..., teacher_logp: _Optional[_Iterable[float]] = ..., teacher_top_k: _Optional[int] = ..., teacher_topk_ids: _Optional[_Iterable[int]] = ..., teacher_topk_logp: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., reward_parts: _Optional[_Mapping[str, float]] = ..., verifier_output: _Optional[str] = ..., flags: _Optional[_Iterable[str]] = ..., advantage: _Optional[float] = ..., shaping_reward: _Optional[float] = ..., shaping_mask: _Optional[_Iterable[int]] = ..., shaping_advantage: _Optional[float] = ..., sandbox_image_digest: _Optional[str] = ..., engine_fingerprint: _Optional[str] = ..., index_hashes: _Optional[_Iterable[int]] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., created_at: _Optional[float] = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., env: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logp_infer: _Optional[_Iterable[float]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., prompt_len: _Optional[int] = ..., teacher_logp: _Optional[_Iterable[float]] = ..., teacher_top_k: _Optional[int] = ..., teacher_topk_ids: _Optional[_Iterable[int]] = ..., teacher_topk_logp: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., reward_parts: _Optional[_Mapping[str, float]] = ..., verifier_output: _Optional[str] = ..., flags: _Optional[_Iterable[str]] = ..., shaping_reward: _Optional[float] = ..., shaping_mask: _Optional[_Iterable[int]] = ..., sandbox_image_digest: _Optional[str] = ..., engine_fingerprint: _Optional[str] = ..., index_hashes: _Optional[_Iterable[int]] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., created_at: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,78 @@
+"""The policy loss of an RL stage (`spec.stages[].rl.loss`): one variant per mode, told apart by
+`mode`, each holding only the fields its mode reads. Torch-free, like the rest of the spec; the
+trainer takes the model as it is (`TrainerConfig.loss`) and `src/kiln/services/trainer/loss.py`
+computes it.
+
+The CRD cannot express the union structurally: it shows one object with every variant's fields
+and `mode` as an enum, and pydantic (`kiln validate`, the operator) refuses a field of the other
+mode, naming it."""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field
+
+from kiln.api.base import Model
+
+Aggregation = Literal["token-mean", "sequence-mean", "sequence-sum"]
+
+
+class _LossBase(Model):
+    aggregation: Aggregation = "token-mean"
+    """`token-mean`: average over the batch's trained tokens; `sequence-mean`: average each
+    trajectory over its tokens, then over trajectories; `sequence-sum` (Dr. GRPO): sum each
+    trajectory's token losses and divide by trajectories x `rollout.sampling.maxTotalTokens`, a
+    constant, so a long answer is not weighted down per token the way the means weigh it."""
+
+
+class MaskedLoss(_LossBase):
+    """Asynchronous agentic RL: the ratio is to the inference policy that generated each token,
+    and tokens outside its window are dropped from the gradient (masked, not clipped); no
+    separate IcePop, since that ratio already measures the distance to the inference engine."""
+
+    mode: Literal["masked"] = "masked"
+    """`masked` (the default when `mode` is left out)."""
+    eps_low: float = Field(0.2, ge=0, lt=1)
+    """Tokens with ratio below 1 - epsLow are masked out."""
+    eps_high: float = Field(0.28, ge=0)
+    """Tokens with ratio above 1 + epsHigh are masked out."""
+
+
+class PPOLoss(_LossBase):
+    """Reasoning RL: the ratio is to the trainer's weights at the start of the step, under PPO's
+    clip, plus IcePop on the train/inference ratio as its own mask and weight. The two ratios
+    differ only when a step takes several updates: give the stage `rl.minibatches` > 1."""
+
+    mode: Literal["ppo"]
+    """`ppo`."""
+    eps_low: float = Field(0.2, ge=0, lt=1)
+    """The clip's lower bound: 1 - epsLow."""
+    eps_high: float = Field(0.28, ge=0)
+    """The clip's upper bound: 1 + epsHigh."""
+    dual_clip: float | None = Field(None, gt=1)
+    """Bound the loss of negative-advantage tokens at dualClip * A (dual-clip PPO); null: no
+    bound."""
+    icepop_beta: float | None = Field(2.0, gt=1)
+    """IcePop keeps a token only if pi_train_old / pi_infer is in [1/beta, beta] and weighs it
+    by that ratio; null disables."""
+
+
+LOSS_MODES: dict[str, type[_LossBase]] = {"masked": MaskedLoss, "ppo": PPOLoss}
+"""Each mode's variant, for messages that say which mode a field belongs to."""
+
+
+def _masked_by_default(value: Any) -> Any:
+    # A manifest may leave `mode` out, as it could leave out the old `lossMode`: masked, the
+    # default loss, is meant. The discriminator must be in the input, so it is put there.
+    if isinstance(value, dict) and "mode" not in value:
+        return {**value, "mode": "masked"}
+    return value
+
+
+Loss = Annotated[MaskedLoss | PPOLoss, Field(discriminator="mode"), BeforeValidator(_masked_by_default)]
+
+
+def modes_with(alias: str) -> list[str]:
+    """The loss modes whose variant has a field written `alias` in a manifest."""
+    return [mode for mode, cls in LOSS_MODES.items()
+            if any((f.alias or name) == alias for name, f in cls.model_fields.items())]

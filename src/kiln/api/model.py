@@ -1,0 +1,138 @@
+"""The policy model of a job (`spec.model`): where its checkpoint is, and how Kiln gets it there
+when it is not yet: made locally (`init`, tiny random models) or downloaded from the Hugging
+Face Hub (`hub`). Torch-free, like the rest of the spec."""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from kiln.api.base import Model
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+"""A Hugging Face Hub repository id: `owner/name`."""
+
+#: Where a pod mounts `spec.model.pvc` (the operator sets KILN_MODEL_ROOT to it).
+MODEL_ROOT_ENV = "KILN_MODEL_ROOT"
+
+
+
+class ModelInit(Model):
+    """Create a small random-initialised model locally (tests, quickstart). Nothing is downloaded."""
+
+    arch: Literal["qwen2", "llama", "qwen2_moe", "qwen3", "qwen3_moe"] = "qwen2"
+    """Architecture of the checkpoint written (Hugging Face Qwen2, Llama, Qwen2-MoE, Qwen3 or
+    Qwen3-MoE)."""
+    hidden_size: int = Field(128, ge=8)
+    """Width of the residual stream."""
+    num_layers: int = Field(2, ge=1)
+    """Transformer layers."""
+    num_heads: int = Field(4, ge=1)
+    """Attention heads (must divide hiddenSize)."""
+    num_kv_heads: int = Field(2, ge=1)
+    """Key/value heads (grouped-query attention; must divide numHeads)."""
+    intermediate_size: int = Field(256, ge=8)
+    """Width of the MLP's hidden layer."""
+    vocab_size: int = Field(512, ge=32)
+    """Upper bound on the vocabulary of the tokenizer trained on the job's task sets (a small
+    corpus gives fewer merges); padded only to a multiple of trainer.tensorParallel, since
+    tokens that never occur slow a tiny model's learning."""
+    max_position_embeddings: int = Field(1024, ge=16)
+    """Longest sequence the model supports (prompt, actions and observations together)."""
+    tie_word_embeddings: bool = True
+    """Share the input embedding and the output projection."""
+    seed: int = 0
+    """Seed of the random initialisation (the same seed gives the same weights)."""
+    num_experts: int = Field(8, ge=1, le=4096)
+    """qwen2_moe, qwen3_moe: routed experts per layer."""
+    num_experts_per_tok: int = Field(2, ge=1)
+    """qwen2_moe, qwen3_moe: experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = Field(64, ge=8)
+    """qwen2_moe, qwen3_moe: width of each expert's hidden layer."""
+    shared_expert_intermediate_size: int = Field(128, ge=8)
+    """qwen2_moe: width of the shared expert's hidden layer (Qwen3-MoE has none)."""
+
+    @model_validator(mode="after")
+    def _heads(self) -> ModelInit:
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"numExpertsPerTok ({self.num_experts_per_tok}) must not exceed "
+                             f"numExperts ({self.num_experts})")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hiddenSize ({self.hidden_size}) must be divisible by numHeads ({self.num_heads})"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"numHeads ({self.num_heads}) must be divisible by numKvHeads ({self.num_kv_heads})"
+            )
+        return self
+
+
+class HubModel(Model):
+    """A checkpoint on the Hugging Face Hub, downloaded to `spec.model.path` before the job starts
+    (`kiln prepare-model`: under `kiln run`, and on a cluster as an init container of the
+    trainer and rollout pods). The download resumes where it stopped, is checked against the
+    Hub's checksums, and is skipped when `path` already holds this revision."""
+
+    id: str
+    """Repository id, `owner/name` (e.g. `Qwen/Qwen3-8B`)."""
+    revision: str = "main"
+    """Branch, tag or commit; a commit hash pins the exact weights."""
+    token_secret: str | None = None
+    """On a cluster: a Secret whose key `token` is the Hub token (gated and private models); it
+    reaches the download as HF_TOKEN and nothing else. Locally, HF_TOKEN from the environment."""
+
+    @field_validator("id")
+    @classmethod
+    def _id(cls, value: str) -> str:
+        if not HUB_ID.match(value):
+            raise ValueError(f"{value!r} is not a Hub repository id (expected owner/name)")
+        return value
+
+
+class ModelSpec(Model):
+    """The policy model the job starts from."""
+
+    path: str = Field(min_length=1)
+    """Hugging Face checkpoint directory (config.json + safetensors). On a cluster, a path
+    inside `pvc`; locally, a directory (relative paths are relative to the job file)."""
+    pvc: str | None = None
+    """PersistentVolumeClaim holding the model, mounted read-only at /models."""
+    tokenizer: str | None = None
+    """Tokenizer directory; defaults to `path`."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """Precision of the weights in the trainer and the rollout engines."""
+    init: ModelInit | None = None
+    """If set and `path` holds no checkpoint yet, Kiln creates this model there first."""
+    hub: HubModel | None = None
+    """If set, Kiln downloads this Hub checkpoint to `path` first (on a cluster `path` is then on
+    `pvc`, which the download writes to, or, without one, in each pod's own run volume)."""
+    routing_replay: Literal["off", "record", "replay"] = "replay"
+    """Mixture-of-experts models: `record` has rollout record the experts it chose for every
+    token and the trainer count the tokens whose own routing differs (metric
+    routing_flip_frac); `replay` also makes the trainer's forward use the recorded experts
+    (the router's gate is still trained); `off` records nothing. Ignored for dense models."""
+
+    @model_validator(mode="after")
+    def _source(self) -> ModelSpec:
+        if self.init is not None and self.hub is not None:
+            raise ValueError("init and hub are two ways to get the model: set one")
+        return self
+
+    def local_path(self) -> Path:
+        """Where this process finds the checkpoint: `path`, under the model volume's mount point
+        in a pod that mounts `pvc` (KILN_MODEL_ROOT)."""
+        return self._on_volume(self.path)
+
+    def tokenizer_path(self) -> Path:
+        """Where this process finds the tokenizer (`tokenizer`, default the checkpoint's)."""
+        return self._on_volume(self.tokenizer) if self.tokenizer else self.local_path()
+
+    def _on_volume(self, value: str) -> Path:
+        path, root = Path(value), os.environ.get(MODEL_ROOT_ENV)
+        return Path(root) / path if root and self.pvc and not path.is_absolute() else path
+
+
