@@ -11,7 +11,10 @@ tests/helpers/toolcall_model.py, tool outputs scripted) on one vLLM engine:
 - http: the same requests as plain JSON with aiohttp, which isolates the endpoint from the
   `openai` client's own cost (that client runs in this process, on the same cores).
 Prints one line per path (wall time, calls, mean and p50/p99 latency of a call) and the
-overhead per call of each against the baseline: (mean - baseline mean) / baseline mean.
+overhead per call of each against the baseline: (mean - baseline mean) / baseline mean. Both
+endpoint paths authenticate every call (`Authorization: Bearer`) and open each episode with
+`POST /v1/kiln/episodes` first, as a scaffold must; the last line also gives the cost of the
+key check alone: `GET /v1/models` (authenticated) against `GET /healthz` (not), sequentially.
 
     python benchmarks/openai_endpoint/overhead.py [--episodes 128] [--rounds 2]
 """
@@ -37,11 +40,14 @@ from kiln.episode import EpisodeInfo, Message, StepResult, ToolOutput  # noqa: E
 from kiln.services.rollout.agent import Limits, run_episode  # noqa: E402
 from kiln.services.rollout.engine import EngineSettings, SamplingOptions, start_engine  # noqa: E402
 from kiln.services.rollout.formats import make_format  # noqa: E402
+from kiln.services.rollout.openai_auth import ApiKeys  # noqa: E402
 from kiln.services.rollout.openai_episodes import ExternalEpisodes  # noqa: E402
 from kiln.services.rollout.openai_server import OpenAIServer  # noqa: E402
 from helpers.toolcall_model import BASH, PROMPT, SCRIPT, TOOLS, make_toolcall_model  # noqa: E402
 
 TURNS = 3
+KEY = "bench-key-0123456789abcdef"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 class ScriptEnv:
@@ -96,9 +102,11 @@ async def via_http(base: str, episodes: int, tag: str) -> dict:
     import aiohttp
 
     lat: list[float] = []
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=episodes + 8)) as http:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=episodes + 8),
+                                     headers=AUTH) as http:
         async def one(k: int) -> None:
-            eid = f"{tag}-{k}"
+            async with http.post(f"{base}/kiln/episodes") as resp:
+                eid = (await resp.json())["episode_id"]
             messages: list[dict] = [{"role": "user", "content": PROMPT}]
             for turn in range(TURNS):
                 t = time.perf_counter()
@@ -124,11 +132,11 @@ async def via_http(base: str, episodes: int, tag: str) -> dict:
 async def via_openai(base: str, episodes: int, tag: str) -> dict:
     lat: list[float] = []
     limits = httpx.Limits(max_connections=episodes + 8, max_keepalive_connections=episodes + 8)
-    async with AsyncOpenAI(base_url=base, api_key="unused", max_retries=0,
+    async with AsyncOpenAI(base_url=base, api_key=KEY, max_retries=0,
                            http_client=httpx.AsyncClient(limits=limits, timeout=600)) as client, \
-            httpx.AsyncClient(limits=limits, timeout=600) as http:
+            httpx.AsyncClient(limits=limits, timeout=600, headers=AUTH) as http:
         async def one(k: int) -> None:
-            eid = f"{tag}-{k}"
+            eid = (await http.post(f"{base}/kiln/episodes")).json()["episode_id"]
             messages: list[dict] = [{"role": "user", "content": PROMPT}]
             for turn in range(TURNS):
                 t = time.perf_counter()
@@ -161,7 +169,8 @@ async def main_async(args) -> list[dict]:
         stored.extend(trajs)
 
     server = OpenAIServer(ExternalEpisodes(engine, fmt, sink, max_tokens_per_turn=40,
-                                           max_total_tokens=400), model_name="m", tokenizer=tok)
+                                           max_total_tokens=400), model_name="m", tokenizer=tok,
+                          keys=ApiKeys({KEY: "bench"}))
     port = await server.start()
     base = f"http://127.0.0.1:{port}/v1"
     rows = []
@@ -171,6 +180,7 @@ async def main_async(args) -> list[dict]:
             rows.append(await baseline(engine, fmt, args.episodes))
             rows.append(await via_http(base, args.episodes, f"h{r}"))
             rows.append(await via_openai(base, args.episodes, f"r{r}"))
+        auth_us = await key_check_cost(base)
     finally:
         await server.stop()
         await engine.close()
@@ -182,8 +192,26 @@ async def main_async(args) -> list[dict]:
     print(json.dumps({"episodes": args.episodes, "baseline_mean_ms": round(b, 1),
                       "http_mean_ms": round(h, 1), "http_overhead": round((h - b) / b, 3),
                       "openai_client_mean_ms": round(o, 1), "openai_client_overhead": round((o - b) / b, 3),
-                      "trajectories": len(stored)}))
+                      "trajectories": len(stored), "key_check_us_per_call": auth_us}))
     return rows
+
+
+async def key_check_cost(base: str, n: int = 2000) -> float:
+    """Mean extra microseconds of an authenticated call: GET /v1/models with the key against
+    GET /healthz without one, interleaved, one at a time on one connection."""
+    import aiohttp
+
+    root = base.removesuffix("/v1")
+    spent = {"models": 0.0, "healthz": 0.0}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as http:
+        for i in range(n):
+            for name, url, headers in (("models", f"{base}/models", AUTH),
+                                       ("healthz", f"{root}/healthz", {})):
+                t = time.perf_counter()
+                async with http.get(url, headers=headers) as resp:
+                    await resp.read()
+                spent[name] += time.perf_counter() - t
+    return round((spent["models"] - spent["healthz"]) / n * 1e6, 1)
 
 
 def main() -> None:

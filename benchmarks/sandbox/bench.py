@@ -2,13 +2,16 @@
 
     python benchmarks/sandbox/bench.py [--backends bubblewrap,bubblewrap-tmpfs,docker]
                                        [--starts 40] [--concurrent 64] [--docker-starts 20]
+                                       [--seccomp on|off|both]
 
 Start latency: a fresh sandbox created and its first command (`true`) finished, one at a time;
 p50 and p99 over `--starts` runs (`--docker-starts` for docker). Throughput: `--concurrent`
 sandboxes each running `sleep 1` at once (create, run, destroy), wall time for all of them.
 The docker backend runs against a private podman service started here (or DOCKER_HOST).
 `bubblewrap` makes each workspace a loop-mounted ext4 image (the disk quota), `bubblewrap-tmpfs`
-a tmpfs: side by side, what the disk-backed quota costs a start.
+a tmpfs: side by side, what the disk-backed quota costs a start. `--seccomp both` runs each
+bubblewrap backend with the syscall filter (`+seccomp`) and without it (`-seccomp`), in
+alternating rounds of the same run, so both see the same load.
 
 Targets: bubblewrap p50 <= 50 ms, docker (podman) p50 <= 600 ms, 64 concurrent `sleep 1`
 bubblewrap sandboxes in under 3 s.
@@ -60,23 +63,54 @@ async def concurrent_sleep(config, n: int) -> float:
     return time.perf_counter() - t0
 
 
+def _alternating(backend: str, owner: str, limits, starts: int) -> list[tuple]:
+    """Rows for `backend` with and without the syscall filter, measured in alternating
+    rounds of 5 starts (no throughput test: it would not alternate)."""
+    from kiln.services.sandbox.config import BubblewrapConfig
+    from kiln.services.sandbox.factory import leftovers, reap_orphans
+    fs = "tmpfs" if backend.endswith("tmpfs") else "ext4"
+    configs = {on: BubblewrapConfig(owner=owner, limits=limits, workspace_fs=fs, seccomp=on)
+               for on in (True, False)}
+    got = {on: ([], []) for on in configs}
+    try:
+        for config in configs.values():
+            asyncio.run(start_latency(config, 2))
+        for i in range(0, starts, 5):
+            for on, config in configs.items():
+                ready, first = asyncio.run(start_latency(config, min(5, starts - i)))
+                got[on][0].extend(ready)
+                got[on][1].extend(first)
+        left = leftovers(configs[True])
+    finally:
+        reap_orphans(configs[True])
+    return [(f"{backend}{'+' if on else '-'}seccomp", starts, ready, first, float("nan"), left)
+            for on, (ready, first) in got.items()]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backends", default="bubblewrap,bubblewrap-tmpfs,docker")
     p.add_argument("--starts", type=int, default=40)
     p.add_argument("--docker-starts", type=int, default=20)
-    p.add_argument("--concurrent", type=int, default=64)
+    p.add_argument("--concurrent", type=int, default=64, help="0 skips the throughput test")
+    p.add_argument("--seccomp", choices=("on", "off", "both"), default="on",
+                   help="bubblewrap with the syscall filter, without it, or both side by side")
     args = p.parse_args(argv)
 
     from kiln.services.sandbox.config import (BubblewrapConfig, DockerConfig, SandboxLimits)
     from kiln.services.sandbox.factory import leftovers, reap_orphans
     rows = []
+    filters = {"on": [True], "off": [False], "both": [True, False]}[args.seccomp]
     for backend in args.backends.split(","):
         owner = f"bench-{uuid.uuid4().hex[:6]}"
         limits = SandboxLimits(memory_bytes="256m", pids=64, timeout_seconds=30)
+        if backend in ("bubblewrap", "bubblewrap-tmpfs") and len(filters) == 2:
+            rows += _alternating(backend, owner, limits, args.starts)
+            continue
         if backend in ("bubblewrap", "bubblewrap-tmpfs"):
             fs = "tmpfs" if backend.endswith("tmpfs") else "ext4"
-            config, engine, n = BubblewrapConfig(owner=owner, limits=limits, workspace_fs=fs), \
+            config, engine, n = BubblewrapConfig(owner=owner, limits=limits, workspace_fs=fs,
+                                                 seccomp=filters[0]), \
                 contextlib.nullcontext(None), args.starts
         elif backend == "docker":
             from kiln.services.sandbox.podman_service import LocalEngine
@@ -89,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 asyncio.run(start_latency(config, 2))  # warm caches (image layers, page cache)
                 ready, first = asyncio.run(start_latency(config, n))
-                wall = asyncio.run(concurrent_sleep(config, args.concurrent))
+                wall = (asyncio.run(concurrent_sleep(config, args.concurrent))
+                        if args.concurrent else float("nan"))
                 left = leftovers(config)
             finally:
                 reap_orphans(config)

@@ -6,11 +6,11 @@
 # NVIDIA container toolkit or GPU operator mounts it), so the base stays a plain Python image.
 FROM python:3.11-slim-bookworm
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-# bubblewrap, util-linux (setpriv, mount) and e2fsprogs (the workspace quota's ext4 image): the
-# sandbox service's bubblewrap backend; git: SWE tasks;
+# bubblewrap, libseccomp2 (its syscall filter), util-linux (setpriv, mount) and e2fsprogs (the
+# workspace quota's ext4 image): the sandbox service's bubblewrap backend; git: SWE tasks;
 # gcc and libc headers: Triton compiles each kernel's small C launcher when it first runs.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends bubblewrap util-linux mount e2fsprogs git ca-certificates gcc libc6-dev \
+ && apt-get install -y --no-install-recommends bubblewrap libseccomp2 util-linux mount e2fsprogs git ca-certificates gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 # vLLM's wheel pins the CUDA torch it was built against; every later install keeps that torch.
 RUN pip install vllm==0.32.0 \

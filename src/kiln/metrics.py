@@ -177,6 +177,9 @@ SERIES: dict[str, Metric] = {m.name: m for m in (
     # --- trainer
     _S("checkpoint_seconds", "seconds", "Wall time of writing one trainer checkpoint",
        "kiln_trainer_checkpoint_seconds", "histogram", buckets=SECONDS_BUCKETS + (300,)),
+    _S("nonfinite_steps", "updates", "Optimizer updates skipped because the loss or the gradient "
+       "norm was not finite (reason: loss or grad); never applied",
+       "kiln_trainer_nonfinite_steps_total", "counter", ("stage", "reason")),
     # --- weight sync
     _S("sync_seconds", "seconds", "Publish-to-applied time of one weight version on one replica",
        "kiln_weight_sync_seconds", "histogram", buckets=(0.01,) + SECONDS_BUCKETS),

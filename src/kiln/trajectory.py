@@ -165,8 +165,12 @@ class Trajectory:
                 s and not m for s, m in zip(self.shaping_mask, self.loss_mask))):
             raise ValueError(f"trajectory {self.id}: shaping_mask has {len(self.shaping_mask)} "
                              f"entries, tokens {n}; it must mark generated tokens only")
-        if not math.isfinite(self.shaping_reward):
-            raise ValueError(f"trajectory {self.id}: shaping_reward is {self.shaping_reward}")
+        # A non-finite reward (or part of one) makes the advantages of its group, and the
+        # loss, NaN; `reward` itself is checked below.
+        for name, value in (("shaping_reward", self.shaping_reward),
+                            *((f"reward_parts[{k!r}]", v) for k, v in self.reward_parts.items())):
+            if not math.isfinite(value):
+                raise ValueError(f"trajectory {self.id}: {name} is {value}")
         if self.teacher_logp and len(self.teacher_logp) != n:
             raise ValueError(f"trajectory {self.id}: teacher_logp has {len(self.teacher_logp)} "
                              f"entries, tokens {n}")

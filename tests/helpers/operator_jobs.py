@@ -24,7 +24,7 @@ FULL: dict[str, Any] = {
     **SMALL,
     "model": {"path": "qwen/7b", "pvc": "models"},
     "rollout": {"replicas": 4, "resources": {"cpu": "8", "memory": "64Gi", "gpu": 1},
-                "openaiPort": 8000},
+                "openaiPort": 8000, "openai": {"apiKeySecret": "agents"}},
     "trainer": {"tensorParallel": 2, "dataParallel": 3,
                 "resources": {"cpu": "16", "memory": "128Gi", "gpu": 2},
                 "pod": {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},

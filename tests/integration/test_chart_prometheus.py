@@ -53,7 +53,7 @@ def rules_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_alert_rules_pass_promtool_check(rules_file: Path) -> None:
     out = run(PROMTOOL, "check", "rules", rules_file)
-    assert "SUCCESS: 11 rules found" in out
+    assert "SUCCESS: 12 rules found" in out
 
 
 def _series(name: str, labels: dict[str, str], values: str) -> dict[str, str]:
@@ -116,6 +116,9 @@ def test_alert_rules_fire_for_the_drifting_job_only(rules_file: Path) -> None:
                                             "code": "PERMISSION_DENIED"}, "0+2x40"),
         _series("kiln_rpc_requests_total", {**GOOD, "method": "/kiln.v1.WeightSync/Publish",
                                             "code": "OK"}, "0+2x40"),
+        _series("kiln_trainer_nonfinite_steps_total", {**BAD, "stage": "rl", "reason": "loss"},
+                "0x10 1x30"),
+        _series("kiln_trainer_nonfinite_steps_total", {**GOOD, "stage": "rl", "reason": "loss"}, "0x40"),
     ]
     alerts = ["KilnStalenessNearTau", "KilnTrajectoriesDroppedStale", "KilnRatioMaskFractionHigh",
               "KilnIcePopMaskFractionHigh", "KilnTrainInferenceMismatchHigh", "KilnWeightSyncSlow",
@@ -139,6 +142,11 @@ def test_alert_rules_fire_for_the_drifting_job_only(rules_file: Path) -> None:
         {"exp_labels": {"severity": "critical", "errno": "ENOSPC", **BAD}}]})
     cases.append({"eval_time": "25m", "alertname": "KilnCallersRefused", "exp_alerts": [
         {"exp_labels": {"severity": "warning", "method": "/kiln.v1.WeightSync/Publish", **BAD}}]})
+    # One skipped update fires at once, and clears once it is out of the window.
+    cases.append({"eval_time": "5m", "alertname": "KilnTrainerNonFiniteSteps", "exp_alerts": []})
+    cases.append({"eval_time": "12m", "alertname": "KilnTrainerNonFiniteSteps", "exp_alerts": [
+        {"exp_labels": {"severity": "warning", "stage": "rl", "reason": "loss", **BAD}}]})
+    cases.append({"eval_time": "35m", "alertname": "KilnTrainerNonFiniteSteps", "exp_alerts": []})
     keep = {"KilnRatioMaskFractionHigh", "KilnTrainingStalled"}
     groups = yaml.safe_load(rules_file.read_text())["groups"]
     for group in groups:

@@ -85,7 +85,7 @@ def test_applied_job_trains_to_the_end_through_operator_restart_and_child_deleti
     subprocess.run(up, cwd=tmp_path, check=True, timeout=120)
     pids: set[int] = set()
     try:
-        _kubectl(cluster, "apply", "--validate=false", "-f", str(job))
+        _kubectl(cluster, "apply", "-f", str(job))
         _wait("the trainer in stage sft", lambda: _status(cluster).get("stage") == "sft", 600,
               cluster)
         pids = {int(p) for p in (cluster / "pods.pids").read_text().split()}

@@ -315,6 +315,7 @@ def test_kiln_run_trains_a_swarm_orchestrator_with_frozen_subagents(tmp_path):
     assert not failed, tok.decode(failed[0]["tokens"], skip_special_tokens=False)
     summary = json.loads((run / "summary.json").read_text())
     for key in ("heldout_success_before_rl", "heldout_success_after_rl",
-                "critical_path_steps_before_rl", "critical_path_steps_after_rl"):
+                "critical_path_steps_before_rl", "critical_path_steps_after_rl",
+                "critical_path_steps_after_rl_answered"):
         assert isinstance(summary[key], (int, float)), key
     assert summary["critical_path_steps_before_rl"] >= 1

@@ -1,7 +1,8 @@
 """The OpenAI chat-completions endpoint: the official `openai` client as an agent scaffold.
 
 In-process tests run the server with the plain-transformers engine; the slow test runs
-`kiln serve` (vLLM) as its own process, then trains an RL step on what it recorded.
+`kiln serve` (vLLM) as its own process, then trains an RL step on what it recorded. The probes
+of its door (keys, episode ownership, rewards, limits) are in test_openai_endpoint_probes.py.
 """
 from __future__ import annotations
 
@@ -22,11 +23,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kiln.services.rollout.engine import EngineSettings
 from kiln.services.rollout.formats import make_format
+from kiln.services.rollout.openai_auth import ApiKeys
 from kiln.services.rollout.openai_episodes import ExternalEpisodes
 from kiln.services.rollout.openai_server import OpenAIServer
 from kiln.services.rollout.torch_engine import TorchEngine
 from kiln.trajectory import Trajectory
 from helpers.toolcall_model import PROMPT, SCRIPT, TOOLS, make_toolcall_model
+
+KEY = "test-key-0123456789abcdef"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,11 +52,11 @@ async def _serve(model_dir: Path, scenario):
 
     episodes = ExternalEpisodes(engine, make_format("hermes", tok), sink, max_tokens_per_turn=40,
                                 max_total_tokens=400)
-    server = OpenAIServer(episodes, model_name="tiny", tokenizer=tok)
+    server = OpenAIServer(episodes, model_name="tiny", tokenizer=tok, keys=ApiKeys({KEY: "test"}))
     port = await server.start()
     base = f"http://127.0.0.1:{port}/v1"
     try:
-        async with AsyncOpenAI(base_url=base, api_key="unused", max_retries=0) as client:
+        async with AsyncOpenAI(base_url=base, api_key=KEY, max_retries=0) as client:
             result = await scenario(client, base)
     finally:
         await server.stop()
@@ -80,16 +85,24 @@ async def play(client, episode: str, *, history_edit=None, **kw) -> list:
     return responses
 
 
+async def open_episode(base: str) -> str:
+    async with httpx.AsyncClient() as http:
+        r = await http.post(f"{base}/kiln/episodes", headers=AUTH)
+    assert r.status_code == 201, r.text
+    return r.json()["episode_id"]
+
+
 async def reward(base: str, episode: str, value: float, **extra) -> httpx.Response:
     async with httpx.AsyncClient() as http:
         return await http.post(f"{base}/kiln/episodes/{episode}/reward",
-                               json={"reward": value, **extra})
+                               json={"reward": value, **extra}, headers=AUTH)
 
 
 def test_a_three_turn_tool_episode_is_one_exact_trajectory(model_dir: Path) -> None:
     async def scenario(client, base):
-        responses = await play(client, "ep-1", logprobs=True)
-        r = await reward(base, "ep-1", 1.0, task_id="files", group_id="g", group_size=1)
+        ep = await open_episode(base)
+        responses = await play(client, ep, logprobs=True)
+        r = await reward(base, ep, 1.0, task_id="files", group_id="g", group_size=1)
         return responses, r
 
     (responses, r), stored = asyncio.run(_serve(model_dir, scenario))
@@ -136,8 +149,9 @@ def test_a_rewritten_history_starts_a_new_segment(model_dir: Path) -> None:
         return [{"role": "user", "content": PROMPT}, {"role": "user", "content": "a.txt"}]
 
     async def scenario(client, base):
-        await play(client, "ep-2", history_edit=drop_first_turn)
-        return await reward(base, "ep-2", 0.0)
+        ep = await open_episode(base)
+        await play(client, ep, history_edit=drop_first_turn)
+        return await reward(base, ep, 0.0)
 
     r, stored = asyncio.run(_serve(model_dir, scenario))
     assert r.status_code == 200 and len(r.json()["trajectories"]) == 2
@@ -149,11 +163,12 @@ def test_a_rewritten_history_starts_a_new_segment(model_dir: Path) -> None:
 
 def test_streaming_gives_the_same_message(model_dir: Path) -> None:
     async def scenario(client, base):
+        ep = await open_episode(base)
         stream = await client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": PROMPT}], tools=TOOLS,
-            stream=True, user="ep-3")
+            stream=True, user=ep)
         chunks = [c async for c in stream]
-        return chunks, await reward(base, "ep-3", 1.0)
+        return chunks, await reward(base, ep, 1.0)
 
     (chunks, r), stored = asyncio.run(_serve(model_dir, scenario))
     calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
@@ -165,14 +180,15 @@ def test_streaming_gives_the_same_message(model_dir: Path) -> None:
 def test_bad_requests_name_the_field(model_dir: Path) -> None:
     async def scenario(client, base):
         problems = []
-        for kw in ({}, {"user": "e", "n": 2}, {"user": "e", "stop": ["\n"]},
-                   {"user": "e", "tool_choice": "required"}):
+        e = await open_episode(base)
+        for kw in ({}, {"user": e, "n": 2}, {"user": e, "stop": ["\n"]},
+                   {"user": e, "tool_choice": "required"}):
             try:
                 await client.chat.completions.create(
                     model="tiny", messages=[{"role": "user", "content": PROMPT}], **kw)
             except BadRequestError as exc:
                 problems.append(exc.body["message"])
-        return problems, await reward(base, "never-started", 1.0), await reward(base, "x", "high")
+        return problems, await reward(base, "never-started", 1.0), await reward(base, e, "high")
 
     (problems, unknown, bad), _ = asyncio.run(_serve(model_dir, scenario))
     assert [p.split(":")[0] for p in problems] == ["name the episode", "n", "stop", "tool_choice"]
@@ -185,10 +201,12 @@ def test_kiln_serve_episodes_train_in_an_rl_step(model_dir: Path, tmp_path: Path
     """`kiln serve` (vLLM, its own process): two 3-turn episodes from the openai client, their
     trajectories exact, then one RL step on them."""
     ready, out = tmp_path / "ready.json", tmp_path / "trajectories.jsonl"
+    (tmp_path / "keys").write_text(KEY + "\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "kiln.cli.main", "serve", str(model_dir), "--openai-port", "0",
-         "--ready-file", str(ready), "--trajectories", str(out), "--max-tokens-per-turn", "40"],
+         "--ready-file", str(ready), "--trajectories", str(out), "--max-tokens-per-turn", "40",
+         "--api-key-file", str(tmp_path / "keys")],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 240
@@ -196,14 +214,16 @@ def test_kiln_serve_episodes_train_in_an_rl_step(model_dir: Path, tmp_path: Path
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "timeout"
             time.sleep(0.5)
         base = f"http://127.0.0.1:{json.loads(ready.read_text())['port']}/v1"
-        client = OpenAI(base_url=base, api_key="unused", max_retries=0)
+        client = OpenAI(base_url=base, api_key=KEY, max_retries=0)
         kiln_calls = {}
+        ids = {}
         for ep in ("a", "b"):
+            ids[ep] = httpx.post(f"{base}/kiln/episodes", headers=AUTH).json()["episode_id"]
             messages: list[dict] = [{"role": "user", "content": PROMPT}]
             kiln_calls[ep] = []
             for turn in range(3):
                 resp = client.chat.completions.create(model="m", messages=messages, tools=TOOLS,
-                                                      user=ep)
+                                                      user=ids[ep])
                 kiln_calls[ep].append(resp.model_extra["kiln"])
                 msg = resp.choices[0].message
                 messages.append(msg.model_dump(exclude_none=True, exclude={"refusal", "annotations", "audio"}))
@@ -212,7 +232,7 @@ def test_kiln_serve_episodes_train_in_an_rl_step(model_dir: Path, tmp_path: Path
                 messages += [{"role": "tool", "tool_call_id": c.id, "content": SCRIPT[min(turn, 1)][1]}
                              for c in msg.tool_calls]
             assert len(kiln_calls[ep]) == 3
-            r = httpx.post(f"{base}/kiln/episodes/{ep}/reward",
+            r = httpx.post(f"{base}/kiln/episodes/{ids[ep]}/reward", headers=AUTH,
                            json={"reward": 1.0 if ep == "a" else 0.0, "group_id": "g", "group_size": 2})
             assert r.status_code == 200, r.text
         proc.send_signal(signal.SIGTERM)
@@ -248,10 +268,12 @@ def test_kiln_serve_refuses_what_it_cannot_serve(tmp_path: Path, capsys) -> None
     from kiln.cli.main import main
     from kiln.models.tiny import make_tiny_checkpoint
 
-    assert main(["serve", str(tmp_path), "--openai-port", "0"]) == 2
+    keys = tmp_path / "keys"
+    keys.write_text(KEY + "\n")
+    assert main(["serve", str(tmp_path), "--openai-port", "0", "--api-key-file", str(keys)]) == 2
     assert "holds no config.json" in capsys.readouterr().err
     head16 = make_tiny_checkpoint(tmp_path / "h16", hidden_size=64, num_heads=4, num_kv_heads=2)
     capsys.readouterr()  # the checkpoint writer's progress bar
-    assert main(["serve", str(head16), "--openai-port", "0"]) == 2
+    assert main(["serve", str(head16), "--openai-port", "0", "--api-key-file", str(keys)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "head size 16" in err

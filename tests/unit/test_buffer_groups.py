@@ -35,9 +35,28 @@ def test_pick_groups_oldest_first_and_whole() -> None:
         return g
 
     a, b, c = grp("a", 4, 5, 1), grp("b", 4, 3, 2), grp("c", 2, 5, 0)
-    assert [g.key for g in G.pick_groups([a, b, c], 8)] == ["b", "c"]  # b oldest; a does not fit
+    # b is oldest; then c would leave room for nothing ready, so a, which fills the batch.
+    assert [g.key for g in G.pick_groups([a, b, c], 8)] == ["b", "a"]
     assert [g.key for g in G.pick_groups([a, b, c], 10)] == ["b", "c", "a"]
+    assert [g.key for g in G.pick_groups([a, b, c], 7)] == ["b", "c"]  # no exact fill: greedy
     assert G.pick_groups([a], 3) == []
+
+
+def test_a_small_group_at_the_head_does_not_wedge_batches() -> None:
+    """A group of 2 ahead of groups of 8 (a stage with groupSize 8): the greedy pick would take
+    it and never fill a batch of 16; the exact pick serves the groups of 8 and leaves it."""
+    head = G.Group("small", 2, 0)
+    head.members = [G.Entry(f"s{i}", "small", 0, b"") for i in range(2)]
+    eights = []
+    for k in range(1, 5):
+        g = G.Group(f"g{k}", 8, k)
+        g.members = [G.Entry(f"g{k}-{i}", g.key, 1, b"") for i in range(8)]
+        eights.append(g)
+    assert [g.key for g in G.pick_groups([head, *eights], 16)] == ["g1", "g2"]
+    # A partner for it makes it servable again, oldest first.
+    pair = G.Group("pair", 6, 9)
+    pair.members = [G.Entry(f"p{i}", "pair", 0, b"") for i in range(6)]
+    assert [g.key for g in G.pick_groups([head, pair, *eights], 16)] == ["small", "pair", "g1"]
 
 
 def test_a_group_is_served_once_complete_and_as_it_was_put(tmp_path: Path) -> None:
@@ -147,9 +166,24 @@ def test_per_put_group_size(tmp_path: Path) -> None:
     buf = _open(tmp_path, group_size=4)
     buf.put(synthetic_group("pair", 2), group_size=2)
     assert len(buf.try_get_batch(2, 0).trajectories) == 2
-    with pytest.raises(ValueError, match="whole groups"):
-        buf.put(synthetic_group("quad", 4))
-        buf.try_get_batch(2, 0)
+    # A group larger than the batch can never be served: it is dropped, not left to stop the
+    # groups behind it.
+    buf.put(synthetic_group("quad", 4))
+    buf.put(synthetic_group("pair2", 2), group_size=2)
+    assert [t.group_id for t in buf.try_get_batch(2, 0).trajectories] == ["pair2", "pair2"]
+    assert buf.status().dropped_other == 4
+    buf.close()
+
+
+def test_the_wedge_a_group_of_2_ahead_of_groups_of_8(tmp_path: Path) -> None:
+    """A reward call of group_size 2 during a stage with groupSize 8 used to stop training: the
+    buffer took the pair first and never filled a batch of 16."""
+    buf = _open(tmp_path, group_size=8)
+    buf.put(synthetic_group("pair", 2), group_size=2)
+    for k in range(4):
+        buf.put(synthetic_group(f"g{k}", 8))
+    served = [buf.get_batch(16, 0, timeout=1.0) for _ in range(2)]
+    assert [sorted({t.group_id for t in b.trajectories}) for b in served] == [["g0", "g1"], ["g2", "g3"]]
     buf.close()
 
 

@@ -192,6 +192,22 @@ def test_corrupt_segment_refuses_to_open(tmp_path: Path) -> None:
         TrajectoryStore.open(tmp_path)
 
 
+def test_a_torn_record_in_a_segment_that_is_not_the_last_is_damage(tmp_path: Path) -> None:
+    """Every segment but the last was fsync'd whole before the next was created, so a torn
+    tail there is not a crash mid-write but lost acknowledged data: the store refuses to open
+    and cuts nothing (truncating would drop "b" silently)."""
+    store, _ = TrajectoryStore.open(tmp_path, segment_bytes=1)  # one Put per segment
+    store.append([_rec("a"), _rec("b")])
+    store.append([_rec("c")])
+    first, last = store.segment_files()
+    store.close()
+    torn = first.read_bytes()[:-7]  # "b" loses its last bytes, as a torn write would leave it
+    first.write_bytes(torn)
+    with pytest.raises(records.CorruptLog, match="not the last"):
+        TrajectoryStore.open(tmp_path, segment_bytes=1)
+    assert first.read_bytes() == torn and last.stat().st_size > 0  # nothing repaired away
+
+
 def test_fully_consumed_segments_are_deleted(tmp_path: Path) -> None:
     store, _ = TrajectoryStore.open(tmp_path, segment_bytes=1)  # one Put per segment
     for i in range(4):

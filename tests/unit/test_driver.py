@@ -193,3 +193,24 @@ def test_a_service_down_during_a_call_is_restarted_and_given_its_orders(tmp_path
     assert supervised == ["trainer"]
     assert [e["services"] for e in events if e.get("event") == "restart"] == [["trainer"]]
     assert trainer.orders.count("sft") == 2 and trainer.steps == {"sft": 5, "rl": 2}
+
+
+def test_a_stage_the_trainer_failed_ends_the_run_with_the_reason(tmp_path: Path) -> None:
+    """A trainer that reports its stage failed ends the run (an error naming the stage and the
+    trainer's reason), with that stage not recorded done: a rerun starts it again."""
+    import dataclasses
+
+    class Failing(FakeTrainer):
+        def status(self) -> TrainerStatus:
+            s = super().status()
+            if self.stage == "rl" and self.steps.get("rl", 0) >= 1:
+                return dataclasses.replace(s, stage_done=False, stage_failed=True,
+                                           message="loss is nan")
+            return s
+
+    trainer = Failing()
+    calls = iter(range(10 ** 6))
+    with pytest.raises(RuntimeError, match="trainer failed in stage rl: loss is nan"):
+        # A driver deaf to the failure would poll forever: stop it after a while.
+        _driver(tmp_path, trainer, FakeRollout(trainer), should_stop=lambda: next(calls) > 500).run()
+    assert RunState.load(FileStore(tmp_path / "state.json")).finished_stages == ["sft"]

@@ -110,6 +110,17 @@ def test_the_openai_endpoint_gets_a_container_and_service_port_only_when_asked()
     for data, want in ((FULL, [8000]), (SMALL, [])):
         objs = children.desired_children(JOB, spec(data))
         pod = workload(objs, "rollout")["spec"]["template"]["spec"]
+        # The API keys: the job's Secret, mounted into the rollout container alone.
+        keys = [v for v in pod["volumes"] if v["name"] == "openai-keys"]
+        assert keys == ([{"name": "openai-keys", "secret": {"secretName": "agents", "defaultMode": 0o440}}]
+                        if want else [])
+        env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+        assert (env.get("KILN_OPENAI_API_KEYS"), env.get("KILN_OPENAI_HOST")) == (
+            ("/etc/kiln/openai-keys", "0.0.0.0") if want else (None, None))
+        for c in COMPONENTS:
+            if c != "rollout":
+                other = workload(objs, c)["spec"]["template"]["spec"]
+                assert all(v["name"] != "openai-keys" for v in other["volumes"])
         ports = [p["containerPort"] for p in pod["containers"][0]["ports"] if p["name"] == "openai"]
         service = by_name(objs)["Service/demo-rollout"]["spec"]["ports"]
         assert ports == want and [p["port"] for p in service if p["name"] == "openai"] == want
@@ -238,7 +249,17 @@ def test_network_policies_admit_only_each_components_clients() -> None:
     assert trainer["podSelector"]["matchExpressions"][0]["values"] == ["trainer", "trainer-replica"]
     assert {"from": [{"podSelector": trainer["podSelector"]}]} in trainer["ingress"]  # rank to rank
     rollout = objs["NetworkPolicy/demo-rollout"]["spec"]["ingress"]
-    assert {"ports": [{"port": 8000, "protocol": "TCP"}]} in rollout  # the OpenAI endpoint
+    # The OpenAI endpoint: by default only the namespace's pods labelled as its clients.
+    assert {"from": [{"podSelector": {"matchLabels": {"kiln.dev/openai-client": "true"}}}],
+            "ports": [{"port": 8000, "protocol": "TCP"}]} in rollout
+    assert all("from" in r for r in rollout if 8000 in [p["port"] for p in r.get("ports", [])])
+    named = by_name(children.desired_children(JOB, spec(FULL, rollout__openai__allowedPeers=[
+        {"cidr": "10.1.0.0/16"}, {"podLabels": {"app": "agents"}, "namespaceLabels": {"team": "a"}}])))
+    (rule,) = [r for r in named["NetworkPolicy/demo-rollout"]["spec"]["ingress"]
+               if r["ports"] == [{"port": 8000, "protocol": "TCP"}]]
+    assert rule["from"] == [{"ipBlock": {"cidr": "10.1.0.0/16"}},
+                            {"namespaceSelector": {"matchLabels": {"team": "a"}},
+                             "podSelector": {"matchLabels": {"app": "agents"}}}]
 
 
 def test_sandbox_pod_privileges_and_runtime_class() -> None:

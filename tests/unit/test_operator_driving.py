@@ -48,10 +48,16 @@ def test_run_state_round_trips_through_the_status_in_camel_case() -> None:
     assert kube.status["finishedStages"] == ["sft"]
     assert kube.status["evaluations"]["rl/before/h"] == {
         "policyVersion": 3, "tasks": 8, "greedySuccess": 0.25, "sampledSuccess": 0.5,
-        "seconds": 1.5, "criticalPathSteps": 17.0}
+        "seconds": 1.5, "criticalPathSteps": 17.0, "criticalPathStepsAnswered": 0.0}
+    # A guarded stage's selected checkpoint, and why, goes to status.selections.
+    state.selections["rl"] = {"step": 10, "reason": "stopped on regression", "stopped": True}
+    state.save()
+    assert kube.status["selections"] == {"rl": {"step": 10, "reason": "stopped on regression",
+                                                "stopped": True}}
     again = RunState.load(StatusStore(kube, JOB, lambda: kube.status))
     assert again.finished_stages == ["sft"]
     assert again.evaluations["rl/before/h"]["greedy_success"] == 0.25
+    assert again.selections == state.selections
 
 
 def test_address_map_wins_over_the_template_and_is_reread(tmp_path: Path) -> None:
@@ -120,3 +126,72 @@ def test_a_hub_model_is_downloaded_onto_the_model_volume_with_the_secrets_token(
     assert "initContainers" not in pod
     (volume,) = [v for v in pod["volumes"] if v["name"] == "model"]
     assert volume["persistentVolumeClaim"]["readOnly"] is True
+
+
+class FailingControls:
+    """The job's services as the driver sees them through `Controls`: a trainer that fails in
+    its first stage after `steps` polls, a rollout at its version, a buffer."""
+
+    def __init__(self, steps: int = 2) -> None:
+        from kiln.control import RolloutStatus, TrainerStatus
+
+        self.closed, self.polls, self.stage = False, 0, ""
+        controls = self
+
+        class Trainer:
+            def start_stage(self, name: str):
+                controls.stage = name
+                return self.status()
+
+            def status(self):
+                controls.polls += 1
+                failed = bool(controls.stage) and controls.polls > steps
+                return TrainerStatus(policy_version=0, stage=controls.stage, stage_failed=failed,
+                                     message="CUDA error: out of memory" if failed else "")
+
+        class Rollout:
+            def status(self):
+                return RolloutStatus()
+
+            def set_mode(self, mode):
+                return RolloutStatus(mode.mode, mode.stage)
+
+            def serving(self) -> int:
+                return 1
+
+        class Buffer:
+            def status(self):
+                from helpers.fakes import FakeBufferStatus
+                return FakeBufferStatus()
+
+        self.trainer, self.rollout, self.buffer = Trainer(), Rollout(), Buffer()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_stage_the_trainer_failed_makes_the_job_failed_with_the_reason(monkeypatch) -> None:
+    """The operator's driving loop on a job whose trainer reports its stage failed: the RLJob's
+    phase becomes Failed (not left Running, which nothing would ever change), the reason is in
+    the message and the Driving condition, no stage is recorded done, and the clients close."""
+    import threading
+
+    from kiln.operator import driving
+
+    kube = StatusKube()
+    kube.status = {"phase": "Running", "conditions": [
+        {"type": "Driving", "status": "True", "reason": "Driving", "message": "",
+         "lastTransitionTime": "2020-01-01T00:00:00Z"}]}
+    controls = FailingControls()
+    monkeypatch.setattr(driving.Controls, "open", classmethod(lambda cls, *a, **k: controls))
+    outcome = driving.drive(_job(False), JOB, kube, lambda component: "unused:0",
+                            lambda: kube.status, threading.Event(),
+                            lambda: controls.polls > 200,  # a driver deaf to the failure stops
+                            poll_seconds=0.0)
+    assert outcome == "failed"
+    assert kube.status["phase"] == "Failed"
+    assert kube.status["message"] == "driver: trainer failed in stage rl: CUDA error: out of memory"
+    (driving_condition,) = [c for c in kube.status["conditions"] if c["type"] == "Driving"]
+    assert (driving_condition["status"], driving_condition["reason"]) == ("False", "StageFailed")
+    assert "CUDA error: out of memory" in driving_condition["message"]
+    assert not kube.status.get("finishedStages") and controls.closed

@@ -137,3 +137,13 @@ def test_operator_admits_sandboxes_only_where_the_admin_allows() -> None:
     swarm = spec({**SMALL, "sandbox": {"replicas": 0}, "stages": [{**SMALL["stages"][0], "swarm": {
         "subagents": "/models/subagents"}}]})
     assert OperatorConfig().refusals(opd) == OperatorConfig().refusals(swarm) == []
+
+
+def test_an_openai_endpoint_without_an_api_key_secret_is_refused() -> None:
+    from kiln.operator.config import OperatorConfig
+    bare = spec({**SMALL, "sandbox": {"replicas": 0}, "rollout": {"openaiPort": 8000}})
+    (why,) = OperatorConfig().refusals(bare)
+    assert "apiKeySecret" in why
+    keyed = spec({**SMALL, "sandbox": {"replicas": 0},
+                  "rollout": {"openaiPort": 8000, "openai": {"apiKeySecret": "agents"}}})
+    assert OperatorConfig().refusals(keyed) == []

@@ -98,3 +98,33 @@ def test_teacher_scoring_cost_per_distillation_stage() -> None:
     assert teacher_scoring(job, recs) == {"opd": {"wait_seconds": 6.25, "tokens_scored": 12000,
                                                    "tokens_generated": 3000,
                                                    "stage_wall_seconds": 30.0}}
+
+
+def test_summary_of_a_guarded_swarm_stage(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from kiln.api.spec import RLJob
+    from kiln.cli.local.report import write_summary
+
+    job = RLJob.model_validate({
+        "apiVersion": "kiln.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "swarm"},
+        "spec": {"model": {"path": "m"},
+                 "tasks": [{"name": "w", "env": "wide", "generate": {"count": 4}},
+                           {"name": "h", "env": "wide", "generate": {"count": 4, "split": "heldout"}}],
+                 "stages": [{"name": "sft", "type": "sft", "tasks": ["w"]},
+                            {"name": "swarm", "type": "rl", "tasks": ["w"], "swarm": {"subagents": "sft"},
+                             "eval": {"tasks": ["h"], "every": 5, "select": {}}}]}})
+
+    def ev(greedy: float, path: float, answered: float) -> dict:
+        return {"policy_version": 1, "tasks": 4, "greedy_success": greedy, "sampled_success": 0.1,
+                "seconds": 1.0, "critical_path_steps": path, "critical_path_steps_answered": answered}
+
+    state = SimpleNamespace(
+        evaluations={"swarm/before/h": ev(1.0, 17.0, 17.0), "swarm/after/h": ev(0.0, 9.0, 0.0)},
+        selections={"swarm": {"step": 5, "reason": "highest greedy_success", "stopped": False}})
+    summary = write_summary(job, tmp_path, state, wall_seconds=1.0)
+    # Every episode ran out of turns: the all-episodes path "halved", the answered-only one says none answered.
+    assert summary["critical_path_steps_after_rl"] == 9.0
+    assert summary["critical_path_steps_after_rl_answered"] == 0.0
+    assert summary["critical_path_steps_before_rl_answered"] == 17.0
+    assert summary["selections"] == state.selections

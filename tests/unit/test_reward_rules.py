@@ -77,3 +77,31 @@ def test_episode_grade_carries_the_rules(tmp_path: Path) -> None:
     assert (garbled.reward_parts["rule/digits"], garbled.reward_parts["rule/form"]) == (0.0, 0.0)
     wrong = asyncio.run(play(Action(content="no")))
     assert wrong.reward == pytest.approx(0.0 + 0.0 + 0.2)
+
+
+def test_a_backtracking_regex_times_out_off_the_event_loop(monkeypatch) -> None:
+    """`^(a|aa)+$` against 60 a's and a b backtracks for hours: the rule scores 0 after its
+    time limit, the grade says so, and the event loop keeps running meanwhile."""
+    from kiln.services.sandbox import rules as rules_mod
+    monkeypatch.setattr(rules_mod, "REGEX_TIMEOUT_S", 0.3)
+    rules = RewardRules(rules=[RewardRule(name="evil", regex=r"^(a|aa)+$", weight=1.0),
+                               RewardRule(name="ok", regex=r"b$", weight=1.0)])
+
+    async def go():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        t = asyncio.ensure_future(ticker())
+        grade = await asyncio.to_thread(apply_rules, rules, Grade(1.0), "a" * 60 + "b", True)
+        t.cancel()
+        return grade, ticks
+
+    grade, ticks = asyncio.run(go())
+    assert grade.parts["rule/evil"] == 0.0 and grade.parts["rule/ok"] == 1.0
+    assert rules_mod.RULE_TIMEOUT_FLAG in grade.flags
+    assert ticks >= 10  # ~30 expected in 0.3 s; a held GIL would give 0 or 1

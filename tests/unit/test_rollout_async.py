@@ -1,6 +1,7 @@
 """Asynchronous rollout's scheduling, on a scripted engine and environment whose timings the
 test sets: admission by engine occupancy, the engine's idle time, episodes stopped once their
-group is beyond tau, and the sandbox's added tool latency (which runs real sandboxes)."""
+group is beyond tau (on an engine whose version advances with each generation, so the boundary is
+exact), and the sandbox's added tool latency (which runs real sandboxes)."""
 from __future__ import annotations
 
 import asyncio
@@ -151,35 +152,98 @@ def test_without_a_target_the_episode_cap_is_what_bounds_rollout():
     assert env.max_open <= 4
 
 
+class TimedEngine(SlowEngine):
+    """Keeps how long it had a generation in progress, as measured from inside."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(seconds)
+        self.busy, self._since = 0.0, 0.0
+
+    async def generate(self, prompt, sampling):
+        if self.generating == 0:
+            self._since = time.monotonic()
+        try:
+            return await super().generate(prompt, sampling)
+        finally:
+            if self.generating == 0:
+                self.busy += time.monotonic() - self._since
+
+
 def test_engine_idle_time_is_counted_while_episodes_wait():
-    engine, env = SlowEngine(0.01), SlowEnv(0.3, turns=2)
-    p, _ = producer(engine, env, max_concurrent=2)
+    """The idle counter adds up the time the engine had no generation in progress, whatever
+    the machine's load makes of the run's timings. Two episodes that generate 10 ms and then
+    wait 300 ms: the engine is idle most of the time."""
+    engine, env = TimedEngine(0.01), SlowEnv(0.3, turns=2)
     before = metrics.ROLLOUT_ENGINE_IDLE._value.get()
+    t0 = time.monotonic()
+    p, _ = producer(engine, env, max_concurrent=2)
     asyncio.run(run_for(p, explore(group=2), 1.5))
+    p.engine.flush_idle()
+    wall = time.monotonic() - t0
     idle = metrics.ROLLOUT_ENGINE_IDLE._value.get() - before
-    # Two episodes that generate 10 ms and then wait 300 ms: the engine is idle most of the time.
-    assert 0.9 < idle < 1.6, idle
+    assert engine.busy > 0
+    assert idle == pytest.approx(wall - engine.busy, abs=0.05), (idle, wall, engine.busy)
+    assert idle > wall / 2, (idle, wall)
 
 
-def test_groups_beyond_tau_are_stopped_and_never_shipped():
-    """The version advances every 0.1 s; episodes of 8 turns take about 0.5 s. With tau 1 the
-    groups that outlive it are stopped early, and nothing shipped is more than tau old."""
-    engine, env = SlowEngine(0.01), SlowEnv(0.05, turns=8)
-    p, buffer = producer(engine, env, max_concurrent=8)
-    last = [time.monotonic()]
+class PublishingEngine(SlowEngine):
+    """A trainer that publishes after every generation: each generation samples one version
+    later than the one before, so an episode's k-th generation is k versions newer than its
+    first, whatever the machine's speed."""
 
-    def bump():
-        if time.monotonic() - last[0] >= 0.1:
-            engine.policy_version += 1
-            last[0] = time.monotonic()
+    def __init__(self) -> None:
+        super().__init__(0.0)
 
-    asyncio.run(run_for(p, explore(group=2, tau=1), 2.0, during=bump))
-    assert p.stopped_stale > 0
-    for version, t in buffer.shipped:
-        assert version - t.oldest_version <= 1
-    # Stopped episodes end well before their eighth turn: the environment saw fewer steps
-    # than 8 per episode on average.
-    assert statistics.mean(env.actions.values()) < 8
+    async def generate(self, prompt, sampling):
+        gen = await super().generate(prompt, sampling)
+        self.policy_version += 1
+        return gen
+
+
+class ClosingEnv(SlowEnv):
+    """Keeps how many steps each episode had taken when it was closed, in order."""
+
+    def __init__(self, turns: int) -> None:
+        super().__init__(0.0, turns)
+        self.closed: list[int] = []
+
+    async def close(self, episode_id):
+        self.closed.append(self.actions[episode_id])
+        await super().close(episode_id)
+
+
+async def run_until(p: Producer, mode: Mode, done, timeout: float = 10.0) -> None:
+    p.start()
+    p.set_mode(mode)
+    deadline = time.monotonic() + timeout
+    try:
+        while not done() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+    finally:
+        await p.stop()
+
+
+@pytest.mark.parametrize("tau", [0, 1, 3])
+def test_an_episode_stops_once_its_group_is_more_than_tau_behind(tau: int):
+    """An episode whose first tokens are exactly tau versions old still generates; once they
+    are tau + 1 old it stops, before that generation: tau + 1 generations in all."""
+    engine, env = PublishingEngine(), ClosingEnv(turns=50)
+    p, buffer = producer(engine, env, max_concurrent=1)
+    asyncio.run(run_until(p, explore(group=1, tau=tau), lambda: p.stopped_stale >= 2))
+    assert p.stopped_stale >= 2 and not buffer.shipped
+    assert env.closed[:2] == [tau + 1, tau + 1]
+
+
+@pytest.mark.parametrize("tau", [0, 1, 3])
+def test_an_episode_exactly_tau_old_at_its_last_generation_is_shipped(tau: int):
+    """Episodes of tau + 1 turns end just in time: shipped, with tokens spanning exactly tau
+    versions, and none stopped."""
+    engine, env = PublishingEngine(), ClosingEnv(turns=tau + 1)
+    p, buffer = producer(engine, env, max_concurrent=1)
+    asyncio.run(run_until(p, explore(group=1, tau=tau), lambda: len(buffer.shipped) >= 2))
+    assert len(buffer.shipped) >= 2 and p.stopped_stale == 0
+    for _, t in buffer.shipped:
+        assert t.newest_version - t.oldest_version == tau
 
 
 def test_synchronous_batches_are_never_stopped_for_staleness():

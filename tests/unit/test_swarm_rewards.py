@@ -111,6 +111,38 @@ def test_the_shaping_terms_are_credited_to_the_assignments_that_started_subagent
         RLJob.model_validate(doc)
 
 
+def test_the_stage_pays_annealed_lambdas_as_its_steps_go_by(manager, tok):
+    """The producer plays each training episode with PARL's weights where the stage's schedule
+    puts them at the step it is at (its policy version less the stage's first): both lambdas
+    at full weight until annealStart, then falling linearly to 0 at annealEnd, and the reward
+    paid with those weights. Without annealEnd they reach 0 at the stage's maxSteps."""
+    from kiln.services.rollout.producer import EXPLORE, Mode
+
+    doc = job_doc(subagents="subagents", lambdaParallel=0.2, lambdaFinish=0.4, annealStart=2,
+                  annealEnd=6)
+    engine = Scripted(tok, orchestrator(["<call>assign 1</call>", "<call>wait all</call>",
+                                         "<answer>0</answer>"]), version=10)
+    producer = swarm_producer(manager, tok, engine, RLJob.model_validate(doc).spec.stages[1].swarm)
+    producer.set_mode(Mode(EXPLORE, "swarm", [("wide", 4)], 1))  # the stage starts at version 10
+    paid = {}
+    for step in (2, 4, 6):
+        engine.policy_version = 10 + step
+        t = asyncio.run(producer._episode("swarm", rescore=True, task_set="wide", index=0,
+                                          sampling=SamplingOptions(), limits=EPISODE))[0]
+        parts = t.reward_parts
+        assert parts["parl/finish"] == 1.0  # one subagent asked for, one done
+        assert t.reward == pytest.approx(parts["parl/lambda_parallel"] * parts["parl/parallel"]
+                                         + parts["parl/lambda_finish"] + parts["parl/perf"])
+        paid[step] = (parts["parl/lambda_parallel"], parts["parl/lambda_finish"])
+    assert [paid[s] for s in sorted(paid)] == [pytest.approx(w) for w in (
+        (0.2, 0.4), (0.1, 0.2), (0.0, 0.0))]
+    from kiln.services.rollout.swarm_run import SwarmRun
+    until_the_end = RLJob.model_validate(job_doc(subagents="subagents", lambdaFinish=0.4,
+                                                 annealStart=2)).spec.stages[1].swarm
+    assert [SwarmRun(until_the_end, None, max_steps=10).parl(s).lambda_finish
+            for s in (2, 6, 10)] == pytest.approx([0.4, 0.2, 0.0])
+
+
 def test_parl_reward_and_annealing_by_hand():
     parl = Parl(lambda_parallel=0.4, lambda_finish=0.2, target=4)
     parts = parl.reward(r_perf=1.0, peak=2, assigned=4, finished=3)

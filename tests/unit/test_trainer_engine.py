@@ -12,7 +12,7 @@ from prometheus_client import REGISTRY
 from kiln.api.loss import MaskedLoss, PPOLoss
 from kiln.models.tiny import make_tiny_checkpoint
 from kiln.services.trainer.checkpoint import list_checkpoints
-from kiln.services.trainer.config import OptimizerConfig, TrainerConfig
+from kiln.services.trainer.config import OptimizerConfig, RLTerms, TrainerConfig
 from kiln.services.trainer.engine import TrainerEngine
 from kiln.trajectory import Trajectory, VersionSpan
 
@@ -204,6 +204,27 @@ def test_opd_trajectories_use_teacher_advantage(model_dir: Path) -> None:
     engine.step(batch)
     after = _mean_logp(engine, batch)
     assert after[0] > before[0] and after[1] > before[1]
+
+
+def test_the_task_reward_weight_reaches_a_distilled_step(model_dir: Path) -> None:
+    """`rl.taskRewardWeight` weighs the task advantage of sequences that carry a teacher's
+    log-probs, in the engine's own step: with a teacher that agrees with the student (no
+    distillation signal) and one group rewarded +1/-1, weight 0 trains nothing, and the
+    gradient grows with the weight (the advantage is linear in it, the ratio 1 on-policy)."""
+    norms, moved = {}, {}
+    for weight in (0.0, 0.5, 1.0):
+        engine = TrainerEngine(_config(model_dir, loss=MaskedLoss(eps_low=0.9, eps_high=10.0),
+                                       terms=RLTerms(task_reward_weight=weight)))
+        batch = _trajectories(engine, n=2)
+        for t in batch:
+            t.teacher_logp = list(t.logp_infer)
+        before = _mean_logp(engine, batch)
+        norms[weight] = engine.step(batch).grad_norm
+        moved[weight] = [a - b for a, b in zip(_mean_logp(engine, batch), before)]
+    assert norms[1.0] > 1e-3
+    assert norms[0.0] < 1e-3 * norms[1.0]
+    assert norms[0.5] == pytest.approx(0.5 * norms[1.0], rel=0.05)
+    assert moved[1.0][0] > 0 > moved[1.0][1]  # rewarded +1 up, -1 down
 
 
 def test_a_shaping_reward_credited_by_turn_trains_only_the_tokens_that_earned_it(model_dir: Path) -> None:

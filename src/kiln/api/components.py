@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from kiln.api.base import Model
+from kiln.api.openai_endpoint import OpenAIEndpointSpec
 from kiln.api.sampling import VLLM_MAX_TEMPERATURE, SamplingSpec
 from kiln.api.scheduling import PodSettings
 
@@ -123,6 +124,8 @@ class RolloutSpec(Model):
     """Also serve the OpenAI chat-completions API on this port, so that an outside agent
     scaffold can play episodes with the policy (each request names its episode; a reward call
     ends it and its trajectories go to the buffer). Unset: not served."""
+    openai: OpenAIEndpointSpec = Field(default_factory=OpenAIEndpointSpec)
+    """API keys, admitted peers, reward range and limits of that endpoint."""
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     """Sampling settings of training episodes (evaluation adds one greedy attempt)."""
     resources: Resources = Field(default_factory=Resources)

@@ -98,7 +98,8 @@ class ModelSpec(Model):
 
     path: str = Field(min_length=1)
     """Hugging Face checkpoint directory (config.json + safetensors). On a cluster, a path
-    inside `pvc`; locally, a directory (relative paths are relative to the job file)."""
+    inside `pvc`; locally, a directory (a relative path is relative to the working directory,
+    where `kiln run` keeps its runs)."""
     pvc: str | None = None
     """PersistentVolumeClaim holding the model, mounted read-only at /models."""
     tokenizer: str | None = None

@@ -18,6 +18,7 @@ from kiln.api.components import (BufferSpec, CheckpointSpec, Model, Quantity, Re
                                  RolloutSpec, SamplingSpec, SandboxSpec, StorageSpec, TeacherSpec,
                                  ToolLatency, TrackingSpec, TrainerSpec, WandbSpec, WeightSyncSpec)
 from kiln.api.distillation import teacher_problems
+from kiln.api.guard import RegressionSpec, SelectSpec, guard_problems
 from kiln.api.model import HubModel, ModelInit, ModelSpec
 from kiln.api.rewards import RewardRules
 from kiln.api.rl import RLSettings
@@ -90,7 +91,8 @@ class TaskSetSpec(_Model):
     `lookup`, the terminal quickstart's; `terminal`, `swe`, `search`, `code`), or a user's
     `{plugin: "module:Class"}`. It fixes the prompt, the tools offered and the grade."""
     path: str | None = None
-    """JSONL file of task records (format per environment, see the README)."""
+    """JSONL file of task records (format per environment, see the README); locally, a
+    relative path is relative to the job file's folder."""
     generate: TaskGenerator | None = None
     """Generate tasks instead of reading `path` (built-in `chain` and `lookup` only)."""
     reward: PluginRef | None = None
@@ -122,7 +124,8 @@ class TaskSetSpec(_Model):
 
 
 class EvalSpec(_Model):
-    """Held-out evaluation of a stage: greedy and sampled success before and after it."""
+    """Held-out evaluation of a stage: greedy and sampled success before and after it, and in an
+    RL stage the guard rails (`every`, `select`, `stopOnRegression`; `kiln.api.guard`)."""
 
     tasks: list[str] = Field(default_factory=list)
     """Held-out task sets evaluated before the stage and after it."""
@@ -131,6 +134,17 @@ class EvalSpec(_Model):
     before: bool = True
     """Also evaluate before the stage (false: after it only, e.g. when every stage of a chain
     is evaluated and the previous stage's "after" is this one's "before")."""
+    every: int | None = Field(None, ge=1)
+    """RL stages: also evaluate every this many optimizer steps inside the stage (the trainer
+    waits at that step, with its weights published and checkpointed, until it is done)."""
+    select: SelectSpec | None = None
+    """RL stages: end the stage with the evaluated checkpoint of the best score (the step before
+    the stage, if evaluated, every `every` steps, and the last), not necessarily its last step:
+    the stage's export, the next stage and final-hf start from it."""
+    stop_on_regression: RegressionSpec | None = None
+    """RL stages: stop early, rolled back to the best checkpoint (by `select`, else by this
+    rule's metric), once the score has fallen `drop` below its best for `patience` evaluations
+    in a row."""
 
 
 class _StageBase(_Model):
@@ -275,7 +289,7 @@ class RLJobSpec(_Model):
         if self.rollout.sampling.tool_choice_temperature is not None and self.trainer.tensor_parallel > 1:
             raise ValueError("rollout.sampling.toolChoiceTemperature needs trainer.tensorParallel 1 "
                              "(a tool choice's log-softmax takes the whole vocabulary on one rank)")
-        problems = teacher_problems(self) + swarm_problems(self)
+        problems = teacher_problems(self) + swarm_problems(self) + guard_problems(self)
         if problems:
             raise ValueError(problems[0])
         return self

@@ -42,6 +42,19 @@ class EvaluationResult(Model):
     """How long the evaluation took."""
     critical_path_steps: float = 0.0
     """Agent swarm task sets: mean critical-path steps per episode (0 for others)."""
+    critical_path_steps_answered: float = 0.0
+    """The same over the episodes that answered only (0 if none did)."""
+
+
+class CheckpointSelection(Model):
+    """The checkpoint a guarded RL stage ended with (`eval.select`, `eval.stopOnRegression`)."""
+
+    step: int = 0
+    """The stage step whose weights the stage ended with (0: those it started from)."""
+    reason: str = ""
+    """Why that step."""
+    stopped: bool = False
+    """The stage was stopped early on a regression and rolled back."""
 
 
 class RLJobStatus(Model):
@@ -70,7 +83,10 @@ class RLJobStatus(Model):
     finished_stages: list[str] = Field(default_factory=list)
     """Stages the driver completed, in order (a restarted operator resumes after them)."""
     evaluations: dict[str, EvaluationResult] = Field(default_factory=dict)
-    """Held-out results keyed "stage/before|after/task set"."""
+    """Held-out results keyed "stage/before|after/task set" (and "stage/step-N/task set" for
+    the evaluations inside a stage, `eval.every`)."""
+    selections: dict[str, CheckpointSelection] = Field(default_factory=dict)
+    """Guarded RL stages: the checkpoint each ended with, and why."""
     rollout_replicas: int | None = None
     """Rollout replicas applied (the scale subresource's status replicas)."""
     rollout_selector: str | None = None

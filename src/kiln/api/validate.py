@@ -8,17 +8,24 @@ what was expected and found. User mistakes never raise; `load_job(path)` raises 
 Every job the schema accepts is also checked against the capability table
 (`kiln.api.capabilities`): what the runtime would refuse is refused here, naming the field.
 
+The job's name must make valid names for its children (`kiln.api.names`), on every path.
+
 With `local=True` what needs this machine is checked too: the plugins a job names (`env:
 {plugin: ...}`, `reward: {plugin: ...}`) are imported, and the checkpoint's model capabilities
 are checked when it is here, and a model that is neither here nor made (`spec.model.init`)
-nor downloaded (`spec.model.hub`) is refused (`kiln validate` and `kiln run` do; the operator
-does not, since user code lives in the job's image and the model on a PVC, not in the
-operator).
+nor downloaded (`spec.model.hub`) is refused; so is a task file that is not there, and a
+teacher, reference, subagents or reward model that is neither a stage of the job nor a
+checkpoint directory (a near miss of a stage's name is named). Relative paths resolve as
+`kiln run` resolves them (`kiln.api.paths`: task files against the job file's folder,
+checkpoints against the working directory). `kiln validate` and `kiln run` check these; the
+operator does not, since user code lives in the job's image and the model on a PVC, not in
+the operator.
 
 Not covered: checks that need a cluster (does the model PVC exist?).
 """
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +36,8 @@ from pydantic import ValidationError
 from kiln.api.capabilities import job_model_refusals, spec_refusals
 from kiln.api.loss import LOSS_MODES, modes_with
 from kiln.api.model import HUB_ID
+from kiln.api.names import job_name_problem
+from kiln.api.paths import checkpoint_dir, checkpoint_refs, task_file
 from kiln.api.rl import MOVED_TO_LOSS
 from kiln.api.spec import API_GROUP, API_VERSION, KIND, RLJob
 
@@ -181,6 +190,9 @@ def validate_document(data: Any, *, file: str, node: yaml.Node | None = None,
     # What the schema allows but the runtime would refuse (the capability table).
     refused = [Problem(prefix, _node_line(node, r.capability.field), r.capability.path, r.message)
                for r in spec_refusals(job.spec)]
+    if (bad_name := job_name_problem(job.metadata.name)) is not None:
+        refused.insert(0, Problem(prefix, _node_line(node, ("metadata", "name")), "metadata.name",
+                                  bad_name))
     return (None, refused) if refused else (job, [])
 
 
@@ -228,6 +240,36 @@ def plugin_problems(job: RLJob, *, file: str, node: yaml.Node | None = None) -> 
     return problems
 
 
+def path_problems(job: RLJob, *, file: str, node: yaml.Node | None = None,
+                  job_file: Path | None = None) -> list[Problem]:
+    """A task file that is not there; a checkpoint reference that is neither a stage of the
+    job nor a checkpoint directory here (not looked for when the model is on a PVC)."""
+    problems = []
+    for i, ts in enumerate(job.spec.tasks):
+        if ts.path is not None and not (where := task_file(ts.path, job_file)).is_file():
+            loc = ("spec", "tasks", i, "path")
+            problems.append(Problem(file, _node_line(node, loc), _format_loc(loc),
+                                    f"{ts.path}: no such task file ({where}; a relative path is "
+                                    "read from the job file's folder)"))
+    stages = [s.name for s in job.spec.stages]
+    model = job.spec.model
+    # The job's own model, made (init) or downloaded (hub) before anything starts, may serve as
+    # a frozen teacher or reference too.
+    made = checkpoint_dir(model.path) if model.init is not None or model.hub is not None else None
+    for loc, ref in checkpoint_refs(job.spec):
+        if job.spec.is_stage(ref) or (made is not None and checkpoint_dir(ref) == made):
+            continue
+        near = difflib.get_close_matches(ref, stages, n=1, cutoff=0.6)
+        if (checkpoint_dir(ref) / "config.json").exists() or (job.spec.model.pvc and not near):
+            continue
+        hint = f"; did you mean {near[0]!r}?" if near else (
+            f" ({checkpoint_dir(ref)}: a relative checkpoint is read from the working directory)")
+        problems.append(Problem(file, _node_line(node, loc), _format_loc(loc),
+                                f"{ref!r} is neither a stage of this job ({', '.join(stages)}) "
+                                f"nor a checkpoint directory holding config.json{hint}"))
+    return problems
+
+
 def _is_union_branch(part: Any) -> bool:
     return isinstance(part, str) and (part.startswith("literal[") or part == "PluginRef")
 
@@ -241,7 +283,10 @@ def _join(messages: list[str]) -> str:
     return f"{head.replace(' or ', ', ')} or a {{plugin: \"module:Name\"}} mapping{sep}{found}"
 
 
-def validate_text(text: str, *, file: str, local: bool = False) -> tuple[list[RLJob], list[Problem]]:
+def validate_text(text: str, *, file: str, local: bool = False,
+                  job_file: Path | None = None) -> tuple[list[RLJob], list[Problem]]:
+    """Validate every document of `text`; `job_file` is where relative task paths start
+    (with `local`; default the working directory)."""
     try:
         nodes = list(yaml.compose_all(text, Loader=yaml.SafeLoader))
         docs = list(yaml.safe_load_all(text))
@@ -258,7 +303,9 @@ def validate_text(text: str, *, file: str, local: bool = False) -> tuple[list[RL
     for i, (data, node) in enumerate(zip(docs, nodes)):
         job, probs = validate_document(data, file=file, node=node, doc_index=i if multi else None)
         if job is not None and local:
-            probs = plugin_problems(job, file=file, node=node) + model_check_problems(job, file=file, node=node)
+            probs = (plugin_problems(job, file=file, node=node)
+                     + model_check_problems(job, file=file, node=node)
+                     + path_problems(job, file=file, node=node, job_file=job_file))
         if job is not None and not probs:
             jobs.append(job)
         problems.extend(probs)
@@ -273,7 +320,7 @@ def validate_file(path: str | Path, *, local: bool = False) -> tuple[list[RLJob]
         return [], [Problem(str(path), None, "", f"cannot read file: {exc.strerror}")]
     except UnicodeDecodeError:
         return [], [Problem(str(path), None, "", "not a UTF-8 text file")]
-    return validate_text(text, file=str(path), local=local)
+    return validate_text(text, file=str(path), local=local, job_file=path)
 
 
 def load_job(path: str | Path, *, local: bool = False) -> RLJob:

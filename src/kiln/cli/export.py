@@ -25,7 +25,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "Hugging Face checkpoint directory (safetensors, config, generation config, "
                     "tokenizer and chat template) that transformers and vLLM load.")
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="run directory of `kiln run`")
-    p.add_argument("--out", type=Path, required=True, help="directory to write (replaced)")
+    p.add_argument("--out", type=Path, required=True,
+                   help="directory to write: new or empty (a non-empty one needs --force)")
+    p.add_argument("--force", action="store_true",
+                   help="replace --out even when it holds files")
     p.add_argument("--step", type=int, default=None,
                    help="optimizer step of the checkpoint to export (default: the newest)")
     p.set_defaults(func=run)
@@ -48,8 +51,21 @@ def checkpoint_for(run_dir: Path, step: int | None) -> Path:
     raise ValueError(f"--step {step}: no checkpoint of that step under {root} (steps: {steps})")
 
 
-def export_run(run_dir: Path, out: Path, step: int | None = None) -> Path:
-    """Export checkpoint `step` of the run in `run_dir` to `out`; returns `out`."""
+def check_out(out: Path, force: bool) -> None:
+    """ValueError unless `out` may be written: absent, an empty folder, or `force`."""
+    if force or not (out.exists() or out.is_symlink()):
+        return
+    if not out.is_dir() or out.is_symlink():
+        raise ValueError(f"--out {out}: exists and is not a folder")
+    if any(out.iterdir()):
+        raise ValueError(f"--out {out}: the folder is not empty (its files would be replaced); "
+                         "give --force to replace it, or another folder")
+
+
+def export_run(run_dir: Path, out: Path, step: int | None = None, *, force: bool = False) -> Path:
+    """Export checkpoint `step` of the run in `run_dir` to `out`; returns `out`. ValueError
+    when `out` holds files and `force` is not given."""
+    check_out(out, force)
     import torch
 
     from kiln.api.validate import load_job
@@ -101,7 +117,8 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        out = export_run(args.run_dir.resolve(), args.out.resolve(), args.step)
+        out = export_run(args.run_dir.resolve(), args.out.absolute(), args.step,
+                         force=args.force)
     except ValueError as exc:
         print(f"kiln export: {exc}", file=sys.stderr)
         return 2

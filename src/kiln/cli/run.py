@@ -14,8 +14,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "directory gets the resolved job, metrics.jsonl, TensorBoard event files, "
                     "checkpoints, the buffer's log, service logs, report/*.png and "
                     "summary.json. Ctrl-C stops the services in order (the trainer "
-                    "checkpoints); --resume continues.")
-    p.add_argument("job", nargs="?", type=Path, help="RLJob manifest (not with --resume)")
+                    "checkpoints); --resume continues. Exits 2 for a job that cannot run as "
+                    "written (nothing is written to the run directory then), 1 when the run "
+                    "stopped on a failure (--resume continues), 130 when interrupted.")
+    p.add_argument("job", nargs="?", type=Path,
+                   help="RLJob manifest; with --resume, an edited job to continue with (what a "
+                        "running job cannot change, such as the model or the parallelism, is "
+                        "refused)")
     p.add_argument("--run-dir", type=Path,
                    help="run directory (default: runs/<metadata.name> under the working "
                         "directory); must not hold a previous run")

@@ -2,8 +2,10 @@
 API, to try an agent scaffold against it.
 
 The rollout engine (vLLM, or the trainer's model code for DSA checkpoints) serves
-`http://127.0.0.1:PORT/v1`; each request names its episode (`X-Kiln-Episode` header or the
-`user` field), and `POST /v1/kiln/episodes/ID/reward` ends an episode, appending its
+`http://127.0.0.1:PORT/v1` to callers with a key of `--api-key-file FILE` (one per line, sent
+as `Authorization: Bearer KEY`); `POST /v1/kiln/episodes` opens an episode, each request names
+it (`X-Kiln-Episode` header or the `user` field), and `POST /v1/kiln/episodes/ID/reward` ends
+it, appending its
 trajectories to `--trajectories FILE` when given. Stops cleanly on SIGTERM or Ctrl-C. The API is
 described in `kiln.services.rollout.openai_server`.
 """
@@ -25,6 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model_dir", type=Path, metavar="MODEL_DIR", help="Hugging Face checkpoint directory")
     p.add_argument("--openai-port", type=int, required=True,
                    help="port of the OpenAI endpoint (0: any free port, printed on start)")
+    p.add_argument("--api-key-file", type=Path, required=True, metavar="FILE",
+                   help="file of the API keys callers must send (one per line, 16 characters "
+                        "at least), as 'Authorization: Bearer KEY'")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--engine", choices=("auto", "vllm", "megatron", "torch"), default="auto",
                    help="inference engine (auto: vllm, or megatron for DSA checkpoints)")
@@ -57,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from kiln.services.rollout.standalone import serve
     try:
-        asyncio.run(serve(args.model_dir, port=args.openai_port, host=args.host, engine=kind,
+        asyncio.run(serve(args.model_dir, port=args.openai_port, api_key_file=args.api_key_file,
+                          host=args.host, engine=kind,
                           tool_call_format=args.tool_call_format, dtype=args.dtype,
                           max_tokens_per_turn=args.max_tokens_per_turn,
                           trajectories=args.trajectories, ready_file=args.ready_file))

@@ -13,9 +13,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "validate", help="check RLJob manifests against the schema",
         description="Check RLJob manifests: YAML syntax, schema, value ranges and cross-field "
                     "rules. Prints FILE:LINE: FIELD: what was expected and found, one line per "
-                    "problem; exits 0 when every file is valid, 1 otherwise. Plugins a job names "
-                    "(env or reward `{plugin: module:Name}`) are imported and checked: put their "
-                    "folder on PYTHONPATH.")
+                    "problem; exits 0 when every file is valid, 2 otherwise (as `kiln run` does "
+                    "for a job it cannot run as written). Plugins a job names (env or reward "
+                    "`{plugin: module:Name}`) are imported and checked: put their folder on "
+                    "PYTHONPATH. Task files and checkpoints must be here: relative task paths "
+                    "are read from the job file's folder, relative model and teacher "
+                    "checkpoints from the working directory.")
     p.add_argument("files", nargs="+", type=Path, metavar="FILE", help="RLJob manifest(s)")
     p.add_argument("-q", "--quiet", action="store_true", help="print problems only")
     p.set_defaults(func=run)
@@ -56,4 +59,4 @@ def run(args: argparse.Namespace) -> int:
                     print(f"  {job.metadata.name}: {note}")
     if failed:
         print(f"{failed} of {len(args.files)} file(s) invalid", file=sys.stderr)
-    return 1 if failed else 0
+    return 2 if failed else 0

@@ -103,6 +103,16 @@ class TrainerControlClient(ServiceClient):
         return wire.trainer_status_from_proto(
             self._call("GetTrainerStatus", trainer_pb2.TrainerStatusRequest()))
 
+    def continue_stage(self, name: str, step: int, keep_step: int) -> TrainerStatus:
+        req = trainer_pb2.ContinueStageRequest(stage=name, step=step, keep_step=keep_step)
+        return wire.trainer_status_from_proto(self._call("ContinueStage", req))
+
+    def restore_checkpoint(self, name: str, step: int, reason: str) -> TrainerStatus:
+        # Restoring and exporting a model takes longer than a status call.
+        req = trainer_pb2.RestoreCheckpointRequest(stage=name, step=step, reason=reason)
+        return wire.trainer_status_from_proto(
+            self._call("RestoreCheckpoint", req, timeout=EVALUATE_TIMEOUT_S))
+
 
 class RolloutControlClient(ServiceClient):
     """`kiln.control.records.RolloutControl` over gRPC, for one rollout process."""

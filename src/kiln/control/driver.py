@@ -5,7 +5,11 @@ drives every applied RLJob from a daemon thread (`kiln.operator.driving`).
 For each stage it evaluates held-out task sets (if the stage asks for it), starts the trainer on
 the stage, puts rollout in the matching mode (DEMONSTRATE for SFT, EXPLORE for RL), follows
 progress until the trainer reports the stage done, stops rollout, waits for the final weights
-to reach rollout, and evaluates again.
+to reach rollout, and evaluates again. An RL stage with guard rails (`eval.every`) is also
+evaluated at every `every` steps, where the trainer waits for it; the rules (`kiln.control.guard`)
+say which checkpoint it ends with and whether a regression ends it early, and the trainer
+restores that checkpoint (`restore_checkpoint`), so the stage's export, the next stage and the
+weights rollout serves are the selected ones.
 
 Level-triggered: every poll compares what the trainer and rollout report with what the stage
 needs and repeats the order when they differ (a restarted service reports no stage), so a
@@ -13,7 +17,8 @@ service that crashed and came back, or a driver that restarted itself, picks the
 the trainer's checkpoint has it. Errors of the `transient` kinds (a service unreachable while
 it restarts) are waited out up to `unavailable_seconds`.
 
-What is done is kept in a `RunState` (finished stages and evaluations) through a `StateStore`:
+What is done is kept in a `RunState` (finished stages, evaluations, the checkpoint each guarded
+stage ended with) through a `StateStore`:
 a JSON file for `kiln run` (`state.json`, read by `--resume`), the RLJob's status in a cluster.
 Progress goes to a `progress` callback (the launcher's live line and metrics.jsonl, the
 operator's log) and an optional tracker.
@@ -32,6 +37,7 @@ from typing import Any, Callable, Protocol
 
 from kiln.api.spec import RLJob, RLStage, SFTStage
 from kiln.control.autoscale import Autoscaler, StepSignals
+from kiln.control.guard import Guard, Selection
 from kiln.control.records import (BufferControl, ModeRequest, RolloutControl, RolloutMode,
                                   RolloutScaler, RolloutStatus, TrainerControl, TrainerStatus)
 from kiln.metrics import STATUS, StepMetrics
@@ -63,14 +69,19 @@ class RunState:
     store: StateStore
     finished_stages: list[str] = field(default_factory=list)
     evaluations: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Keyed "stage/before|after/task set", and "stage/step-N/task set" inside a stage."""
+    selections: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Guarded stages: {stage: {"step", "reason", "stopped"}}, the checkpoint it ended with."""
 
     @classmethod
     def load(cls, store: StateStore) -> RunState:
         data = store.load()
-        return cls(store, list(data.get("finished_stages", [])), dict(data.get("evaluations", {})))
+        return cls(store, list(data.get("finished_stages", [])), dict(data.get("evaluations", {})),
+                   dict(data.get("selections", {})))
 
     def save(self) -> None:
-        self.store.save({"finished_stages": self.finished_stages, "evaluations": self.evaluations})
+        self.store.save({"finished_stages": self.finished_stages, "evaluations": self.evaluations,
+                         "selections": self.selections})
 
 
 class Tracker(Protocol):
@@ -191,17 +202,21 @@ class Driver:
                 self._restarted += self.supervise()
                 time.sleep(self.poll_seconds)
 
-    def _evaluate(self, stage: SFTStage | RLStage, when: str) -> None:
+    def _evaluate(self, stage: SFTStage | RLStage, when: str) -> dict[str, dict[str, Any]]:
+        """Evaluate the stage's held-out task sets `when` ("before", "after", "step-N"), unless
+        recorded already; returns {task set: result}."""
         if not stage.eval or (when == "before" and not stage.eval.before):
-            return
+            return {}
+        out = {}
         for task_set in stage.eval.tasks:
             key = f"{stage.name}/{when}/{task_set}"
             if key in self.state.evaluations:
+                out[task_set] = self.state.evaluations[key]
                 continue
             self.say(f"stage {stage.name}: evaluating {task_set} ({when})")
             ev = self._call(lambda: self.rollout.evaluate(task_set, samples=stage.eval.samples,
                                                           greedy=True))
-            result = dataclasses.asdict(ev)
+            result = out[task_set] = dataclasses.asdict(ev)
             self.state.evaluations[key] = result
             self.state.save()
             self.say(f"  {task_set} {when} {stage.name}: greedy {ev.greedy_success:.3f}, "
@@ -212,6 +227,7 @@ class Driver:
             if self.tracker is not None:
                 self.tracker.log(self._global_step, {
                     f"eval/{task_set}/{k}": getattr(ev, k) for k in STATUS["eval"]})
+        return out
 
     def _mode(self, stage: SFTStage | RLStage) -> ModeRequest:
         rl = isinstance(stage, RLStage)
@@ -229,7 +245,7 @@ class Driver:
         version = self._call(self.trainer.status).policy_version
         self._wait(lambda: self.rollout.status().policy_version >= version,
                    f"rollout did not receive the trainer's policy version {version} before stage {stage.name}")
-        self._evaluate(stage, "before")
+        guard = self._guard(stage, self._evaluate(stage, "before"))
         self.say(f"stage {stage.name} ({stage.type}): {stage.max_steps} steps")
         mode = self._mode(stage)
         self._call(lambda: self.trainer.start_stage(stage.name))
@@ -265,6 +281,8 @@ class Driver:
                     **{f"buffer/{k}": getattr(b, k) for k in STATUS["buffer"]},
                     # -1: no batch acknowledged yet
                     "buffer/max_staleness": b.max_staleness if b.max_staleness >= 0 else None})
+            if guard is not None and t.stage == stage.name and t.stage_eval_step and not t.stage_done:
+                t = self._guard_step(stage, guard, t)
             if t.stage == stage.name and t.stage_done:
                 break
             time.sleep(self.poll_seconds)
@@ -274,7 +292,75 @@ class Driver:
         # Episodes of the finished stage drain (their puts are abandoned) before the next.
         self._wait(lambda: self.rollout.status().in_flight == 0,
                    "rollout still has episodes in flight")
+        after = self._evaluate(stage, "after")
+        if guard is None or not guard.selects:
+            return
+        if t.stage_selected_step is not None:  # ended on a checkpoint, maybe before a restart
+            if stage.name not in self.state.selections:
+                self._record(stage, Selection(t.stage_selected_step, t.stage_selected_reason,
+                                              t.stage_selected_reason.startswith("stopped")))
+            return
+        # Ran to its end: its last step is a candidate too, and the best one is kept.
+        guard.observe(t.stage_step, after)
+        sel = guard.selection()
+        if sel is not None and sel.step != t.stage_step:
+            # The last step's evaluation becomes "step-N"; "after" is of the weights shipped.
+            for task_set in after:
+                self.state.evaluations[f"{stage.name}/step-{t.stage_step}/{task_set}"] = \
+                    self.state.evaluations.pop(f"{stage.name}/after/{task_set}")
+        self._select(stage, sel, t)
         self._evaluate(stage, "after")
+
+    def _guard(self, stage: SFTStage | RLStage, before: dict[str, Any]) -> Guard | None:
+        """The stage's guard, with the evaluations already recorded (a driver that restarted)."""
+        guard = Guard.of(stage)
+        if guard is None:
+            return None
+        if before:
+            guard.observe(0, before)
+        steps: dict[int, dict[str, Any]] = {}
+        for key, result in self.state.evaluations.items():
+            name, when, task_set = key.split("/", 2)
+            if name == stage.name and when.startswith("step-"):
+                steps.setdefault(int(when[5:]), {})[task_set] = result
+        for step in sorted(steps):
+            if set(steps[step]) >= set(stage.eval.tasks):
+                guard.observe(step, steps[step])
+        return guard
+
+    def _guard_step(self, stage: RLStage, guard: Guard, t: TrainerStatus) -> TrainerStatus:
+        """The trainer waits at an evaluated step: evaluate it (the weights published at it),
+        then let the stage go on keeping the best checkpoint, or end it on a regression."""
+        step = t.stage_eval_step
+        self._wait(lambda: self.rollout.status().policy_version >= t.policy_version,
+                   f"rollout did not receive policy version {t.policy_version} for step {step}")
+        if not guard.points or guard.points[-1][0] < step:
+            stop = guard.observe(step, self._evaluate(stage, f"step-{step}"))
+            if stop is not None:
+                return self._select(stage, stop, t)
+        best = guard.best()
+        return self._call(lambda: self.trainer.continue_stage(stage.name, step,
+                                                              best[0] if best else step))
+
+    def _select(self, stage: RLStage, sel: Selection | None, t: TrainerStatus) -> TrainerStatus:
+        """End the stage on the selected step's checkpoint (restored unless it is the last
+        step's weights) and record which and why."""
+        if sel is None:
+            return t
+        if sel.stopped or sel.step != t.stage_step:
+            self.say(f"stage {stage.name}: restoring the weights of step {sel.step} ({sel.reason})")
+            t = self._call(lambda: self.trainer.restore_checkpoint(stage.name, sel.step, sel.reason))
+            self._wait(lambda: self.rollout.status().policy_version >= t.policy_version,
+                       f"rollout did not receive the restored weights (version {t.policy_version})")
+        self._record(stage, sel)
+        return t
+
+    def _record(self, stage: RLStage, sel: Selection) -> None:
+        self.say(f"stage {stage.name}: ends with the weights of step {sel.step}: {sel.reason}")
+        self.state.selections[stage.name] = sel.record()
+        self.state.save()
+        self.on_event({"event": "selection", "time": time.time(), "stage": stage.name,
+                       **sel.record()})
 
     def _autoscaler(self, stage: SFTStage | RLStage) -> Autoscaler | None:
         spec = self.job.spec.rollout.autoscale

@@ -102,6 +102,9 @@ class Evaluation:
     seconds: float
     critical_path_steps: float = 0.0
     """Swarm task sets: mean critical-path steps per episode (greedy ones, when run)."""
+    critical_path_steps_answered: float = 0.0
+    """The same over the episodes that answered only: one that ran out of turns or budget
+    unanswered has a short path, so a collapse must not read as a speed-up."""
 
 
 @dataclass
@@ -122,6 +125,11 @@ class TrainerStatus:
     stage_failed: bool = False
     message: str = ""
     """Why the stage failed."""
+    stage_eval_step: int = 0
+    """The stage step whose weights wait for a held-out evaluation (`continue_stage`); 0: none."""
+    stage_selected_step: int | None = None
+    """The stage ended with the weights of this stage step (`restore_checkpoint`)."""
+    stage_selected_reason: str = ""
 
 
 @dataclass
@@ -171,6 +179,14 @@ class TrainerControl(Protocol):
         """Start (or continue) stage `name`; idempotent, returns at once."""
 
     def status(self) -> TrainerStatus: ...
+
+    def continue_stage(self, name: str, step: int, keep_step: int) -> TrainerStatus:
+        """Let a stage waiting at `step` for its evaluation go on, keeping the checkpoint of
+        `keep_step` (the best so far). Only stages with `eval.every` wait."""
+
+    def restore_checkpoint(self, name: str, step: int, reason: str) -> TrainerStatus:
+        """End stage `name` with the weights of its evaluated stage step `step`, published
+        as a new version and exported as the stage's."""
 
 
 class RolloutControl(Protocol):

@@ -48,12 +48,13 @@ def evaluation_to_proto(e: Evaluation) -> rpb.EvaluateResponse:
     return rpb.EvaluateResponse(policy_version=e.policy_version, tasks=e.tasks,
                                greedy_success=e.greedy_success,
                                sampled_success=e.sampled_success, seconds=e.seconds,
-                               critical_path_steps=e.critical_path_steps)
+                               critical_path_steps=e.critical_path_steps,
+                               critical_path_steps_answered=e.critical_path_steps_answered)
 
 
 def evaluation_from_proto(msg: rpb.EvaluateResponse) -> Evaluation:
     return Evaluation(msg.policy_version, msg.tasks, msg.greedy_success, msg.sampled_success,
-                      msg.seconds, msg.critical_path_steps)
+                      msg.seconds, msg.critical_path_steps, msg.critical_path_steps_answered)
 
 
 def step_metrics_to_proto(m: StepMetrics) -> tpb.StepMetrics:
@@ -76,7 +77,9 @@ def trainer_status_to_proto(s: TrainerStatus) -> tpb.TrainerStatus:
         last_step=step_metrics_to_proto(s.last_step) if s.last_step is not None else None,
         last_checkpoint=s.last_checkpoint, tensor_parallel=s.tensor_parallel,
         model_dir=s.model_dir, stage_step=s.stage_step, stage_max_steps=s.stage_max_steps,
-        stage_done=s.stage_done, stage_failed=s.stage_failed, message=s.message)
+        stage_done=s.stage_done, stage_failed=s.stage_failed, message=s.message,
+        stage_eval_step=s.stage_eval_step, stage_selected_step=s.stage_selected_step,
+        stage_selected_reason=s.stage_selected_reason)
 
 
 def trainer_status_from_proto(msg: tpb.TrainerStatus) -> TrainerStatus:
@@ -86,7 +89,10 @@ def trainer_status_from_proto(msg: tpb.TrainerStatus) -> TrainerStatus:
         last_checkpoint=msg.last_checkpoint,
         tensor_parallel=msg.tensor_parallel, model_dir=msg.model_dir, stage_step=msg.stage_step,
         stage_max_steps=msg.stage_max_steps, stage_done=msg.stage_done,
-        stage_failed=msg.stage_failed, message=msg.message)
+        stage_failed=msg.stage_failed, message=msg.message, stage_eval_step=msg.stage_eval_step,
+        stage_selected_step=(msg.stage_selected_step if msg.HasField("stage_selected_step")
+                             else None),
+        stage_selected_reason=msg.stage_selected_reason)
 
 
 _BUFFER_STATUS_FIELDS = ("depth", "ready", "groups_pending", "groups_ready", "accepted", "served",

@@ -32,7 +32,7 @@ def init_parallel(tp: int = 1, *, dp: int = 1, rank: int | None = None, init_met
     torch and Megatron's RNG tracker with `seed`.
 
     `rank` defaults to $RANK (0 when unset). `init_method` defaults to env:// when MASTER_ADDR
-    is set, otherwise to a fresh loopback port (only valid for a world of one). `timeout_s`
+    is set; a world of one uses an in-process store and listens on nothing but loopback. `timeout_s`
     bounds each collective (torch's default when None). Idempotent for the same sizes.
     """
     from datetime import timedelta
@@ -51,11 +51,17 @@ def init_parallel(tp: int = 1, *, dp: int = 1, rank: int | None = None, init_met
             )
     else:
         rank = int(os.environ.get("RANK", "0")) if rank is None else rank
-        if init_method is None:
+        store = None
+        if init_method is None and world == 1:
+            # A world of one needs no rendezvous: an in-process store instead of a TCPStore,
+            # whose server listens on every interface whatever host it is given, and the
+            # backends' own sockets kept on loopback.
+            store = dist.HashStore()
+            for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                os.environ.setdefault(var, "lo")
+        elif init_method is None:
             if "MASTER_ADDR" in os.environ:
                 init_method = "env://"
-            elif world == 1:
-                init_method = f"tcp://127.0.0.1:{free_port()}"
             else:
                 raise ValueError(
                     f"a world of {world} ranks needs MASTER_ADDR/MASTER_PORT or an init_method "
@@ -66,7 +72,11 @@ def init_parallel(tp: int = 1, *, dp: int = 1, rank: int | None = None, init_met
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
         backend = "gloo" if cpu_shims.cpu_only() else "nccl"
         extra = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, **extra)
+        if store is not None:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, **extra)
+        else:
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                                    **extra)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     cpu_shims.reset_rng(seed)

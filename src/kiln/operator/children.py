@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from kiln.api.spec import API_GROUP, API_VERSION, KIND, RLJobSpec, StorageSpec
+from kiln.api.openai_endpoint import CLIENT_LABEL
 from kiln.operator import frozen, naming
 from kiln.operator.naming import GRPC_PORT, METRICS_PORT, JobRef
 from kiln.operator.pods import HEALTH_PORT
@@ -178,10 +179,28 @@ def _job_pods(job: JobRef, components: list[str]) -> dict[str, Any]:
                                                   "operator": "In", "values": components}]}}
 
 
+def openai_peers(spec: RLJobSpec) -> list[dict[str, Any]]:
+    """Who may reach the OpenAI endpoint: the job's `allowedPeers`, or by default the pods of
+    the job's namespace labelled `kiln.dev/openai-client: "true"` (never "anyone")."""
+    peers = spec.rollout.openai.allowed_peers
+    if not peers:
+        return [{"podSelector": {"matchLabels": {CLIENT_LABEL: "true"}}}]
+    out: list[dict[str, Any]] = []
+    for p in peers:
+        if p.cidr is not None:
+            out.append({"ipBlock": {"cidr": p.cidr}})
+        elif p.namespace_labels is None:
+            out.append({"podSelector": {"matchLabels": dict(p.pod_labels)}})
+        else:
+            out.append({"namespaceSelector": {"matchLabels": dict(p.namespace_labels)},
+                        "podSelector": {"matchLabels": dict(p.pod_labels)}})
+    return out
+
+
 def network_policy(job: JobRef, spec: RLJobSpec, component: str) -> dict[str, Any]:
     """Ingress to `component`'s pods: gRPC from its clients only; health and metrics from
-    anywhere (kubelet probes, Prometheus); the rollout's OpenAI port, when asked for, from
-    anywhere (outside agents); between the trainer's ranks (replica 0 and the data-parallel
+    anywhere (kubelet probes, Prometheus); the rollout's OpenAI port, when asked for, from the
+    job's `rollout.openai.allowedPeers` only (`openai_peers`); between the trainer's ranks (replica 0 and the data-parallel
     replicas), every port: gloo and NCCL connect each rank to every other on ports of their own."""
     clients = frozen.CLIENTS if component in frozen.components(spec) else GRPC_CLIENTS[component]
     pods = [c for c in clients if c != "operator"]
@@ -203,7 +222,8 @@ def network_policy(job: JobRef, spec: RLJobSpec, component: str) -> dict[str, An
         selector = ranks["podSelector"]
         rules.append({"from": [ranks]})
     if component == "rollout" and spec.rollout.openai_port:
-        rules.append({"ports": [{"port": spec.rollout.openai_port, "protocol": "TCP"}]})
+        rules.append({"from": openai_peers(spec),
+                      "ports": [{"port": spec.rollout.openai_port, "protocol": "TCP"}]})
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",

@@ -52,7 +52,14 @@ class OperatorConfig(BaseModel):
 
     def refusals(self, spec) -> list[str]:
         """What this operator will not run of an accepted spec (kiln.api.spec.RLJobSpec)."""
-        return self._sandbox_refusals(spec)
+        return self._sandbox_refusals(spec) + self._openai_refusals(spec)
+
+    @staticmethod
+    def _openai_refusals(spec) -> list[str]:
+        if not spec.rollout.openai_port or spec.rollout.openai.api_key_secret:
+            return []
+        return ["rollout.openaiPort: the OpenAI endpoint serves only callers with an API key; name "
+                "a Secret of this namespace holding them in rollout.openai.apiKeySecret"]
 
     def _sandbox_refusals(self, spec) -> list[str]:
         if spec.sandbox.replicas == 0 or self.allow_privileged_sandboxes or self.sandbox_runtime_class:

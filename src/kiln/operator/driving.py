@@ -7,7 +7,8 @@ driver Job: docs/design-notes.md.
 
 What is done lives in the RLJob's status, so an operator that restarts (or another replica that
 takes over) resumes where the last one was: `status.finishedStages` and `status.evaluations`
-(`StatusStore`). The driver is level-triggered: it re-sends the current stage to a trainer or
+(`StatusStore`), with `status.selections`, the checkpoint each guarded stage ended with and why
+(also posted as an event). The driver is level-triggered: it re-sends the current stage to a trainer or
 rollout that restarted. A suspend (`spec.suspend`), deletion or operator shutdown stops it
 between polls (`Stopped`); nothing is lost, the trainer keeps its checkpoints.
 
@@ -22,7 +23,7 @@ import threading
 from typing import Any, Callable
 
 from kiln.api.spec import API_GROUP, API_VERSION, KIND, RLJob
-from kiln.api.status import EvaluationResult
+from kiln.api.status import CheckpointSelection, EvaluationResult
 from kiln.control.driver import (ControlPlane, Driver, DriverHooks, DriverOptions, Progress,
                                  RunState, Stopped)
 from kiln.operator.replicas import TRANSIENT, Controls
@@ -51,13 +52,19 @@ class StatusStore:
         evaluations = {key: EvaluationResult.model_validate(value).model_dump()
                        for key, value in (status.get("evaluations") or {}).items()}
         self._finished = list(status.get("finishedStages") or [])
-        return {"finished_stages": list(self._finished), "evaluations": evaluations}
+        selections = {stage: CheckpointSelection.model_validate(value).model_dump()
+                      for stage, value in (status.get("selections") or {}).items()}
+        return {"finished_stages": list(self._finished), "evaluations": evaluations,
+                "selections": selections}
 
     def save(self, data: dict[str, Any]) -> None:
         # The CRD's schema names fields in camelCase (a real API server prunes others).
         evaluations = {key: EvaluationResult.model_validate(value).model_dump(by_alias=True)
                        for key, value in data["evaluations"].items()}
-        self.patch({"finishedStages": data["finished_stages"], "evaluations": evaluations})
+        selections = {stage: CheckpointSelection.model_validate(value).model_dump(by_alias=True)
+                      for stage, value in data.get("selections", {}).items()}
+        self.patch({"finishedStages": data["finished_stages"], "evaluations": evaluations,
+                    "selections": selections})
         if data["finished_stages"] != self._finished:
             self.on_finished(list(data["finished_stages"]))
         self._finished = list(data["finished_stages"])
@@ -95,11 +102,14 @@ def drive(job: RLJob, ref: JobRef, kube: Kube, address: Callable[[str], str],
           unavailable_seconds: float = 900.0,
           credentials: Callable[[], Any] = lambda: None,
           rollout_replicas: Callable[[], int] | None = None,
-          on_stage_finished: Callable[[list[str]], None] = lambda finished: None) -> str:
+          on_stage_finished: Callable[[list[str]], None] = lambda finished: None,
+          on_event: Callable[[str, str], None] = lambda reason, message: None) -> str:
     """Run the job's remaining stages; returns the outcome: succeeded, failed or stopped.
     `rollout_replicas()`: the live spec's rollout replica count (autoscaling changes it).
     `on_stage_finished(finished)`: called once a stage is recorded done (frozen deployments
-    made by that stage can start now, without waiting for the next drift repair)."""
+    made by that stage can start now, without waiting for the next drift repair).
+    `on_event(reason, message)`: posts a Kubernetes event on the RLJob (a guarded stage's
+    checkpoint selection, `CheckpointSelected` or `StoppedOnRegression`)."""
     store = StatusStore(kube, ref, current_status, on_stage_finished)
     state = RunState.load(store)
     names = [s.name for s in job.spec.stages]
@@ -116,10 +126,15 @@ def drive(job: RLJob, ref: JobRef, kube: Kube, address: Callable[[str], str],
 
     scaler = SpecReplicas(kube, store.ref(), rollout_replicas or (lambda: job.spec.rollout.replicas),
                           controls.rollout.serving)
+    def event(e: dict[str, Any]) -> None:
+        if e.get("event") == "selection":
+            on_event("StoppedOnRegression" if e["stopped"] else "CheckpointSelected",
+                     f"stage {e['stage']} ends with the weights of its step {e['step']}: {e['reason']}")
+
     driver = Driver(
         job, ControlPlane(controls.trainer, controls.rollout, controls.buffer, scaler), state,
         DriverHooks(say=lambda s: log.info("%s/%s %s", ref.namespace, ref.name, s.strip()),
-                    on_progress=on_progress,
+                    on_progress=on_progress, on_event=event,
                     should_stop=lambda: bool(stopped.is_set()) or suspended()),
         DriverOptions(poll_seconds=poll_seconds, transient=TRANSIENT,
                       unavailable_seconds=unavailable_seconds))

@@ -332,7 +332,9 @@ def _drive_until_stopped(stopped: kopf.DaemonStopped, body: kopf.Body, job: JobR
                 poll_seconds=_DRIVE_POLL, unavailable_seconds=memo.config.unavailable_seconds,
                 credentials=lambda: memo.credentials(job),
                 rollout_replicas=lambda: int((body.spec.get("rollout") or {}).get("replicas", 1)),
-                on_stage_finished=stage_finished)
+                on_stage_finished=stage_finished,
+                on_event=lambda reason, message: kopf.event(body, type="Normal", reason=reason,
+                                                            message=message))
         except Exception:  # noqa: BLE001 - an API error must not end this job's driving for good
             logger.exception("driver stopped on an error; starting again")
             _pause(stopped, 10 * _DRIVE_POLL)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.api.base import quantity_value
+from kiln.api.openai_endpoint import HOST_ENV, KEYS_DIR, KEYS_ENV
 from kiln.api.spec import RLJobSpec
 from kiln.operator import naming
 from kiln.operator.naming import JobRef
@@ -106,10 +107,15 @@ def rollout(job: JobRef, spec: RLJobSpec, config_hash: str, active: bool,
     env = [*env, {"name": "KILN_ROLLOUT_REPLICA", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
            {"name": "KILN_ROLLOUT_DRAIN_SECONDS", "value": "50"}, *frozen_addresses]
     container = service_container(job, spec, "rollout", spec.rollout.resources, env, mounts)
+    volumes = [job_volume(job), {"name": "run", **scratch(spec.rollout.resources)}, *volumes]
     if spec.rollout.openai_port:
+        # The API keys reach this container alone (`OperatorConfig.refusals` wants a Secret).
         container["ports"].append({"name": "openai", "containerPort": spec.rollout.openai_port,
                                    "protocol": "TCP"})
-    volumes = [job_volume(job), {"name": "run", **scratch(spec.rollout.resources)}, *volumes]
+        container["env"] += [{"name": KEYS_ENV, "value": KEYS_DIR}, {"name": HOST_ENV, "value": "0.0.0.0"}]
+        container["volumeMounts"].append({"name": "openai-keys", "mountPath": KEYS_DIR, "readOnly": True})
+        volumes.append({"name": "openai-keys", "secret": {
+            "secretName": spec.rollout.openai.api_key_secret or "", "defaultMode": 0o440}})
     template = pod_template(job, spec, "rollout", config_hash, [container], volumes,
                             model_init_container(spec, spec.rollout.resources), grace_seconds=60)
     return deployment(job, spec, "rollout", spec.rollout.replicas if active else 0, template)

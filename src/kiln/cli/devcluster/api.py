@@ -16,11 +16,15 @@ serves kmock's in-memory emulator over real HTTP. kmock 0.8 needs a few fixes to
   client listed at the `resourceVersion` it passes;
 - only the newest `HISTORY` requests are kept: kmock keeps every request for test assertions
   and matches each new one against that whole history, so an API serving an operator for
-  minutes slowed down quadratically (50 jobs took two minutes each to reconcile).
+  minutes slowed down quadratically (50 jobs took two minutes each to reconcile);
+- what plain kubectl needs (`kiln.cli.devcluster.openapi`): OpenAPI v3 documents, so
+  `kubectl apply -f` validates without `--validate=false`; an RLJob that the CRD's schema
+  rejects is refused with a 422 naming the field; `kubectl get` of a custom resource gets a
+  Table with the CRD's printer columns.
 
 What it still is not: there is no garbage collection here (the development cluster's node agent
 does it, `kiln.cli.devcluster.node`), no label selectors (clients filter), no schema validation
-or defaulting, no admission, no OpenAPI document (`kubectl apply` needs `--validate=false`).
+of built-in kinds, no defaulting, no other admission.
 `running_fake_api()` serves it from a thread of its own, and `write_kubeconfig` points clients
 at it.
 
@@ -47,6 +51,7 @@ import yaml
 from kmock import KubernetesError, ResourceInfo
 
 from kiln.api.spec import API_GROUP, API_VERSION, KIND, PLURAL
+from kiln.cli.devcluster import openapi
 
 RLJOBS = f"{API_GROUP}/{API_VERSION}/{PLURAL}"
 
@@ -99,6 +104,8 @@ class KubeApiFake(kmock.KubernetesEmulator):
             return aiohttp.web.json_response({
                 "apiVersion": "v1", "kind": "NamespaceList",
                 "metadata": {"resourceVersion": str(next(self._versions))}, "items": items})
+        if raw_request.method == "GET" and raw_request.path.startswith("/openapi/v3"):
+            return self._openapi(raw_request.path.removeprefix("/openapi/v3").strip("/"))
         try:
             return await super().__call__(raw_request)
         finally:
@@ -120,7 +127,82 @@ class KubeApiFake(kmock.KubernetesEmulator):
         await asyncio.sleep(3600)  # cancelled when the client or the server goes away
         return response
 
+    def _openapi(self, gv: str) -> aiohttp.web.StreamResponse:
+        by_gv: dict[str, list[tuple[str, str, bool]]] = {}
+        for res, info in self.resources.items():
+            by_gv.setdefault(openapi.gv_path(res.group, res.version), []).append(
+                (res.plural, info.kind, bool(info.namespaced)))
+        if not gv:
+            return aiohttp.web.json_response(openapi.v3_index(
+                [(res.group, res.version) for res in self.resources]))
+        if gv not in by_gv:
+            return aiohttp.web.json_response({"kind": "Status", "apiVersion": "v1", "code": 404,
+                                              "status": "Failure", "reason": "NotFound"}, status=404)
+        group, version = gv.split("/")[1:] if gv.startswith("apis/") else ("", gv.split("/")[1])
+        schemas = {}
+        for plural, kind, _ in by_gv[gv]:
+            crd = self._crd(group, plural)
+            for v in (crd or {}).get("spec", {}).get("versions", []):
+                if v.get("name") == version and "openAPIV3Schema" in v.get("schema", {}):
+                    schemas[kind] = v["schema"]["openAPIV3Schema"]
+        return aiohttp.web.json_response(openapi.v3_document(group, version, by_gv[gv], schemas))
+
+    def _crd(self, group: str, plural: str) -> dict[str, Any] | None:
+        key = (kmock.resource(CRDS), None, f"{plural}.{group}")
+        return self.objects[key].raw if group and key in self.objects and \
+            not self.objects[key].deleted else None
+
+    def _table(self, request: kmock.Request) -> aiohttp.web.StreamResponse | None:
+        """A Table of the requested custom resources, when one was asked for."""
+        res = request.resource
+        crd = self._crd(res.group, res.plural) if res.group else None
+        if crd is None or not openapi.wants_table(request.headers.get("Accept", "")):
+            return None
+        objects = [obj.raw for (r, ns, name), obj in self.objects.items()
+                   if not obj.deleted and self._matches(request, r, ns, name)]
+        if request.name is not None and not objects:
+            raise KubernetesError(status=404, reason="NotFound",
+                                  message=f'{res.plural}.{res.group} "{request.name}" not found')
+        return aiohttp.web.json_response(openapi.table(
+            sorted(objects, key=lambda o: o["metadata"]["name"]),
+            openapi.printer_columns(crd, res.version), str(next(self._versions))))
+
+    def _admit(self, request: kmock.Request) -> None:
+        """Refuse an RLJob whose new spec the CRD's schema rejects (422, naming the fields)."""
+        if request.resource != kmock.resource(RLJOBS) or request.subresource is not None:
+            return
+        key = (request.resource, request.namespace, request.name)
+        current = copy.deepcopy(self.objects[key].raw) if key in self.objects else None
+        if request.action == kmock.action.CREATE:
+            new = request.data
+        elif current is None or request.data is None:
+            return
+        elif isinstance(request.data, list):
+            new = jsonpatch.apply_patch(current, request.data)
+        elif request.method == kmock.method.PUT:
+            new = request.data
+        else:
+            new = _merge(current, request.data)
+        if current is not None and isinstance(new, dict) and new.get("spec") == current.get("spec"):
+            return  # metadata or finalizers only: a refused job still takes kopf's patches
+        crd = self._crd(request.resource.group, request.resource.plural)
+        schema = next((v["schema"]["openAPIV3Schema"] for v in (crd or {}).get("spec", {}).get("versions", [])
+                       if v.get("name") == request.resource.version and "schema" in v), None)
+        if schema is None:
+            return
+        strict = request.params.get("fieldValidation") == "Strict"
+        refusal = openapi.rljob_refusal(new, schema, strict=strict)
+        if refusal is not None:
+            raise KubernetesError(status=422, reason="Invalid", message=refusal["message"],
+                                  details=refusal["details"])
+
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        if request.resource is not None and request.action in (kmock.action.LIST, kmock.action.FETCH):
+            if (response := self._table(request)) is not None:
+                return response
+        if request.resource is not None and request.action in (kmock.action.CREATE,
+                                                               kmock.action.UPDATE):
+            self._admit(request)
         if request.resource is not None:
             if request.action == kmock.action.CREATE and isinstance(request.data, dict):
                 self._stamp_new(request)
@@ -229,6 +311,19 @@ class KubeApiFake(kmock.KubernetesEmulator):
             copy.deepcopy(obj.raw) for (res, ns, _), obj in self.objects.items()
             if res == wanted and ns == namespace and not obj.deleted
             and obj.raw.get("involvedObject", {}).get("name") == involved])
+
+
+def _merge(target: Any, patch: Any) -> Any:
+    """A JSON merge patch (RFC 7386) applied to a copy of `target`."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = _merge(out.get(key), value)
+    return out
 
 
 def write_kubeconfig(path: Path, url: str, namespace: str) -> Path:

@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         if args.action == "up":
             up(args.dir, args.timeout)
             print(f"dev cluster up: export KUBECONFIG={args.dir.resolve()}/kubeconfig")
-            print("apply jobs with: kubectl apply --validate=false -f JOB.yaml")
+            print("apply jobs with: kubectl apply -f JOB.yaml")
         elif args.action == "down":
             down(args.dir, args.timeout)
             print("dev cluster down")

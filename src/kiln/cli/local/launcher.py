@@ -3,7 +3,9 @@
     validate -> run directory -> model (created if `spec.model.init`) -> start services ->
     wait for health -> drive the stages -> summary.json + report
 
-The services are the same entry points the operator runs in pods, on loopback ports. The run
+What is checked before anything is written, and which job a resumed run runs, is
+`kiln.cli.local.preflight`. The services are the same entry points the operator runs in pods,
+on loopback ports. The run
 directory holds the resolved job (`job.yaml`), `metrics.jsonl`, `state.json` (finished stages
 and evaluations), each service's state (`trainer/checkpoints`, `buffer/` segments, ...), logs,
 `report/*.png` and `summary.json`. Ctrl-C stops the services in order, the trainer writing a
@@ -21,52 +23,9 @@ import time
 from pathlib import Path
 
 import grpc
-import yaml
 
 from kiln.api.spec import RLJob
-from kiln.api.validate import ManifestError, load_job
-
-
-def _resolve(job: RLJob, job_file: Path) -> RLJob:
-    """Relative paths in the job are relative to the job file; make them absolute."""
-    base = job_file.resolve().parent
-    spec = job.spec
-    model_path = Path(spec.model.path)
-    if not model_path.is_absolute():
-        # The quickstart's model lives under the working directory's runs/, beside the run.
-        model_path = (Path.cwd() / model_path).resolve()
-    model = spec.model.model_copy(update={"path": str(model_path)})
-    tasks = [t.model_copy(update={"path": str((base / t.path).resolve())})
-             if t.path and not Path(t.path).is_absolute() else t for t in spec.tasks]
-
-    def checkpoint(ref: str | None) -> str | None:
-        # A teacher checkpoint, like the model, lives under the working directory.
-        if ref is None or spec.is_stage(ref) or Path(ref).is_absolute():
-            return ref
-        return str((Path.cwd() / ref).resolve())
-
-    def reward_models(rules):
-        if rules is None:
-            return None
-        return rules.model_copy(update={
-            key: m.model_copy(update={"model": checkpoint(m.model)})
-            for key in ("outcome_model", "judge") if (m := getattr(rules, key)) is not None})
-    tasks = [t.model_copy(update={"reward_rules": reward_models(t.reward_rules)}) for t in tasks]
-
-    stages = []
-    for st in spec.stages:
-        rl = getattr(st, "rl", None)
-        if rl is not None:
-            st = st.model_copy(update={"rl": rl.model_copy(update={
-                "teacher": checkpoint(rl.teacher), "reference": checkpoint(rl.reference),
-                "teachers": [t.model_copy(update={"teacher": checkpoint(t.teacher)}) for t in rl.teachers]})})
-        swarm = getattr(st, "swarm", None)
-        if swarm is not None:
-            st = st.model_copy(update={"swarm": swarm.model_copy(
-                update={"subagents": checkpoint(swarm.subagents)})})
-        stages.append(st)
-    return job.model_copy(update={"spec": spec.model_copy(
-        update={"model": model, "tasks": tasks, "stages": stages})})
+from kiln.cli.local.preflight import prepare
 
 
 def teachers_of(job: RLJob, run_dir: Path) -> list[tuple[str, str, str | None]]:
@@ -85,12 +44,8 @@ def teachers_of(job: RLJob, run_dir: Path) -> list[tuple[str, str, str | None]]:
     return out
 
 
-def _dump(job: RLJob) -> str:
-    return yaml.safe_dump(job.model_dump(mode="json", by_alias=True, exclude_none=True), sort_keys=False)
-
-
 def main(args: argparse.Namespace) -> int:
-    from kiln.cli.local import processes
+    from kiln.cli.local import openai_access, processes
     from kiln.cli.local.fleet import RolloutFleet
     from kiln.cli.local.progress import LocalProgress
     from kiln.control.driver import ControlPlane, Driver, DriverHooks, DriverOptions, FileStore, RunState
@@ -101,62 +56,12 @@ def main(args: argparse.Namespace) -> int:
 
     out = sys.stdout
     started = time.time()
-    if args.resume:
-        run_dir = args.resume.resolve()
-        job_file = run_dir / "job.yaml"
-        if not job_file.exists():
-            print(f"kiln run: --resume {args.resume}: no job.yaml there; not a run directory", file=sys.stderr)
-            return 2
-    elif args.job is None:
-        print("kiln run: give a job file, or --resume RUN_DIR", file=sys.stderr)
-        return 2
-    try:
-        job = load_job(job_file if args.resume else args.job, local=True)
-    except ManifestError as exc:
-        print(f"kiln run: invalid job:\n{exc}", file=sys.stderr)
-        return 2
-    if not args.resume:
-        job = _resolve(job, args.job)
-        run_dir = (args.run_dir or Path("runs") / job.metadata.name).resolve()
-        # A run stopped during its first stage has no state.json yet, but its job.yaml (and
-        # maybe checkpoints) would be mixed into this one's.
-        if (run_dir / "state.json").exists() or (run_dir / "job.yaml").exists():
-            print(f"kiln run: {run_dir} holds a previous run; use --resume {run_dir} or another "
-                  "--run-dir", file=sys.stderr)
-            return 2
-        run_dir.mkdir(parents=True, exist_ok=True)
-        job_file = run_dir / "job.yaml"
-        job_file.write_text(_dump(job))
-    model = job.spec.model
-    if model.init is None and model.hub is None and not (Path(model.path) / "config.json").exists():
-        print(f"kiln run: spec.model.path: {model.path} holds no config.json, and neither "
-              "spec.model.init nor spec.model.hub is set to get one there", file=sys.stderr)
-        return 2
-    from kiln.api.capabilities import job_model_refusals
-    from kiln.cli.local.hub import HubError
-    from kiln.cli.local.model import prepare_model
-
-    try:
-        prepare_model(job, out)
-    except HubError as exc:
-        again = f"; continue with kiln run --resume {run_dir}" if exc.retry else ""
-        print(f"kiln run: {exc}{again}", file=sys.stderr)
-        return 1 if exc.retry else 2
+    prepared = prepare(args, out)
+    if isinstance(prepared, int):
+        return prepared
+    job, run_dir = prepared
+    job_file = run_dir / "job.yaml"
     teachers = teachers_of(job, run_dir)
-    for _, teacher, teacher_stage in teachers:
-        if teacher_stage is None and not (Path(teacher) / "config.json").exists():
-            print(f"kiln run: teacher {teacher} holds no config.json (a Hugging Face checkpoint "
-                  "directory, e.g. an earlier run's `kiln export`)", file=sys.stderr)
-            return 2
-    # The model capabilities once more: spec.model.init may just have made the checkpoint.
-    try:
-        problems = [r.message for r in job_model_refusals(job.spec)]
-    except ValueError as exc:
-        problems = [str(exc)]
-    if problems:
-        print(f"kiln run: spec.model.path: {job.spec.model.path}: {problems[0]}", file=sys.stderr)
-        return 2
-
     try:
         tracker = Tracker(run_dir / "tensorboard", run_name="driver", group=job.metadata.name,
                           spec=job.spec.tracking)
@@ -179,6 +84,8 @@ def main(args: argparse.Namespace) -> int:
         service_args = {**teacher_args, "sandbox": ("--owner", processes.sandbox_owner(run_dir))}
         out.write(f"run directory: {run_dir}\nstarting services: {', '.join(order)}\n")
         processes.issue_certificates(run_dir, job.metadata.name)
+        if job.spec.rollout.openai_port:
+            out.write(openai_access.grant(run_dir, job.spec.rollout.openai_port))
         group = processes.trainer_group(job.spec.trainer.data_parallel)
         for name in order:
             addrs = {n: s.address for n, s in services.items()}

@@ -36,12 +36,15 @@ class LocalProgress:
         step, stage = p.step, p.stage
         t, r, b = p.trainer, p.rollout, p.buffer
         eta = p.elapsed / step * (stage.max_steps - step) if step else float("nan")
-        reward = t.last_step.reward_mean if t.last_step else None
-        line = (f"\r[{stage.name}] step {step}/{stage.max_steps}  v{t.policy_version}"
-                f"  reward {reward if reward is None else f'{reward:.3f}'}"
-                f"  rollout pass {r.mean_reward:.3f}"
-                f"  staleness<={max(0, b.max_staleness)}  dropped {b.dropped_stale}"
-                f"  {r.tokens_per_second:.0f} tok/s  ETA {eta:.0f}s   ")
+        m = t.last_step if t.stage == stage.name else None
+        parts = [f"[{stage.name}] step {step}/{stage.max_steps}", f"v{t.policy_version}"]
+        if m is not None:
+            parts.append(f"loss {m.loss:.4f}")
+            if m.reward_mean is not None:  # RL steps only: the batch's reward, its staleness
+                parts += [f"reward {m.reward_mean:.3f}", f"rollout pass {r.mean_reward:.3f}",
+                          f"staleness<={max(0, b.max_staleness)}", f"dropped {b.dropped_stale}"]
+        parts += [f"{r.tokens_per_second:.0f} tok/s", f"ETA {eta:.0f}s"]
+        line = "\r" + "  ".join(parts) + "   "
         if self.out.isatty():
             self.out.write(line)
             self.out.flush()

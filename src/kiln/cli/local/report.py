@@ -2,7 +2,11 @@
 
 The summary holds the figures a user asks first: wall time, steps, final policy version, and
 for each evaluation the held-out success rate (greedy and sampled); for a job with one SFT and
-one RL stage also `heldout_success_before_rl` / `heldout_success_after_rl` (greedy).
+one RL stage also `heldout_success_before_rl` / `heldout_success_after_rl` (greedy); for an
+agent swarm's stage the held-out critical path before and after it, over every episode and over
+the episodes that answered (`..._answered`: one that ran out of turns unanswered has the shortest
+path, so a collapse must not read as a speed-up); for a guarded RL stage (`eval.select`,
+`eval.stopOnRegression`) the step whose weights it ended with and why (`selections`).
 """
 from __future__ import annotations
 
@@ -42,6 +46,8 @@ def write_summary(job: RLJob, run_dir: Path, state, *, wall_seconds: float) -> d
         "evaluations": stage_evaluations(job, state.evaluations),
         "evaluation_details": state.evaluations,
     }
+    if getattr(state, "selections", None):
+        summary["selections"] = state.selections
     flips = [r["trainer"]["routing_flip_frac"] for _, r in steps_seen(recs)
              if r["trainer"].get("routing_flip_frac") is not None]
     if flips:
@@ -66,6 +72,10 @@ def write_summary(job: RLJob, run_dir: Path, state, *, wall_seconds: float) -> d
                                        before.get("critical_path_steps", 0.0))
                     summary.setdefault("critical_path_steps_after_rl",
                                        after.get("critical_path_steps", 0.0))
+                    summary.setdefault("critical_path_steps_before_rl_answered",
+                                       before.get("critical_path_steps_answered", 0.0))
+                    summary.setdefault("critical_path_steps_after_rl_answered",
+                                       after.get("critical_path_steps_answered", 0.0))
     _, parts = reward_parts(run_dir, {s.name for s in job.spec.stages if isinstance(s, RLStage)})
     if parts:
         # Each reward component's mean per RL stage (verifier, rules, outcome model, judge).

@@ -73,7 +73,7 @@ def resolve_repo(spec: str, cache: Path) -> Path:
     dest = cache / re.sub(r"[^A-Za-z0-9._-]+", "_", spec.rstrip("/"))[-80:]
     if not dest.exists():
         cache.mkdir(parents=True, exist_ok=True)
-        res = subprocess.run(["git", "clone", "--quiet", "--no-checkout", spec, str(dest)],
+        res = subprocess.run(["git", "clone", "--quiet", "--no-checkout", "--", spec, str(dest)],
                              capture_output=True, text=True)
         if res.returncode != 0:
             raise GitError(f"--repo {spec}: cannot clone: {res.stderr.strip()}")

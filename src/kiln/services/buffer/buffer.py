@@ -9,7 +9,9 @@ Trajectories stay in the bytes they were put in: a Put's records are decoded onc
 checked, stored as received, and served as stored.
 
 Serving is lease and acknowledge (the lease life cycle is in leases.py). `get_batch` picks whole
-complete groups, oldest policy version first, records them as leased under a new batch id (fsync)
+complete groups that fill the batch exactly, oldest policy version first where there is a
+choice (`groups.pick_groups`: groups of any size, none at the head can wedge it; a group larger
+than the batch is dropped, reason `oversize`), records them as leased under a new batch id (fsync)
 and returns them; they stay stored. Only `ack_batch(batch_id)` consumes them (durably): never
 served again, their segment space reclaimed. A batch not acked within `lease_timeout`, or leased
 before a restart, is served again before any new batch, under the same batch id, after freshness
@@ -157,10 +159,14 @@ class TrajectoryBuffer:
             batch = self._serve_again_locked(lease, size, version, now)
             if batch is not None:
                 return batch, index.leases.seconds_to_next_due(now)
-        too_big = [g for g in index.ready.values() if g.size > size]
+        too_big = {g.key: "oversize" for g in index.ready.values() if g.size > size}
         if too_big:
-            raise ValueError(f"size ({size}) is smaller than group {too_big[0].key!r} "
-                             f"({too_big[0].size} members); a batch holds whole groups")
+            # A batch holds whole groups: one bigger than the batch could never be served, and
+            # must not stop the ones behind it.
+            log.warning("dropping %d groups larger than a batch of %d (%s, ...)", len(too_big),
+                        size, next(iter(too_big)))
+            index.drop(too_big, [], self.store.log_event)
+            self._changed_locked()
         picked = G.pick_groups(list(index.ready.values()), size)
         count = sum(len(g.members) for g in picked)
         if count == 0 or (count < size and not allow_partial):

@@ -88,14 +88,37 @@ class GroupPool(dict[str, Group]):
 
 
 def pick_groups(ready: list[Group], size: int) -> list[Group]:
-    """Whole groups, oldest first, adding up to at most `size` trajectories. A group that does not
-    fit in what is left is skipped, so smaller groups behind it may still fill the batch."""
+    """Whole groups that fill exactly `size` trajectories if any selection of them can: of
+    those selections, the one that prefers older groups (in `order_key` order, each group is
+    taken if a full batch can still be made with it). Else the greedy pick, oldest first, of
+    groups that fit (a partial batch).
+
+    Exact, so that no group can wedge serving: taking the oldest group whenever it fits (the
+    greedy pick alone) lets a group of 2 at the head of groups of 8 hold every batch of 16 at
+    10 trajectories forever, though two groups of 8 are ready."""
+    ordered = sorted(ready, key=Group.order_key)
+    greedy: list[Group] = []
+    room = size
+    for group in ordered:
+        if len(group.members) <= room:
+            greedy.append(group)
+            room -= len(group.members)
+            if room == 0:
+                return greedy  # the common case: no search needed
+    # can[i]: bit r set if some selection of ordered[i:] holds exactly r trajectories.
+    mask = (1 << (size + 1)) - 1
+    can = [1] * (len(ordered) + 1)
+    for i in range(len(ordered) - 1, -1, -1):
+        can[i] = (can[i + 1] | (can[i + 1] << len(ordered[i].members))) & mask
+    if not can[0] >> size & 1:
+        return greedy
     picked: list[Group] = []
     room = size
-    for group in sorted(ready, key=Group.order_key):
-        if len(group.members) <= room:
+    for i, group in enumerate(ordered):
+        n = len(group.members)
+        if n <= room and can[i + 1] >> (room - n) & 1:
             picked.append(group)
-            room -= len(group.members)
+            room -= n
             if room == 0:
                 break
     return picked

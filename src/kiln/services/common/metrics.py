@@ -39,6 +39,7 @@ TRAINER_IDLE_SECONDS = _series("wait_seconds")
 REWARD_MEAN = _series("reward_mean")
 TRAINER_TOKENS_PER_SECOND = _series("tokens_per_second")
 CHECKPOINT_SECONDS = _series("checkpoint_seconds")
+NONFINITE_STEPS = _series("nonfinite_steps")
 
 # --- weight sync -----------------------------------------------------------------------------
 SYNC_SECONDS = _series("sync_seconds")

@@ -15,6 +15,11 @@ On SIGTERM or SIGINT the health status turns NOT_SERVING, in-flight RPCs get `gr
 and the service's `on_stop` hook runs (a trainer writes its checkpoint there).
 
 Tests use `create_server("127.0.0.1:0", registrations)`, which returns `(server, port)`.
+
+Every server is bounded (`ServerLimits`): RPCs in flight at once (beyond them a call gets
+RESOURCE_EXHAUSTED at once, instead of each one holding up to a message of memory), the
+size of one received message (a service whose requests are small says so), and the number
+of open Health.Watch streams (each one holds a task and a condition until the client leaves).
 """
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ from prometheus_client import start_http_server
 
 from kiln.api.spec import RLJob
 from kiln.api.validate import ManifestError, load_job
-from kiln.control.channels import CHANNEL_OPTIONS
+from kiln.control.channels import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES
 from kiln.services.common import metrics
 from kiln.services.common.interceptors import ObservabilityInterceptor
 from kiln.services.common.logs import setup_logging
@@ -45,6 +50,50 @@ from kiln.tls import TLS_DIR_ENV, Bundle, own_bundle
 log = logging.getLogger("kiln.server")
 
 UP = metrics.SERVICE_UP
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one client, or many, can make a server hold."""
+
+    max_concurrent_rpcs: int = 4096
+    """RPCs in flight at once, streams included (a rollout's episodes, subscribers)."""
+    max_receive_bytes: int = MAX_MESSAGE_BYTES
+    """Largest request message; services with small requests lower it."""
+    max_health_watchers: int = 64
+    """Open Health.Watch streams (probes use Check; a watcher is a peer waiting for ready)."""
+
+
+#: The plain-text health endpoint for Kubernetes' probes: Check and Watch only, tiny requests.
+PROBE_LIMITS = ServerLimits(max_concurrent_rpcs=64, max_receive_bytes=64 << 10)
+
+
+class BoundedHealth(health.aio.HealthServicer):
+    """The standard health service with at most `max_watchers` open Watch streams; one more
+    gets RESOURCE_EXHAUSTED (retry after another closes)."""
+
+    def __init__(self, max_watchers: int) -> None:
+        super().__init__()
+        self.max_watchers = max_watchers
+        self.watchers = 0
+
+    async def Watch(self, request, context) -> None:
+        if self.watchers >= self.max_watchers:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.watchers} Health.Watch streams are open (the limit); "
+                                "use Check, or retry later")
+        self.watchers += 1
+        try:
+            await super().Watch(request, context)
+        finally:
+            self.watchers -= 1
+
+
+def _grpc_server(interceptors: list, limits: ServerLimits) -> grpc.aio.Server:
+    options = [(k, v) for k, v in CHANNEL_OPTIONS if k != "grpc.max_receive_message_length"]
+    return grpc.aio.server(interceptors=interceptors, maximum_concurrent_rpcs=limits.max_concurrent_rpcs,
+                           options=[*options, ("grpc.max_receive_message_length",
+                                               limits.max_receive_bytes)])
 
 
 @dataclass
@@ -114,14 +163,15 @@ class Served:
 
 
 async def start_server(address: str, registrations: Sequence[Registration] = (), *,
-                       ready: bool = True, tls: Bundle | None = None) -> Served:
+                       ready: bool = True, tls: Bundle | None = None,
+                       limits: ServerLimits = ServerLimits()) -> Served:
     """Serve on `address`: mutual TLS with `tls` (each RPC authorized by the caller's
     component), plain text without it."""
     interceptors: list[grpc.aio.ServerInterceptor] = [ObservabilityInterceptor()]
     if tls is not None:
         interceptors.append(AuthorizationInterceptor())
-    server = grpc.aio.server(interceptors=interceptors, options=CHANNEL_OPTIONS)
-    health_servicer = health.aio.HealthServicer()
+    server = _grpc_server(interceptors, limits)
+    health_servicer = BoundedHealth(limits.max_health_watchers)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     late = _LateHandlers()
     server.add_generic_rpc_handlers((late,))
@@ -142,9 +192,10 @@ async def start_server(address: str, registrations: Sequence[Registration] = (),
 
 
 async def create_server(address: str, registrations: Sequence[Registration] = (), *,
-                        ready: bool = True, tls: Bundle | None = None) -> tuple[grpc.aio.Server, int]:
+                        ready: bool = True, tls: Bundle | None = None,
+                        limits: ServerLimits = ServerLimits()) -> tuple[grpc.aio.Server, int]:
     """Build and start a server bound to `address` ("127.0.0.1:0" picks a free port)."""
-    served = await start_server(address, registrations, ready=ready, tls=tls)
+    served = await start_server(address, registrations, ready=ready, tls=tls, limits=limits)
     return served.server, served.port
 
 
@@ -203,7 +254,8 @@ def _tls(service: str, args: argparse.Namespace) -> tuple[Bundle | None, str | N
 
 
 def run_service(service: str, build: BuildFn, argv: Sequence[str] | None = None,
-                parser: argparse.ArgumentParser | None = None) -> int:
+                parser: argparse.ArgumentParser | None = None,
+                limits: ServerLimits = ServerLimits()) -> int:
     """Parse flags, load the job, serve until SIGTERM/SIGINT. Returns the process exit code."""
     parser = parser or service_argparser(service)
     args = parser.parse_args(argv)
@@ -222,7 +274,7 @@ def run_service(service: str, build: BuildFn, argv: Sequence[str] | None = None,
         return 2
     if tls is None:
         log.warning("%s serves plain-text gRPC: any client can call it (insecure mode)", service)
-    code = asyncio.run(_serve(service, build, job, args, tls))
+    code = asyncio.run(_serve(service, build, job, args, tls, limits))
     # Stopped cleanly: a second SIGTERM during the interpreter's teardown must not turn this
     # exit into a death by signal.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -230,15 +282,16 @@ def run_service(service: str, build: BuildFn, argv: Sequence[str] | None = None,
 
 
 async def _serve(service: str, build: BuildFn, job: RLJob | None, args: argparse.Namespace,
-                 tls: Bundle | None) -> int:
+                 tls: Bundle | None, limits: ServerLimits) -> int:
     import json
 
     http, _thread = start_http_server(args.metrics_port, addr=metrics_host(args.address))
     metrics_port = http.server_port
     # Bind and answer health checks (NOT_SERVING) before the possibly slow build.
-    served = await start_server(args.address, ready=False, tls=tls)
+    served = await start_server(args.address, ready=False, tls=tls, limits=limits)
     if args.health_address:
-        probes = grpc.aio.server()
+        # The same health servicer, so one watcher bound covers both endpoints.
+        probes = _grpc_server([], PROBE_LIMITS)
         health_pb2_grpc.add_HealthServicer_to_server(served.health, probes)
         if probes.add_insecure_port(args.health_address) == 0:
             raise OSError(f"could not bind the health endpoint to {args.health_address}")

@@ -44,7 +44,10 @@ CALLERS: dict[str, frozenset[str]] = {
     "/kiln.v1.Rollout/Score": frozenset({"rollout", "operator"}),
     # A swarm's orchestrator (on the rollout service) samples its frozen subagents' turns.
     "/kiln.v1.Rollout/Generate": frozenset({"rollout", "operator"}),
-    **{f"/kiln.v1.Trainer/{m}": frozenset({"operator"}) for m in ("RunStage", "GetTrainerStatus")},
+    # The stage driver (the operator's, or `kiln run`'s under the operator's certificate): it
+    # also holds a stage at a held-out evaluation and rolls it back to its best checkpoint.
+    **{f"/kiln.v1.Trainer/{m}": frozenset({"operator"})
+       for m in ("RunStage", "GetTrainerStatus", "ContinueStage", "RestoreCheckpoint")},
     # A frozen deployment (its certificate is a rollout's) loads an earlier stage's weights.
     "/kiln.v1.Trainer/FetchStageExport": frozenset({"rollout"}),
     "/kiln.v1.WeightSync/Publish": frozenset({"trainer"}),

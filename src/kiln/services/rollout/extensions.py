@@ -47,6 +47,9 @@ class Outcome(NamedTuple):
     """The task's own outcome (success when >= 1), whatever the training reward adds to it."""
     critical_path_steps: float = 0.0
     """The longest chain of dependent model calls, where the extension measures it; 0 if not."""
+    answered: bool = True
+    """Whether the episode gave an answer (right or wrong) rather than running out of turns or
+    budget: the environment's and the agent loop's `answered` reward part, when they set one."""
 
 
 class EpisodeExtension(Protocol):
@@ -72,4 +75,10 @@ class EpisodeExtension(Protocol):
 
 def plain_outcome(trajectory: Trajectory) -> Outcome:
     """The outcome of an episode no extension played: its reward."""
-    return Outcome(trajectory.reward)
+    return Outcome(trajectory.reward, answered=answered(trajectory))
+
+
+def answered(trajectory: Trajectory) -> bool:
+    """An episode's `answered` reward part (the agent loop sets 0 for one out of turns, an
+    environment 1 or 0 where it tells); true where nothing says otherwise."""
+    return trajectory.reward_parts.get("answered", 1.0) > 0

@@ -7,7 +7,9 @@ Starts the vLLM engine on the job's model, subscribes to weight-sync for new pol
 driver uses to set the mode and run evaluations. Addresses of the services it talks to come from
 `KILN_SANDBOX_ADDR` (environment episodes), `KILN_BUFFER_ADDR` and `KILN_WEIGHT_SYNC_ADDR`, as the
 operator sets them in the pod. With `spec.rollout.openaiPort` set it also serves the OpenAI
-chat-completions API there (`openai_server.py`), whose rewarded episodes go to the buffer.
+chat-completions API there (`openai_server.py`), whose rewarded episodes go to the buffer: to
+callers with a key from `KILN_OPENAI_API_KEYS` (a file or folder: `openai_auth.py`), on
+`KILN_OPENAI_HOST` (default 127.0.0.1; the operator sets 0.0.0.0 in a pod).
 Every tenth finished trajectory is also kept in `<run-dir>/trajectories.jsonl` for
 `kiln trajectories`.
 
@@ -245,17 +247,21 @@ async def build(job: RLJob | None, args: argparse.Namespace):
     servicer = RolloutServicer(producer, task_sets)
     openai = None
     if spec.rollout.openai_port:
+        from kiln.api.openai_endpoint import HOST_ENV
+        from kiln.services.rollout.openai_auth import ApiKeys
         from kiln.services.rollout.openai_episodes import ExternalEpisodes
         from kiln.services.rollout.openai_server import OpenAIServer
 
         async def to_buffer(trajs, group_size: int) -> None:
             await buffer.put_async(trajs, group_size)
 
+        # Rewarded groups must have the size of the stage being trained (else 400).
         openai = OpenAIServer(
             ExternalEpisodes(engine, fmt, to_buffer, max_tokens_per_turn=s.max_tokens_per_turn,
-                             max_total_tokens=s.max_total_tokens),
-            model_name=Path(spec.model.path).name, tokenizer=tokenizer, host="0.0.0.0",
-            port=spec.rollout.openai_port)
+                             max_total_tokens=s.max_total_tokens, settings=spec.rollout.openai,
+                             stage_group_size=lambda: producer.mode.group_size),
+            model_name=Path(spec.model.path).name, tokenizer=tokenizer, keys=ApiKeys.from_env(),
+            host=os.environ.get(HOST_ENV, "127.0.0.1"), port=spec.rollout.openai_port)
         await openai.start()
 
     async def on_stop() -> None:

@@ -2,7 +2,7 @@
 trajectories.
 
 An agent scaffold (any OpenAI-SDK or LiteLLM client) sends the whole conversation with every
-call, as the API has it. Kiln keeps, per episode (named by the caller), the token sequence the
+call, as the API has it. Kiln keeps, per episode, the token sequence the
 model has actually seen: the first call's messages rendered with the chat template, then for
 each call the engine's sampled reply tokens as they were sampled, and the tokens of whatever
 messages the caller added after that reply (tool results, a user's next message), rendered as
@@ -16,20 +16,33 @@ turn itself) starts a new *segment*: a fresh rendering of its messages, trained 
 Each segment becomes its own trajectory; the episode's reward goes to all of them, and they
 share the episode's group.
 
-`finish` (the reward call) turns the episode into trajectories and hands them to the sink (the
-buffer in a run, a JSONL file for `kiln serve`). An episode nobody finishes is dropped after
-`idle_seconds` without a call.
+Episodes belong to callers. `open` issues an episode id (random, unguessable) to the caller
+(the API key's id, `openai_auth.py`) and refuses one past `maxOpenEpisodes` per caller; every
+later call on the episode must come from the same caller, and to any other it does not exist
+(`UnknownEpisode`). A caller's groups are its own too: the group id is prefixed with the
+caller id, so no caller can add members to another's group.
+
+`finish` (the reward call) checks the reward (finite, within `rewardRange`), its parts and the
+group size (the stage's, where the run has stages) before it touches the episode: a refused
+reward leaves the episode open, to be rewarded again. It then turns the episode into
+trajectories and hands them to the sink (the buffer in a run, a JSONL file for `kiln serve`);
+if the sink fails, the episode stays open too. An episode without a call for `idleSeconds` is
+closed (`drop_idle`).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import json
+import math
+import secrets
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from kiln.api.openai_endpoint import OpenAIEndpointSpec
 from kiln.env import ToolSpec
 from kiln.episode import EpisodeInfo
 from kiln.routing import RoutedExperts, merge_routing
@@ -47,7 +60,12 @@ class RequestError(ValueError):
 
 
 class UnknownEpisode(KeyError):
-    """No such episode (HTTP 404): never started, finished, or dropped after being idle."""
+    """No such episode of this caller (HTTP 404): never opened, another caller's, finished, or
+    closed after being idle."""
+
+
+class TooManyEpisodes(RuntimeError):
+    """The caller holds `maxOpenEpisodes` open episodes (HTTP 429): reward or delete one first."""
 
 
 def tools_from_openai(tools: Any) -> list[ToolSpec]:
@@ -161,7 +179,8 @@ class _Segment:
 @dataclass
 class _Episode:
     episode_id: str
-    tools: list[ToolSpec]
+    caller: str
+    tools: list[ToolSpec] = field(default_factory=list)
     segments: list[_Segment] = field(default_factory=list)
     calls: int = 0
     last_used: float = field(default_factory=time.monotonic)
@@ -172,33 +191,75 @@ class ExternalEpisodes:
     """Per-episode state of the OpenAI endpoint; see the module doc."""
 
     def __init__(self, engine: Engine, fmt: ChatFormat, sink: Sink, *,
-                 max_tokens_per_turn: int, max_total_tokens: int, default_group_size: int = 1,
-                 idle_seconds: float = 3600.0) -> None:
+                 max_tokens_per_turn: int, max_total_tokens: int,
+                 settings: OpenAIEndpointSpec | None = None,
+                 stage_group_size: Callable[[], int] | None = None) -> None:
+        """`stage_group_size`: the group size of the stage being trained (a reward call must
+        use it); None: any (`kiln serve`, which trains nothing)."""
         if not isinstance(fmt, ChatFormat):
             raise ValueError("the OpenAI endpoint needs a chat-template format (hermes or llama3); "
                              "the tags format has no chat messages")
         self.engine, self.fmt, self.sink = engine, fmt, sink
         self.max_tokens_per_turn, self.max_total_tokens = max_tokens_per_turn, max_total_tokens
-        self.default_group_size, self.idle_seconds = default_group_size, idle_seconds
+        self.settings = settings or OpenAIEndpointSpec()
+        self.idle_seconds = self.settings.idle_seconds
+        self.stage_group_size = stage_group_size
         self._episodes: dict[str, _Episode] = {}
+        self._open: dict[str, int] = {}
+        """Caller -> its open episodes."""
         self.dropped_idle = 0
+        # Rendering a long history (parse, compare, chat template) one at a time, off the
+        # event loop: a tokenizer is not safe to share between threads.
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="openai-render")
 
     def __len__(self) -> int:
         return len(self._episodes)
 
-    async def complete(self, episode_id: str, messages: Any, tools: Any, *,
-                       sampling: SamplingOptions) -> Reply:
-        """Sample the next assistant reply of `episode_id` (started by its first call)."""
-        if not episode_id:
-            raise RequestError("name the episode: an X-Kiln-Episode header or the `user` field")
-        history = normalized(messages)
-        specs = tools_from_openai(tools)
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def offload(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the rendering thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def open(self, caller: str) -> str:
+        """A new episode of `caller`: its id."""
+        if self._open.get(caller, 0) >= self.settings.max_open_episodes:
+            raise TooManyEpisodes(f"this API key holds {self.settings.max_open_episodes} open "
+                                  "episodes (rollout.openai.maxOpenEpisodes); reward or delete "
+                                  "one first")
+        episode_id = "ep-" + secrets.token_hex(16)
+        self._episodes[episode_id] = _Episode(episode_id, caller)
+        self._open[caller] = self._open.get(caller, 0) + 1
+        return episode_id
+
+    def _get(self, caller: str, episode_id: str) -> _Episode:
         ep = self._episodes.get(episode_id)
-        if ep is None:
-            ep = self._episodes[episode_id] = _Episode(episode_id, specs)
+        if ep is None or ep.caller != caller:
+            raise UnknownEpisode(episode_id)
+        return ep
+
+    def _close(self, ep: _Episode) -> None:
+        if self._episodes.pop(ep.episode_id, None) is not None:
+            self._open[ep.caller] -= 1
+            if not self._open[ep.caller]:
+                del self._open[ep.caller]
+
+    async def complete(self, caller: str, episode_id: str, messages: Any, tools: Any, *,
+                       sampling: SamplingOptions, offload: bool = False) -> Reply:
+        """Sample the next assistant reply of `episode_id` (opened by `open`). `offload`: render
+        the history on the rendering thread (a long one)."""
+        if not episode_id:
+            raise RequestError("name the episode: open one with POST /v1/kiln/episodes and send "
+                               "its id in an X-Kiln-Episode header or the `user` field")
+        ep = self._get(caller, episode_id)
         async with ep.lock:
+            if self._episodes.get(episode_id) is not ep:
+                raise UnknownEpisode(episode_id)  # finished while this call waited
             ep.last_used = time.monotonic()
-            seg = self._continue(ep, history, specs)
+            prepare = self._prepare
+            seg, history = (await self.offload(prepare, ep, messages, tools) if offload
+                            else prepare(ep, messages, tools))
             budget = min(sampling.max_tokens, self.max_tokens_per_turn,
                          self.max_total_tokens - len(seg.tokens))
             if budget <= 0:
@@ -226,6 +287,12 @@ class ExternalEpisodes:
             return Reply(message, list(gen.token_ids), list(gen.logprobs), list(gen.versions),
                          finish, prompt_tokens)
 
+    def _prepare(self, ep: _Episode, messages: Any,
+                 tools: Any) -> tuple[_Segment, list[dict[str, Any]]]:
+        """The segment this call extends (`_continue`) and the call's normalized history."""
+        history = normalized(messages)
+        return self._continue(ep, history, tools_from_openai(tools)), history
+
     def _continue(self, ep: _Episode, history: list[dict[str, Any]],
                   tools: list[ToolSpec]) -> _Segment:
         """The segment this call extends, with the new messages' tokens appended; or a new one."""
@@ -246,40 +313,65 @@ class ExternalEpisodes:
         ep.segments.append(seg)
         return seg
 
-    async def finish(self, episode_id: str, reward: float, *, task_id: str = "",
-                     group_id: str = "", group_size: int | None = None,
+    def check_reward(self, reward: Any, parts: Any, group_size: Any,
+                     group_id: str) -> tuple[float, dict[str, float], int]:
+        """The reward call's (reward, reward parts, group size), or RequestError naming the field."""
+        low, high = self.settings.reward_range
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+            raise RequestError("reward: expected a number")
+        if not (math.isfinite(reward) and low <= reward <= high):
+            raise RequestError(f"reward: {reward!r} is outside this job's reward range [{low:g}, "
+                               f"{high:g}] (rollout.openai.rewardRange)")
+        parts = parts or {}
+        if not isinstance(parts, dict) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                for v in parts.values()):
+            raise RequestError("reward_parts: expected an object of finite numbers")
+        stage = self.stage_group_size() if self.stage_group_size is not None else None
+        size = (stage or 1) if group_size is None else group_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise RequestError("group_size: expected a positive integer")
+        if stage is not None and size != stage:
+            raise RequestError(f"group_size: {size} is not the group size of the stage being "
+                               f"trained ({stage}); send whole groups of {stage}")
+        if size > 1 and not group_id:
+            raise RequestError(f"group_id: a group of {size} needs an id its members share")
+        return float(reward), {str(k): float(v) for k, v in parts.items()}, size
+
+    async def finish(self, caller: str, episode_id: str, reward: float, *, task_id: str = "",
+                     group_id: str = "", group_size: int = 1,
                      reward_parts: dict[str, float] | None = None) -> list[Trajectory]:
-        """End the episode with its reward: its trajectories, also handed to the sink."""
-        ep = self._episodes.get(episode_id)
-        if ep is None:
-            raise UnknownEpisode(episode_id)
+        """End the episode with its reward (checked by `check_reward`): its trajectories, also
+        handed to the sink. If the sink fails the episode stays open."""
+        ep = self._get(caller, episode_id)
         async with ep.lock:
-            if self._episodes.pop(episode_id, None) is None:
+            if self._episodes.get(episode_id) is not ep:
                 raise UnknownEpisode(episode_id)
-        size = group_size or self.default_group_size
-        group = group_id or uuid.uuid4().hex
-        trajs = [Trajectory(
-            id=uuid.uuid4().hex, task_id=task_id or episode_id, group_id=group, env="openai",
-            tokens=s.tokens, loss_mask=s.mask, logp_infer=s.logp,
-            version_spans=spans_from_versions(s.versions), prompt_len=s.prompt_len,
-            reward=float(reward), reward_parts=dict(reward_parts or {}),
-            flags=["external"] + ([f"segment:{i}"] if len(ep.segments) > 1 else []),
-            engine_fingerprint=self.engine.fingerprint, routed_experts=s.routed, created_at=time.time())
-            for i, s in enumerate(ep.segments) if any(s.mask)]
-        if trajs:
-            await self.sink(trajs, size)
+            # The caller's own group namespace: no caller can complete another's group.
+            group = f"{caller}/{group_id}" if group_id else uuid.uuid4().hex
+            trajs = [Trajectory(
+                id=uuid.uuid4().hex, task_id=task_id or episode_id, group_id=group, env="openai",
+                tokens=s.tokens, loss_mask=s.mask, logp_infer=s.logp,
+                version_spans=spans_from_versions(s.versions), prompt_len=s.prompt_len,
+                reward=float(reward), reward_parts=dict(reward_parts or {}),
+                flags=["external"] + ([f"segment:{i}"] if len(ep.segments) > 1 else []),
+                engine_fingerprint=self.engine.fingerprint, routed_experts=s.routed,
+                created_at=time.time())
+                for i, s in enumerate(ep.segments) if any(s.mask)]
+            if trajs:
+                await self.sink(trajs, group_size)
+            self._close(ep)
         return trajs
 
-    def abandon(self, episode_id: str) -> None:
-        if self._episodes.pop(episode_id, None) is None:
-            raise UnknownEpisode(episode_id)
+    def abandon(self, caller: str, episode_id: str) -> None:
+        self._close(self._get(caller, episode_id))
 
     def drop_idle(self) -> int:
-        """Forget episodes idle for longer than `idle_seconds`; how many were dropped."""
+        """Close episodes idle for longer than `idle_seconds`; how many were closed."""
         now = time.monotonic()
-        stale = [k for k, e in self._episodes.items()
+        stale = [e for e in self._episodes.values()
                  if now - e.last_used > self.idle_seconds and not e.lock.locked()]
-        for k in stale:
-            del self._episodes[k]
+        for e in stale:
+            self._close(e)
         self.dropped_idle += len(stale)
         return len(stale)

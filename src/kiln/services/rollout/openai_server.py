@@ -1,14 +1,21 @@
 """The rollout engine behind the OpenAI chat-completions API, so that an existing agent scaffold
 can act as the policy.
 
+    POST /v1/kiln/episodes                 open an episode: {"episode_id": "ep-..."} (201)
     POST /v1/chat/completions              one reply of an episode (stream optional)
     POST /v1/kiln/episodes/{id}/reward     {"reward": 1.0, "task_id": ..., "group_id": ...,
                                             "group_size": 8, "reward_parts": {...}}
     DELETE /v1/kiln/episodes/{id}          drop an episode without training on it
     GET  /v1/models                        the one model served
-    GET  /healthz
+    GET  /healthz                          liveness, the only route without a key
 
-Every completion request names its episode: an `X-Kiln-Episode` header, else the `user` field.
+Every request but /healthz carries `Authorization: Bearer <key>` (`openai_auth.py`); without a
+known key: 401. Episodes are issued by the server and bound to the key that opened them
+(`openai_episodes.py`): another key gets a 404 for them. Every completion request names its
+episode: an `X-Kiln-Episode` header, else the `user` field. Limits (`spec.rollout.openai`): a
+body over `maxBodyBytes` gets a 413, an episode past `maxOpenEpisodes` per key a 429, a reward
+outside `rewardRange` or not finite a 400 (the episode stays open); a body over 64 KiB is
+parsed and rendered off the event loop.
 `openai_episodes.ExternalEpisodes` keeps each episode's exact tokens; the reward call turns it
 into trajectories. Besides the standard fields a response carries `kiln`: the sampled token ids,
 their log-probs (of the raw model distribution; when the job samples at a temperature other
@@ -32,10 +39,15 @@ from typing import Any
 from aiohttp import web
 
 from kiln.services.rollout.engine import SamplingOptions
-from kiln.services.rollout.openai_episodes import ExternalEpisodes, Reply, RequestError, UnknownEpisode
+from kiln.services.rollout.openai_auth import ApiKeys
+from kiln.services.rollout.openai_episodes import (ExternalEpisodes, Reply, RequestError,
+                                                   TooManyEpisodes, UnknownEpisode)
 
 log = logging.getLogger("kiln.rollout.openai")
 EPISODE_HEADER = "X-Kiln-Episode"
+#: Bodies larger than this are parsed (and their history rendered) on the rendering thread.
+OFFLOAD_BYTES = 64 << 10
+CALLER = web.RequestKey("caller", str)
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
@@ -68,16 +80,18 @@ def _sampling(body: dict[str, Any], default_max_tokens: int) -> SamplingOptions:
 
 class OpenAIServer:
     def __init__(self, episodes: ExternalEpisodes, *, model_name: str, tokenizer: Any,
-                 host: str = "127.0.0.1", port: int = 0) -> None:
+                 keys: ApiKeys, host: str = "127.0.0.1", port: int = 0) -> None:
         self.episodes, self.model_name, self.tokenizer = episodes, model_name, tokenizer
-        self.host, self.port = host, port
+        self.keys, self.host, self.port = keys, host, port
         self.requests = 0
         self._runner: web.AppRunner | None = None
         self._sweeper: asyncio.Task | None = None
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(client_max_size=self.episodes.settings.max_body_bytes,
+                              middlewares=[self._authenticate])
         app.add_routes([
+            web.post("/v1/kiln/episodes", self.open_episode),
             web.post("/v1/chat/completions", self.chat_completions),
             web.post("/v1/kiln/episodes/{episode_id}/reward", self.reward),
             web.delete("/v1/kiln/episodes/{episode_id}", self.abandon),
@@ -102,32 +116,63 @@ class OpenAIServer:
             self._sweeper.cancel()
         if self._runner is not None:
             await self._runner.cleanup()
+        self.episodes.close()
 
     async def _sweep(self) -> None:
         while True:
-            await asyncio.sleep(min(60.0, self.episodes.idle_seconds))
+            await asyncio.sleep(min(60.0, self.episodes.idle_seconds / 4))
             if n := self.episodes.drop_idle():
-                log.warning("dropped %d episodes idle for over %.0f s without a reward", n,
+                log.warning("closed %d episodes idle for over %.0f s without a reward", n,
                             self.episodes.idle_seconds)
 
-    async def _json(self, request: web.Request) -> dict[str, Any]:
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler) -> web.StreamResponse:
+        if request.path == "/healthz":
+            return await handler(request)
+        caller = self.keys.identify(request.headers.get("Authorization"))
+        if caller is None:
+            return web.json_response(
+                {"error": {"message": "an API key is required: Authorization: Bearer <key>",
+                           "type": "authentication_error"}},
+                status=401, headers={"WWW-Authenticate": "Bearer"})
+        request[CALLER] = caller
         try:
-            body = await request.json()
-        except json.JSONDecodeError as exc:
-            raise RequestError(f"the request body is not JSON: {exc.msg}") from None
+            return await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"the request body is larger than {self.episodes.settings.max_body_bytes} "
+                          "bytes (rollout.openai.maxBodyBytes)", "request_too_large")
+
+    async def _json(self, request: web.Request) -> tuple[dict[str, Any], bool]:
+        """The body as a JSON object, and whether it is large (parsed off the event loop)."""
+        raw = await request.read()
+        heavy = len(raw) > OFFLOAD_BYTES
+        try:
+            body = await self.episodes.offload(json.loads, raw) if heavy else json.loads(raw or b"{}")
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise RequestError(f"the request body is not JSON: {exc}") from None
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object")
-        return body
+        return body, heavy
+
+    async def open_episode(self, request: web.Request) -> web.Response:
+        try:
+            episode_id = self.episodes.open(request[CALLER])
+        except TooManyEpisodes as exc:
+            return _error(429, str(exc), "rate_limit_error")
+        return web.json_response({"episode_id": episode_id}, status=201)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
-            body = await self._json(request)
+            body, heavy = await self._json(request)
             episode_id = request.headers.get(EPISODE_HEADER) or body.get("user") or ""
             sampling = _sampling(body, self.episodes.max_tokens_per_turn)
-            reply = await self.episodes.complete(episode_id, body.get("messages"),
-                                                 body.get("tools"), sampling=sampling)
+            reply = await self.episodes.complete(request[CALLER], str(episode_id),
+                                                 body.get("messages"), body.get("tools"),
+                                                 sampling=sampling, offload=heavy)
         except RequestError as exc:
             return _error(400, str(exc))
+        except UnknownEpisode:
+            return _not_open(episode_id)
         except ValueError as exc:  # the template cannot keep this conversation token-exact
             return _error(422, str(exc))
         self.requests += 1
@@ -180,34 +225,34 @@ class OpenAIServer:
     async def reward(self, request: web.Request) -> web.Response:
         episode_id = request.match_info["episode_id"]
         try:
-            body = await self._json(request)
-            reward = body.get("reward")
-            if not isinstance(reward, (int, float)) or isinstance(reward, bool):
-                raise RequestError("reward: expected a number")
-            size = body.get("group_size")
-            if size is not None and (not isinstance(size, int) or size < 1):
-                raise RequestError("group_size: expected a positive integer")
-            parts = body.get("reward_parts") or {}
-            if not isinstance(parts, dict) or not all(isinstance(v, (int, float)) for v in parts.values()):
-                raise RequestError("reward_parts: expected an object of numbers")
+            body, _ = await self._json(request)
+            group_id = str(body.get("group_id") or "")
+            reward, parts, size = self.episodes.check_reward(
+                body.get("reward"), body.get("reward_parts"), body.get("group_size"), group_id)
             trajs = await self.episodes.finish(
-                episode_id, float(reward), task_id=str(body.get("task_id") or ""),
-                group_id=str(body.get("group_id") or ""), group_size=size,
-                reward_parts={k: float(v) for k, v in parts.items()})
+                request[CALLER], episode_id, reward, task_id=str(body.get("task_id") or ""),
+                group_id=group_id, group_size=size, reward_parts=parts)
         except RequestError as exc:
             return _error(400, str(exc))
         except UnknownEpisode:
-            return _error(404, f"episode {episode_id!r} is not open (never started, already "
-                          "rewarded, or dropped after being idle)", "not_found_error")
+            return _not_open(episode_id)
+        except ValueError as exc:  # the buffer refused the trajectories; the episode stays open
+            return _error(400, str(exc))
+        except web.HTTPException:
+            raise
+        except Exception as exc:  # the buffer is unreachable or full; the episode stays open
+            log.warning("episode %s: its trajectories were not stored: %r", episode_id, exc)
+            return _error(503, f"the trajectories could not be stored ({type(exc).__name__}); "
+                          "the episode is still open: send its reward again", "server_error")
         return web.json_response({"episode_id": episode_id, "trajectories": [t.id for t in trajs],
                                   "tokens": sum(len(t.tokens) for t in trajs)})
 
     async def abandon(self, request: web.Request) -> web.Response:
         episode_id = request.match_info["episode_id"]
         try:
-            self.episodes.abandon(episode_id)
+            self.episodes.abandon(request[CALLER], episode_id)
         except UnknownEpisode:
-            return _error(404, f"episode {episode_id!r} is not open", "not_found_error")
+            return _not_open(episode_id)
         return web.json_response({"episode_id": episode_id, "dropped": True})
 
     async def models(self, request: web.Request) -> web.Response:
@@ -215,5 +260,9 @@ class OpenAIServer:
             {"id": self.model_name, "object": "model", "created": 0, "owned_by": "kiln"}]})
 
     async def healthz(self, request: web.Request) -> web.Response:
-        return web.json_response({"ok": True, "open_episodes": len(self.episodes),
-                                  "policy_version": self.episodes.engine.policy_version})
+        return web.json_response({"ok": True})
+
+
+def _not_open(episode_id: str) -> web.Response:
+    return _error(404, f"episode {episode_id!r} is not open for this API key (never opened, "
+                  "another key's, already rewarded, or closed after being idle)", "not_found_error")

@@ -45,7 +45,7 @@ from kiln.services.buffer.client import BufferClient
 from kiln.services.common import metrics
 from kiln.services.rollout.agent import EpisodeStale, Limits, demonstration_trajectory, run_episode
 from kiln.services.rollout.engine import Engine, SamplingOptions
-from kiln.services.rollout.extensions import EpisodeContext, EpisodeExtension, plain_outcome
+from kiln.services.rollout.extensions import EpisodeContext, EpisodeExtension, Outcome, plain_outcome
 from kiln.services.rollout.formats import Format
 from kiln.services.rollout.occupancy import EngineTimer, EnvTimer, Occupancy
 from kiln.services.rollout.reward_models import RewardModels
@@ -350,9 +350,10 @@ class Producer:
 
     # ---------------------------------------------------------------- evaluation
     async def evaluate(self, task_set: str, size: int, *, max_tasks: int, samples: int,
-                       greedy: bool) -> tuple[int, float, float, float]:
+                       greedy: bool) -> tuple[int, float, float, float, float]:
         """(tasks, greedy success, sampled success, mean critical-path steps of the episodes as
-        their extension measures them, or 0) at the current policy version."""
+        their extension measures them or 0, the same over the episodes that answered) at the
+        current policy version."""
         n = min(size, max_tasks) if max_tasks else size
         sem = asyncio.Semaphore(self.config.max_concurrent)
         # A task set a stage's extension trains or evaluates on is played by that extension.
@@ -360,7 +361,7 @@ class Producer:
         outcome = self.extensions[stage].outcome if stage else plain_outcome
         version = self.engine.policy_version  # the version the evaluation reports
 
-        async def one(index: int, temperature: float) -> tuple[float, float]:
+        async def one(index: int, temperature: float) -> Outcome:
             async with sem:
                 trajs = await self._episode(
                     stage, task_set=task_set, index=index,
@@ -373,8 +374,9 @@ class Producer:
         greedy_runs = await asyncio.gather(*[one(i, 0.0) for i in range(n)]) if greedy else []
         sampled = await asyncio.gather(*[one(i, self.config.sampling.temperature)
                                          for i in range(n) for _ in range(samples)])
-        g = sum(r >= 1.0 for r, _ in greedy_runs) / len(greedy_runs) if greedy_runs else 0.0
-        s = sum(r >= 1.0 for r, _ in sampled) / len(sampled) if sampled else 0.0
+        g = sum(o.reward >= 1.0 for o in greedy_runs) / len(greedy_runs) if greedy_runs else 0.0
+        s = sum(o.reward >= 1.0 for o in sampled) / len(sampled) if sampled else 0.0
         runs = greedy_runs or sampled
-        path = sum(p for _, p in runs) / len(runs) if runs else 0.0
-        return n, g, s, path
+        answered = [o for o in runs if o.answered]
+        return (n, g, s, sum(o.critical_path_steps for o in runs) / len(runs) if runs else 0.0,
+                sum(o.critical_path_steps for o in answered) / len(answered) if answered else 0.0)

@@ -18,7 +18,8 @@ from kiln.trajectory import Trajectory
 log = logging.getLogger("kiln.serve")
 
 
-async def serve(model_dir: Path, *, port: int, host: str = "127.0.0.1", engine: str = "auto",
+async def serve(model_dir: Path, *, port: int, api_key_file: Path, host: str = "127.0.0.1",
+                engine: str = "auto",
                 tool_call_format: str = "auto", dtype: str = "float32",
                 kv_cache_bytes: int = 256 << 20, max_tokens_per_turn: int = 512,
                 max_total_tokens: int = 0, trajectories: Path | None = None,
@@ -28,9 +29,11 @@ async def serve(model_dir: Path, *, port: int, host: str = "127.0.0.1", engine: 
 
     from kiln.services.rollout.engine import EngineSettings, engine_kind, start_engine
     from kiln.services.rollout.formats import choose_format, make_format
+    from kiln.services.rollout.openai_auth import ApiKeys
     from kiln.services.rollout.openai_episodes import ExternalEpisodes
     from kiln.services.rollout.openai_server import OpenAIServer
 
+    keys = ApiKeys.load(api_key_file)  # before the engine loads: a bad key file fails fast
     config = json.loads((model_dir / "config.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     name = choose_format(tool_call_format, tokenizer, config.get("model_type", ""))
@@ -52,8 +55,8 @@ async def serve(model_dir: Path, *, port: int, host: str = "127.0.0.1", engine: 
 
     episodes = ExternalEpisodes(eng, fmt, sink, max_tokens_per_turn=max_tokens_per_turn,
                                 max_total_tokens=max_total_tokens or max_len)
-    server = OpenAIServer(episodes, model_name=model_dir.name, tokenizer=tokenizer, host=host,
-                          port=port)
+    server = OpenAIServer(episodes, model_name=model_dir.name, tokenizer=tokenizer, keys=keys,
+                          host=host, port=port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

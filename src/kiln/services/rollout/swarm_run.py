@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from kiln.api.swarm import SwarmSettings
 from kiln.services.common import metrics
 from kiln.services.rollout.engine import SamplingOptions
-from kiln.services.rollout.extensions import EpisodeContext, Outcome
+from kiln.services.rollout.extensions import EpisodeContext, Outcome, answered
 from kiln.services.rollout.swarm import Subagents, run_swarm_episode
 from kiln.swarm import Parl, annealed
 from kiln.trajectory import Trajectory
@@ -48,7 +48,7 @@ class SwarmRun:
         model either); the critical path as the episode measured it."""
         parts = trajectory.reward_parts
         return Outcome(parts.get("parl/perf", trajectory.reward),
-                       parts.get("swarm/critical_path_steps", 0.0))
+                       parts.get("swarm/critical_path_steps", 0.0), answered(trajectory))
 
     async def close(self) -> None:
         await self.subagents.engine.close()

@@ -6,19 +6,25 @@ Each `exec` starts a fresh `bwrap` in that cgroup:
 
     sh (writes its pid into the cgroups, then execs)
       setpriv --reuid U --no-new-privs, no capabilities, no bounding set
-        bwrap --unshare-all (user, pid, net, ipc, uts, cgroup, mount), --die-with-parent,
-              --new-session, --clearenv, read-only /usr and a few /etc files,
-              /workspace read-write, fresh /proc, /dev, /tmp
+        bwrap --unshare-all (user, pid, net, ipc, uts, cgroup, mount), --disable-userns,
+              --seccomp FD, --die-with-parent, --new-session, --clearenv, read-only /usr and
+              a few /etc files, /workspace read-write, fresh /proc, /dev, /tmp
           /bin/sh -c CMD
 
 Privileges are dropped before bwrap runs, so bwrap works in an unprivileged user namespace and
 nothing inside maps to host root. With `network=False` the sandbox has only its own loopback:
-the host's 127.0.0.1 is unreachable. When the command returns, the PID namespace dies with it;
+the host's 127.0.0.1 is unreachable. The command runs under a seccomp deny-list (`seccomp.py`:
+no new namespaces, io_uring, keyrings, bpf, perf, mounts, modules...), and `--disable-userns`
+makes the sandbox's user namespace the last one: a nested `unshare -U` fails even where the
+filter would not see it. When the command returns, the PID namespace dies with it;
 on timeout the cgroup is killed, which takes detached and double-forked processes too.
 
 Not covered: persistence of processes between execs (each exec is its own process tree; state
 lives in the workspace), and kernel-level attack surface (bubblewrap shares the host kernel;
-production uses containers in a dind sidecar).
+the filter narrows it but a bug in an allowed syscall is still a host kernel bug). With
+`network=True` the sandbox shares the service's network namespace: nothing here filters
+egress (cloud metadata, cluster services and the host's loopback ports are reachable); that
+is the pod's NetworkPolicy's job on a cluster, and an open door under `kiln run`.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ from .interface import (EXIT_OOM, EXIT_TIMEOUT, WORKSPACE, ExecResult, Sandbox, 
                         WorkspaceFull)
 from .output import CappedBuffer, drain
 from .quota import check_tools, mount_workspace, unmount_workspace
+from .seccomp import program, program_fd
 from .workspace_fs import read_beneath, write_beneath
 
 BWRAP = "/usr/bin/bwrap"
@@ -48,6 +55,7 @@ def check_host(workspace_fs: str = "ext4") -> None:
         if not os.access(tool, os.X_OK):
             raise SandboxError(f"{tool} not found: install bubblewrap and util-linux")
     check_tools(workspace_fs)
+    program()  # SandboxError when libseccomp is missing
 
 
 class BubblewrapSandbox(Sandbox):
@@ -94,10 +102,14 @@ class BubblewrapSandbox(Sandbox):
         shutil.rmtree(self.dir)
 
     # -- commands -------------------------------------------------------------------------
-    def _bwrap_args(self, workdir: str, env: dict[str, str]) -> list[str]:
+    def _bwrap_args(self, workdir: str, env: dict[str, str], seccomp_fd: int | None) -> list[str]:
         cfg = self.config
-        args = [BWRAP, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
-                "--hostname", "sandbox"]
+        # --disable-userns needs the user namespace asked for explicitly (--unshare-all only
+        # tries one).
+        args = [BWRAP, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+                "--new-session", "--clearenv", "--hostname", "sandbox"]
+        if seccomp_fd is not None:
+            args += ["--seccomp", str(seccomp_fd)]
         if self.limits.network:
             args.append("--share-net")
         if cfg.rootfs is not None:
@@ -122,7 +134,8 @@ class BubblewrapSandbox(Sandbox):
             args += ["--setenv", key, value]
         return args
 
-    def _argv(self, cmd: str | list[str], workdir: str, env: dict[str, str]) -> list[str]:
+    def _argv(self, cmd: str | list[str], workdir: str, env: dict[str, str],
+              seccomp_fd: int | None = None) -> list[str]:
         procs = [str(p) for p in self.cgroup.procs_files()]
         # The launcher joins the cgroups itself before exec'ing, so no child can be forked
         # outside them (writing the pid after spawn would race with the first fork).
@@ -133,7 +146,7 @@ class BubblewrapSandbox(Sandbox):
         drop = [SETPRIV, f"--reuid={cfg.uid}", f"--regid={cfg.gid}", "--clear-groups",
                 "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
         inner = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        return [*launcher, *drop, *self._bwrap_args(workdir, env), "--", *inner]
+        return [*launcher, *drop, *self._bwrap_args(workdir, env, seccomp_fd), "--", *inner]
 
     async def exec(self, cmd, *, timeout=None, workdir=None, env=None, stdin=None) -> ExecResult:
         if not self._started or self._destroyed:
@@ -142,7 +155,10 @@ class BubblewrapSandbox(Sandbox):
         workdir = workdir or WORKSPACE
         if not workdir.startswith("/"):
             workdir = f"{WORKSPACE}/{workdir}"
-        argv = self._argv(cmd, workdir, env or {})
+        # One pipe per bwrap: it reads the program to EOF, and the sh and setpriv in
+        # between keep the descriptor open for it.
+        seccomp_fd = program_fd() if self.config.seccomp else None
+        argv = self._argv(cmd, workdir, env or {}, seccomp_fd)
         oom_before = self.cgroup.oom_kills()
         out, err = CappedBuffer(self.limits.output_limit_bytes), \
             CappedBuffer(self.limits.output_limit_bytes)
@@ -153,7 +169,8 @@ class BubblewrapSandbox(Sandbox):
         spawn = asyncio.ensure_future(asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            start_new_session=True, env={"PATH": "/usr/bin:/bin"}))
+            start_new_session=True, env={"PATH": "/usr/bin:/bin"},
+            pass_fds=() if seccomp_fd is None else (seccomp_fd,)))
         try:
             proc = await asyncio.shield(spawn)
         except asyncio.CancelledError:
@@ -161,6 +178,9 @@ class BubblewrapSandbox(Sandbox):
             if not spawn.cancelled() and spawn.exception() is None:
                 await self._kill_and_reap(spawn.result())
             raise
+        finally:
+            if seccomp_fd is not None and spawn.done():
+                os.close(seccomp_fd)
         readers = asyncio.gather(drain(proc.stdout, out), drain(proc.stderr, err))
         feeder = asyncio.ensure_future(_feed(proc, stdin)) if stdin is not None else None
         timed_out = False

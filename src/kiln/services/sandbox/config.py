@@ -116,6 +116,9 @@ class BubblewrapConfig(BaseModel):
     gid: int = 65534
     """Unprivileged identity the sandboxed commands run as (on the host too)."""
     cgroup_root: Path = Path("/sys/fs/cgroup")
+    seccomp: bool = True
+    """Load the syscall filter (`seccomp.py`) into every sandboxed command. Off only to measure
+    what it costs: without it the model's code reaches the whole kernel surface."""
     workspace_fs: Literal["ext4", "tmpfs"] = "ext4"
     """What the workspace quota is made of (`quota.py`): a loop-mounted ext4 image on the state
     folder's disk, or a tmpfs (no loop device needed; counts towards the memory limit)."""

@@ -103,20 +103,9 @@ class DockerSandbox(Sandbox):
 
     def _start(self) -> None:
         import docker
-        from docker.types import Ulimit
-        lim = self.limits
         try:
             self.container = self.client.containers.run(
-                self.config.image, self.config.init or REAPER_INIT, name=self.name, detach=True,
-                user=self.config.user, working_dir=self.config.workdir,
-                network_mode="bridge" if lim.network else "none",
-                mem_limit=lim.memory_bytes, memswap_limit=lim.memory_bytes,
-                pids_limit=lim.pids, nano_cpus=int(lim.cpu * 1e9),
-                cap_drop=["ALL"], security_opt=["no-new-privileges"],
-                ulimits=[Ulimit(name=k, soft=v, hard=v) for k, v in self.config.ulimits.items()],
-                labels={LABEL_OWNER: self.config.owner}, hostname="sandbox",
-                tmpfs={WORKSPACE: self._workspace_options()},
-                environment={"HOME": WORKSPACE, "LANG": "C.UTF-8"})
+                **container_options(self.config, self.name, self._workspace_options()))
         except docker.errors.ImageNotFound as exc:
             raise SandboxError(f"image: {self.config.image} not found in the engine; build it "
                                "with `kiln sandbox image`") from exc
@@ -330,6 +319,30 @@ class _ChunkReader(io.RawIOBase):
         buffer[:n] = self._rest[:n]
         self._rest = self._rest[n:]
         return n
+
+
+def container_options(config: DockerConfig, name: str, workspace_options: str) -> dict:
+    """Keyword arguments of `containers.run` for one sandbox: what the engine is asked for.
+
+    No `privileged`, every capability dropped, `no-new-privileges`, and no `seccomp=` option,
+    so the engine applies its default seccomp profile (Docker's and podman's deny new
+    namespaces, keyrings, bpf, mounts, modules... much as `seccomp.py` does for bubblewrap).
+    `network=False` is `network_mode="none"` (only loopback); `network=True` is the engine's
+    default bridge, which this backend does not filter: link-local addresses and the cluster's
+    services are only kept out by the pod's NetworkPolicy (see the README's trust section)."""
+    from docker.types import Ulimit
+    lim = config.limits
+    return dict(
+        image=config.image, command=config.init or REAPER_INIT, name=name, detach=True,
+        user=config.user, working_dir=config.workdir, privileged=False,
+        network_mode="bridge" if lim.network else "none",
+        mem_limit=lim.memory_bytes, memswap_limit=lim.memory_bytes,
+        pids_limit=lim.pids, nano_cpus=int(lim.cpu * 1e9),
+        cap_drop=["ALL"], security_opt=["no-new-privileges"],
+        ulimits=[Ulimit(name=k, soft=v, hard=v) for k, v in config.ulimits.items()],
+        labels={LABEL_OWNER: config.owner}, hostname="sandbox",
+        tmpfs={WORKSPACE: workspace_options},
+        environment={"HOME": WORKSPACE, "LANG": "C.UTF-8"})
 
 
 def _is_podman(client) -> bool:

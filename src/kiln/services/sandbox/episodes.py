@@ -282,7 +282,9 @@ class EpisodeManager:
         grade = await self._grade(ep.task_set, ep.task, _LazySandbox(self, ep), answer, ep.turns)
         if ep.task_set.rules is not None:
             well_formed = answer is not None and not ep.invalid_replies and "max_actions" not in flags
-            grade = apply_rules(ep.task_set.rules, grade, answer, well_formed)
+            # Off the event loop: a regex rule may take up to its time limit.
+            grade = await asyncio.to_thread(apply_rules, ep.task_set.rules, grade, answer,
+                                            well_formed)
         output = f"{note}; {grade.output}" if note else grade.output
         reference = ep.task_set.environment.reference(ep.task) or ""
         return StepResult(done=True, reward=grade.reward, reward_parts=grade.parts,

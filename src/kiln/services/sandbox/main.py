@@ -110,9 +110,15 @@ async def build(job, args):
     return registrations, on_stop
 
 
+#: Largest request the sandbox service accepts.
+SANDBOX_MAX_REQUEST_BYTES = 16 << 20
+
+
 def main(argv: list[str] | None = None) -> int:
-    from kiln.services.common.server import run_service
-    return run_service("sandbox", build, argv, parser=_parser())
+    from kiln.services.common.server import ServerLimits, run_service
+    # Requests are actions, commands and single files: 16 MiB is a large file, not a batch.
+    return run_service("sandbox", build, argv, parser=_parser(),
+                       limits=ServerLimits(max_receive_bytes=SANDBOX_MAX_REQUEST_BYTES))
 
 
 if __name__ == "__main__":

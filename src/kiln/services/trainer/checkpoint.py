@@ -6,6 +6,9 @@ checkpoint is written under `<root>/.tmp-step_00000012/`, every file fsynced, th
 place, so a `step_*` directory is always complete: a crash mid-write leaves only a `.tmp-*`
 directory, which the next write of that step replaces and `latest` ignores.
 
+`<root>/protected.json` lists steps that pruning to the newest `keep` spares: a guarded
+stage's best evaluated checkpoint (`selection.py`), which it may still restore.
+
 Not covered: resharding to a different TP size (export to HF and reload instead), object
 stores.
 """
@@ -36,7 +39,27 @@ def list_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / "meta.json").exists()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+    return sorted(found, key=checkpoint_step)
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(Path(path).name[len(PREFIX):])
+
+
+def protected_steps(root: Path) -> list[int]:
+    """Steps whose checkpoints pruning spares (`protect`)."""
+    path = Path(root) / "protected.json"
+    return list(json.loads(path.read_text())) if path.exists() else []
+
+
+def protect(root: Path, steps: list[int]) -> None:
+    """Spare the checkpoints of `steps` (and no others) from pruning, from now on; replaced
+    atomically."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / ".protected.json.tmp"
+    tmp.write_text(json.dumps(sorted(set(steps))))
+    os.replace(tmp, root / "protected.json")
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -82,8 +105,10 @@ def write_checkpoint(root: Path, step: int, meta: dict, rank_state: dict, keep: 
             shutil.rmtree(final)
         os.replace(tmp, final)
         fsync_dir(root)
+        spared = set(protected_steps(root))
         for old in list_checkpoints(root)[:-keep]:
-            shutil.rmtree(old)
+            if checkpoint_step(old) not in spared:
+                shutil.rmtree(old)
     _barrier()
     return final
 

@@ -16,6 +16,7 @@ Every rank of the world (`tensor_parallel * data_parallel` processes, see `ranks
 the same calls with the same whole batch: a data-parallel replica trains on its share of each
 minibatch's rows, and gradients, the loss and the loss statistics are summed over the replicas
 before clipping, so a step equals the one-replica step up to floating-point reduction order.
+A minibatch whose loss or gradient norm is not finite is not applied (counted, `metrics.py`).
 Checkpoints and exports are written by replica 0 alone; a resumed replica 0 hands its state to
 the others at start-up.
 
@@ -209,7 +210,11 @@ class TrainerEngine:
                 part_loss, part_stats = self._reduce_replicas(part_loss, part_stats)
             stats = stats.merge(part_stats)
             norms.append(self._clip_grads())
-            self.optimizer.step()
+            if math.isfinite(part_loss) and math.isfinite(norms[-1]):
+                self.optimizer.step()
+            else:  # a poisoned minibatch: its update is dropped, never applied, and counted
+                self.optimizer.zero_grad(set_to_none=True)
+                metrics.count_nonfinite(self.stage or ("rl" if rl else "sft"), part_loss, norms[-1])
             losses.append(part_loss)
         self.scheduler.step()
         self.step_count += 1
@@ -293,7 +298,7 @@ class TrainerEngine:
             dist.all_reduce(sq, group=parallel.tp_group())
         norm = math.sqrt(float(sq))
         clip = self.config.optimizer.grad_clip
-        if clip > 0 and norm > clip:
+        if clip > 0 and clip < norm < math.inf:  # a non-finite norm is never applied (`_run`)
             scale = clip / (norm + 1e-6)
             for p in params:
                 p.grad.mul_(scale)

@@ -62,6 +62,11 @@ class StageSettings(BaseModel):
     batch_size: int = Field(ge=1)
     sync_interval: int | None = Field(None, ge=1)
     """Publish every this many steps; None publishes only at the end of the stage."""
+    hold_every: int | None = Field(None, ge=1)
+    """Every this many steps of the stage (but its last), publish and call `hold(step)` before
+    the next step: a held-out evaluation of exactly these weights (`eval.every`)."""
+    done_steps: int = Field(0, ge=0)
+    """Steps of the stage taken before this call (a resumed stage): where hold points fall."""
 
 
 @dataclass
@@ -85,8 +90,11 @@ def run_stage(
     *,
     should_stop: Callable[[], bool] = lambda: False,
     on_step: Callable[[StepMetrics], None] | None = None,
+    hold: Callable[[int], None] | None = None,
 ) -> StageResult:
-    """Train one stage until `max_steps`, an exhausted source, or `should_stop()`."""
+    """Train one stage until `max_steps`, an exhausted source, or `should_stop()`; at each of
+    `settings.hold_every`'s points, publish and `hold(stage step)` (which returns when the
+    stage may go on)."""
     engine.stage = settings.name or settings.kind
     result = StageResult()
     published_at = -1
@@ -106,9 +114,14 @@ def run_stage(
         result.metrics.append(m)
         if on_step is not None:
             on_step(m)
-        if settings.sync_interval and result.steps % settings.sync_interval == 0:
+        stage_step = settings.done_steps + result.steps
+        held = (hold is not None and settings.hold_every is not None and result.steps < settings.max_steps
+                and stage_step % settings.hold_every == 0)
+        if held or (settings.sync_interval and result.steps % settings.sync_interval == 0):
             result.versions.append(publish(engine, publisher))
             published_at = result.steps
+        if held:
+            hold(stage_step)
     if result.steps and published_at != result.steps:
         result.versions.append(publish(engine, publisher))
     return result

@@ -7,12 +7,18 @@ runs several engines in one process reads each step's values right after the ste
 """
 from __future__ import annotations
 
+import logging
+import math
+
 from kiln.metrics import STEP, StepMetrics
 from kiln.services.common import metrics as common
+
+log = logging.getLogger("kiln.trainer")
 
 TOKENS_PER_SECOND = common.TRAINER_TOKENS_PER_SECOND
 CHECKPOINT_SECONDS = common.CHECKPOINT_SECONDS
 TRAINER_VERSION = common.POLICY_VERSION.labels(component="trainer")
+NONFINITE_STEPS = common.NONFINITE_STEPS
 
 _COLLECTORS = {
     "step": common.TRAIN_STEP, "policy_version": common.POLICY_VERSION,
@@ -42,3 +48,12 @@ def observe_step(m: StepMetrics, stage: str) -> None:
             c.observe(value)
         else:
             c.set(value)
+
+
+def count_nonfinite(stage: str, loss: float, grad_norm: float) -> None:
+    """An optimizer update skipped for a non-finite loss or gradient norm (the alert
+    KilnTrainerNonFiniteSteps fires on it)."""
+    reason = "loss" if not math.isfinite(loss) else "grad"
+    NONFINITE_STEPS.labels(stage=stage, reason=reason).inc()
+    log.error("stage %s: skipped an optimizer update: loss %s, gradient norm %s (not finite); "
+              "the weights are unchanged", stage, loss, grad_norm)

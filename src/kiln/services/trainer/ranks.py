@@ -49,7 +49,8 @@ _PR_SET_PDEATHSIG = 1
 
 # Engine calls rank 0 forwards; anything else it does on the engine is local or travels in
 # `_settings`.
-FORWARDED = ("step", "sft_step", "new_version", "gathered_hf_tensors", "export_hf", "save_checkpoint")
+FORWARDED = ("step", "sft_step", "new_version", "gathered_hf_tensors", "export_hf", "save_checkpoint",
+             "load_checkpoint")
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,8 @@ def spawn_local_ranks(world: World, argv: list[str]) -> list[subprocess.Popen]:
 def _settings(engine) -> dict[str, Any]:
     return {
         "config": engine.config, "stage": engine.stage, "policy_version": engine.policy_version,
+        # A rollback (`selection.restore_weights`) keeps rank 0's counters, not the checkpoint's.
+        "step_count": engine.step_count, "published_step": engine.published_step,
         "groups": [{k: g[k] for k in ("lr", "initial_lr", "betas") if k in g}
                    for g in engine.optimizer.param_groups],
         "base_lrs": list(engine.scheduler.base_lrs),
@@ -143,6 +146,7 @@ def _settings(engine) -> dict[str, Any]:
 def _apply(engine, settings: dict[str, Any]) -> None:
     engine.config, engine.stage = settings["config"], settings["stage"]
     engine.policy_version = settings["policy_version"]
+    engine.step_count, engine.published_step = settings["step_count"], settings["published_step"]
     for group, values in zip(engine.optimizer.param_groups, settings["groups"]):
         group.update(values)
     engine.scheduler.base_lrs = list(settings["base_lrs"])

@@ -1,5 +1,5 @@
-"""gRPC servicer of `kiln.v1.Trainer`: RunStage and GetTrainerStatus around the stage runner,
-and FetchStageExport, which hands a finished stage's final weights to the job's frozen
+"""gRPC servicer of `kiln.v1.Trainer`: RunStage, GetTrainerStatus and the guard rails'
+ContinueStage and RestoreCheckpoint around the stage runner, and FetchStageExport, which hands a finished stage's final weights to the job's frozen
 deployments (on a cluster they cannot mount the trainer's volume).
 
 Training itself happens in the stage runner's thread (`stages.py`), which pulls batches from
@@ -46,6 +46,29 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return control_wire.trainer_status_to_proto(self.status())
 
+    async def ContinueStage(self, request: trainer_pb2.ContinueStageRequest,
+                            context: grpc.aio.ServicerContext) -> trainer_pb2.TrainerStatus:
+        await self._guarded(context, self.stages.continue_stage, request.stage, request.step,
+                            request.keep_step)
+        return control_wire.trainer_status_to_proto(self.status())
+
+    async def RestoreCheckpoint(self, request: trainer_pb2.RestoreCheckpointRequest,
+                                context: grpc.aio.ServicerContext) -> trainer_pb2.TrainerStatus:
+        await self._guarded(context, self.stages.restore, request.stage, request.step,
+                            request.reason)
+        return control_wire.trainer_status_to_proto(self.status())
+
+    async def _guarded(self, context: grpc.aio.ServicerContext, call, *args) -> None:
+        """A guard-rail call in a worker thread (a restore loads and exports a model)."""
+        if self.stages is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this trainer runs no stages")
+        try:
+            await asyncio.to_thread(call, *args)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TimeoutError as exc:  # the stage did not stop in time: a retry may find it stopped
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
     async def GetTrainerStatus(self, request: trainer_pb2.TrainerStatusRequest,
                                context: grpc.aio.ServicerContext) -> trainer_pb2.TrainerStatus:
         return control_wire.trainer_status_to_proto(self.status())
@@ -83,6 +106,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             st = self.stages.status
             out.stage_step, out.stage_max_steps = st.step, st.max_steps
             out.stage_done, out.stage_failed, out.message = st.done, st.failed, st.message
+            out.stage_eval_step = st.eval_step
+            out.stage_selected_step, out.stage_selected_reason = st.selected_step, st.selected_reason
         return out
 
     async def final_checkpoint(self) -> Path | None:

@@ -13,6 +13,11 @@ current version, and publishing every step would make them look stale. RL stages
 `rl.syncInterval` steps. At a stage start the buffer is told the stage's group size and tau and
 drops what the previous stage left unserved.
 
+A stage with guard rails (`eval.every`, `select`, `stopOnRegression`) waits at each evaluated
+step, its weights published and checkpointed, until the driver says go on (`continue_stage`),
+and can be ended on one of those checkpoints (`restore`): the stage's export, the weights
+rollout gets and the trainer's latest checkpoint are then that step's (`selection.py`).
+
 Not covered: the gRPC surface (`servicer.py`) and the buffer's and weight-sync's clients.
 """
 from __future__ import annotations
@@ -30,7 +35,8 @@ from kiln.services.buffer.client import BufferClient
 from kiln.services.common.tracking import Tracker
 from kiln.services.trainer.config import config_from_job, stage_by_name
 from kiln.services.trainer.engine import TrainerEngine
-from kiln.services.trainer.loop import StageSettings, StepBatch, WeightPublisher, run_stage
+from kiln.services.trainer.loop import StageSettings, StepBatch, WeightPublisher, publish, run_stage
+from kiln.services.trainer.selection import StageGuard, restore_weights
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +78,11 @@ class StageStatus:
     done: bool = False
     failed: bool = False
     message: str = ""
+    eval_step: int = 0
+    """The stage step waiting for its held-out evaluation (`continue_stage`); 0: none."""
+    selected_step: int | None = None
+    """The stage ended with this stage step's weights (`restore`)."""
+    selected_reason: str = ""
 
 
 class StageRunner:
@@ -84,6 +95,8 @@ class StageRunner:
         self.status = StageStatus()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._go_on = threading.Condition()
+        self._continued = 0  # the last evaluated step the driver let the stage go on from
 
     def start(self, name: str) -> StageStatus:
         """Begin stage `name` (ValueError if unknown); returns at once."""
@@ -94,12 +107,18 @@ class StageRunner:
             raise ValueError(f"stage {self.status.stage!r} is still running; cannot start {name!r}")
         done = self.engine.stage_steps.get(name, 0)
         self.status = StageStatus(stage=name, step=done, max_steps=stage.max_steps)
-        if done >= stage.max_steps and (stage_export_dir(self.run_dir, name) / "config.json").exists():
-            # Finished and exported: a retry (or a restarted trainer) reports it done rather
-            # than exporting again under a frozen deployment that may be fetching it.
+        selected = self.guard(name).selected
+        if ((done >= stage.max_steps or selected)
+                and (stage_export_dir(self.run_dir, name) / "config.json").exists()):
+            # Finished (or ended on a selected checkpoint) and exported: a retry (or a
+            # restarted trainer) reports it done rather than exporting again under a frozen
+            # deployment that may be fetching it.
             self.status.done = True
+            if selected:
+                self.status.selected_step, self.status.selected_reason = selected["step"], selected["reason"]
             return self.status
         self._stop.clear()
+        self._continued = 0
         self._thread = threading.Thread(target=self._run, args=(stage, done), daemon=True,
                                         name=f"stage-{name}")
         self._thread.start()
@@ -131,15 +150,21 @@ class StageRunner:
                                   drop_unserved=done == 0)
             self.buffer.set_policy_version(self.engine.policy_version)
             remaining = stage.max_steps - done
+            every = stage.eval.every if rl and stage.eval else None
+            selects = bool(every and (stage.eval.select or stage.eval.stop_on_regression))
+            if selects and done == 0:
+                self._checkpoint_evaluated(stage.name, 0)  # the weights the stage starts from
             if remaining > 0:
                 source = BufferBatchSource(self.buffer, self.engine, self._stop)
                 settings = StageSettings(kind="rl" if rl else "sft", name=stage.name,
                                          max_steps=remaining, batch_size=stage.batch_size,
-                                         sync_interval=stage.rl.sync_interval if rl else None)
+                                         sync_interval=stage.rl.sync_interval if rl else None,
+                                         hold_every=every, done_steps=done)
                 publisher = _LockedPublisher(self.publisher, self.buffer, self.lock)
                 locked = _LockedEngine(self.engine, self.lock, lambda: self._set_lr(stage))
                 run_stage(locked, source, publisher, settings, should_stop=self._stop.is_set,
-                          on_step=lambda m: self._on_step(m, rl))
+                          on_step=lambda m: self._on_step(m, rl),
+                          hold=lambda step: self._hold(stage.name, step, source, selects))
                 source.ack()
             if not self._stop.is_set():
                 # The stage's final weights, kept as a Hugging Face checkpoint under its name
@@ -168,8 +193,79 @@ class StageRunner:
 
     def stop(self, timeout: float = 60.0) -> None:
         self._stop.set()
+        with self._go_on:
+            self._go_on.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    # --------------------------------------------------------------- guard rails
+    def guard(self, name: str) -> StageGuard:
+        return StageGuard(stage_export_dir(self.run_dir, name).parent, name,
+                          self.engine.config.checkpoint_dir)
+
+    def _checkpoint_evaluated(self, name: str, stage_step: int) -> None:
+        """Checkpoint the weights of an evaluated step; a candidate while it is the newest
+        (pruning keeps the newest) and after, if the driver names it the best."""
+        guard = self.guard(name)
+        if guard.keep is None and guard.checkpoints:
+            guard.protect(min(guard.checkpoints))  # step 0, not judged yet: not pruned by this one
+        with self.lock:
+            self.engine.save_checkpoint()
+        guard.record(stage_step, self.engine.step_count)
+
+    def _hold(self, name: str, stage_step: int, source: BufferBatchSource, selects: bool) -> None:
+        """In the stage's thread, at an evaluated step (published already): checkpoint it if
+        the stage may end on it, then wait until the driver has evaluated it
+        (`continue_stage`) or the stage is stopped."""
+        source.ack()  # the batch is trained on: a buffer that restarts meanwhile must not serve it again
+        if selects:
+            self._checkpoint_evaluated(name, stage_step)
+        with self._go_on:
+            self.status.eval_step = stage_step
+            self._go_on.wait_for(lambda: self._continued >= stage_step or self._stop.is_set())
+            self.status.eval_step = 0
+
+    def continue_stage(self, name: str, step: int, keep_step: int) -> StageStatus:
+        """The evaluation of `step` is recorded: keep `keep_step`'s checkpoint (the best so
+        far) and go on. ValueError for a stage not running or a step with no checkpoint."""
+        if self.status.stage != name:
+            raise ValueError(f"stage {name!r} is not the one running ({self.status.stage!r})")
+        guard = self.guard(name)
+        if guard.checkpoints:  # a stage that only evaluates keeps no checkpoints of its own
+            guard.protect(keep_step)
+        with self._go_on:
+            self._continued = max(self._continued, step)
+            self._go_on.notify_all()
+        return self.status
+
+    def restore(self, name: str, step: int, reason: str) -> StageStatus:
+        """End stage `name` with the weights of its evaluated step `step`: stop it, restore
+        them, publish them as a new version, checkpoint and export them. Idempotent."""
+        stage = stage_by_name(self.job, name)
+        guard = self.guard(name)
+        if guard.selected and guard.selected["step"] == step and self.status.stage == name \
+                and self.status.done:
+            return self.status
+        path = guard.checkpoint(step)  # ValueError for a step never checkpointed
+        self.stop()
+        if self._thread is not None and self._thread.is_alive():
+            raise TimeoutError(f"stage {name!r} did not stop for the rollback; retry")
+        with self.lock:
+            restore_weights(self.engine, path)
+        publish(_LockedEngine(self.engine, self.lock, lambda: None),
+                _LockedPublisher(self.publisher, self.buffer, self.lock))
+        with self.lock:
+            # The latest checkpoint holds what the stage ended with: a restarted trainer
+            # resumes the next stage from it.
+            self.engine.save_checkpoint()
+            out = self.engine.export_hf(stage_export_dir(self.run_dir, name))
+        guard.select(step, reason)
+        done = self.engine.stage_steps.get(name, 0)
+        self.status = StageStatus(stage=name, step=done, max_steps=stage.max_steps, done=True,
+                                  selected_step=step, selected_reason=reason)
+        log.info("stage %s ends with the weights of its step %d (%s), policy version %d; "
+                 "weights in %s", name, step, reason, self.engine.policy_version, out)
+        return self.status
 
 
 def stage_export_dir(run_dir: Path, stage: str) -> Path:

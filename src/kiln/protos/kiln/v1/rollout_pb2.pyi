@@ -145,17 +145,19 @@ class EvaluateRequest(_message.Message):
     def __init__(self, task_set: _Optional[str] = ..., max_tasks: _Optional[int] = ..., samples: _Optional[int] = ..., greedy: _Optional[bool] = ...) -> None: ...
 
 class EvaluateResponse(_message.Message):
-    __slots__ = ("policy_version", "tasks", "greedy_success", "sampled_success", "seconds", "critical_path_steps")
+    __slots__ = ("policy_version", "tasks", "greedy_success", "sampled_success", "seconds", "critical_path_steps", "critical_path_steps_answered")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     GREEDY_SUCCESS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_SUCCESS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     CRITICAL_PATH_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CRITICAL_PATH_STEPS_ANSWERED_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     tasks: int
     greedy_success: float
     sampled_success: float
     seconds: float
     critical_path_steps: float
-    def __init__(self, policy_version: _Optional[int] = ..., tasks: _Optional[int] = ..., greedy_success: _Optional[float] = ..., sampled_success: _Optional[float] = ..., seconds: _Optional[float] = ..., critical_path_steps: _Optional[float] = ...) -> None: ...
+    critical_path_steps_answered: float
+    def __init__(self, policy_version: _Optional[int] = ..., tasks: _Optional[int] = ..., greedy_success: _Optional[float] = ..., sampled_success: _Optional[float] = ..., seconds: _Optional[float] = ..., critical_path_steps: _Optional[float] = ..., critical_path_steps_answered: _Optional[float] = ...) -> None: ...

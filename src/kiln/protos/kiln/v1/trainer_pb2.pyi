@@ -6,6 +6,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ContinueStageRequest(_message.Message):
+    __slots__ = ("stage", "step", "keep_step")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    KEEP_STEP_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    step: int
+    keep_step: int
+    def __init__(self, stage: _Optional[str] = ..., step: _Optional[int] = ..., keep_step: _Optional[int] = ...) -> None: ...
+
+class RestoreCheckpointRequest(_message.Message):
+    __slots__ = ("stage", "step", "reason")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    step: int
+    reason: str
+    def __init__(self, stage: _Optional[str] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class FetchStageExportRequest(_message.Message):
     __slots__ = ("stage",)
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -94,7 +114,7 @@ class StepMetrics(_message.Message):
     def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., lr: _Optional[float] = ..., sequences: _Optional[int] = ..., tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., reward_mean: _Optional[float] = ..., ratio_mask_frac: _Optional[float] = ..., icepop_mask_frac: _Optional[float] = ..., ratio_only_frac: _Optional[float] = ..., icepop_only_frac: _Optional[float] = ..., both_masked_frac: _Optional[float] = ..., kept_frac: _Optional[float] = ..., ratio_mean: _Optional[float] = ..., mismatch_abs: _Optional[float] = ..., mismatch_kl: _Optional[float] = ..., kl_ref: _Optional[float] = ..., dense_kl: _Optional[float] = ..., routing_flip_frac: _Optional[float] = ..., staleness: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class TrainerStatus(_message.Message):
-    __slots__ = ("step", "policy_version", "stage", "last_step", "last_checkpoint", "tensor_parallel", "model_dir", "stage_step", "stage_max_steps", "stage_done", "stage_failed", "message")
+    __slots__ = ("step", "policy_version", "stage", "last_step", "last_checkpoint", "tensor_parallel", "model_dir", "stage_step", "stage_max_steps", "stage_done", "stage_failed", "message", "stage_eval_step", "stage_selected_step", "stage_selected_reason")
     STEP_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +127,9 @@ class TrainerStatus(_message.Message):
     STAGE_DONE_FIELD_NUMBER: _ClassVar[int]
     STAGE_FAILED_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_EVAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    STAGE_SELECTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    STAGE_SELECTED_REASON_FIELD_NUMBER: _ClassVar[int]
     step: int
     policy_version: int
     stage: str
@@ -119,4 +142,7 @@ class TrainerStatus(_message.Message):
     stage_done: bool
     stage_failed: bool
     message: str
-    def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ..., stage: _Optional[str] = ..., last_step: _Optional[_Union[StepMetrics, _Mapping]] = ..., last_checkpoint: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., model_dir: _Optional[str] = ..., stage_step: _Optional[int] = ..., stage_max_steps: _Optional[int] = ..., stage_done: _Optional[bool] = ..., stage_failed: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+    stage_eval_step: int
+    stage_selected_step: int
+    stage_selected_reason: str
+    def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ..., stage: _Optional[str] = ..., last_step: _Optional[_Union[StepMetrics, _Mapping]] = ..., last_checkpoint: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., model_dir: _Optional[str] = ..., stage_step: _Optional[int] = ..., stage_max_steps: _Optional[int] = ..., stage_done: _Optional[bool] = ..., stage_failed: _Optional[bool] = ..., message: _Optional[str] = ..., stage_eval_step: _Optional[int] = ..., stage_selected_step: _Optional[int] = ..., stage_selected_reason: _Optional[str] = ...) -> None: ...

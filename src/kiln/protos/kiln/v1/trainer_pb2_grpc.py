@@ -49,6 +49,16 @@ class TrainerStub:
                 request_serializer=kiln_dot_v1_dot_trainer__pb2.FetchStageExportRequest.SerializeToString,
                 response_deserializer=kiln_dot_v1_dot_trainer__pb2.ExportChunk.FromString,
                 _registered_method=True)
+        self.ContinueStage = channel.unary_unary(
+                '/kiln.v1.Trainer/ContinueStage',
+                request_serializer=kiln_dot_v1_dot_trainer__pb2.ContinueStageRequest.SerializeToString,
+                response_deserializer=kiln_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
+                _registered_method=True)
+        self.RestoreCheckpoint = channel.unary_unary(
+                '/kiln.v1.Trainer/RestoreCheckpoint',
+                request_serializer=kiln_dot_v1_dot_trainer__pb2.RestoreCheckpointRequest.SerializeToString,
+                response_deserializer=kiln_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -78,6 +88,26 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ContinueStage(self, request, context):
+        """A stage with held-out evaluations inside it (`eval.every`) waits at each evaluated step,
+        its weights published and checkpointed (TrainerStatus.stage_eval_step), until the driver
+        has evaluated them: this lets it go on. `keep_step` is the stage step whose checkpoint is
+        the best so far; it is kept whatever `keepCheckpoints` prunes. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RestoreCheckpoint(self, request, context):
+        """End the stage with the weights of its evaluated checkpoint at stage step `step` (0: the
+        weights it started from): the stage stops if it still runs, the weights are restored,
+        published as a new policy version and exported as the stage's, and the stage is done.
+        Idempotent for the step already restored; INVALID_ARGUMENT for a step with no checkpoint.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +125,16 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.FetchStageExport,
                     request_deserializer=kiln_dot_v1_dot_trainer__pb2.FetchStageExportRequest.FromString,
                     response_serializer=kiln_dot_v1_dot_trainer__pb2.ExportChunk.SerializeToString,
+            ),
+            'ContinueStage': grpc.unary_unary_rpc_method_handler(
+                    servicer.ContinueStage,
+                    request_deserializer=kiln_dot_v1_dot_trainer__pb2.ContinueStageRequest.FromString,
+                    response_serializer=kiln_dot_v1_dot_trainer__pb2.TrainerStatus.SerializeToString,
+            ),
+            'RestoreCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.RestoreCheckpoint,
+                    request_deserializer=kiln_dot_v1_dot_trainer__pb2.RestoreCheckpointRequest.FromString,
+                    response_serializer=kiln_dot_v1_dot_trainer__pb2.TrainerStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +218,60 @@ class Trainer:
             '/kiln.v1.Trainer/FetchStageExport',
             kiln_dot_v1_dot_trainer__pb2.FetchStageExportRequest.SerializeToString,
             kiln_dot_v1_dot_trainer__pb2.ExportChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ContinueStage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kiln.v1.Trainer/ContinueStage',
+            kiln_dot_v1_dot_trainer__pb2.ContinueStageRequest.SerializeToString,
+            kiln_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestoreCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kiln.v1.Trainer/RestoreCheckpoint',
+            kiln_dot_v1_dot_trainer__pb2.RestoreCheckpointRequest.SerializeToString,
+            kiln_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
             options,
             channel_credentials,
             insecure,

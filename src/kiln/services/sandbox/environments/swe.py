@@ -138,7 +138,7 @@ def _checkout(repo: Path, commit: str, dest: Path) -> None:
     if not repo.exists():
         raise FileNotFoundError(f"repo: {repo} does not exist")
     run = lambda *a: subprocess.run(a, check=True, capture_output=True, text=True)  # noqa: E731
-    run("git", "clone", "--quiet", "--no-hardlinks", str(repo), str(dest))
+    run("git", "clone", "--quiet", "--no-hardlinks", "--", str(repo), str(dest))
     run("git", "-C", str(dest), "-c", "advice.detachedHead=false", "checkout", "--quiet", commit)
 
 
