@@ -206,6 +206,9 @@ def test_a_torn_record_in_a_segment_that_is_not_the_last_is_damage(tmp_path: Pat
     with pytest.raises(records.CorruptLog, match="not the last"):
         TrajectoryStore.open(tmp_path, segment_bytes=1)
     assert first.read_bytes() == torn and last.stat().st_size > 0  # nothing repaired away
+    # The refusal leaves the directory unlocked: opened again, it is refused for what it is.
+    with pytest.raises(records.CorruptLog, match="not the last"):
+        TrajectoryStore.open(tmp_path, segment_bytes=1)
 
 
 def test_fully_consumed_segments_are_deleted(tmp_path: Path) -> None:

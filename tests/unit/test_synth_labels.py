@@ -80,10 +80,6 @@ def test_missing_and_erroring_tests_count_as_failing_and_flaky_ones_are_dropped(
     assert tasks[power]["meta"]["flaky_tests"] == ["tests/test_calc.py::test_flaky_before_the_fix"]
 
 
-@pytest.mark.slow  # a known bug's reproduction: kept off the fast path's time budget
-@pytest.mark.xfail(strict=True, reason="pytest stops at a collection error: one test module "
-                   "that cannot be imported before the fix hides every other module's outcome, "
-                   "so their tests that pass before the fix are labelled FAIL_TO_PASS")
 def test_a_module_that_fails_collection_leaves_the_other_modules_outcomes(tmp_path):
     repo = tmp_path / "calc"
     repo.mkdir()

@@ -95,7 +95,13 @@ class TrajectoryStore:
     @classmethod
     def open(cls, directory: Path, **kwargs: Any) -> tuple[TrajectoryStore, Recovered]:
         store = cls(directory, **kwargs)
-        recovered = store._open()
+        try:
+            recovered = store._open()
+        except BaseException:
+            # A refused log (CorruptLog) must not keep the directory locked: whoever repairs it,
+            # or opens it again, in this process or another, would be told it is in use.
+            store.close()
+            raise
         return store, recovered
 
     def _open(self) -> Recovered:

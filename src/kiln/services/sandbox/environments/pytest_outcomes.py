@@ -69,9 +69,12 @@ def pytest_command(tests: list[str], pythonpath: list[str], results: str) -> str
     # -p no:cacheprovider: no .pytest_cache left in the repository; -q -rf: a short log whose
     # tail names what failed.
     # --rootdir=.: node ids relative to the repository's root, whatever ini file pytest finds.
+    # --continue-on-collection-errors: one module that cannot be imported must not hide every
+    # other module's outcome (pytest stops the session otherwise; their tests would all count
+    # as not passed, and a task synthesised from that run mislabelled).
     return (f"PYTHONPATH=\"{path}\" KILN_PYTEST_OUTCOMES={shlex.quote(results)} "
             f"KILN_PYTEST_ROOT=\"$PWD\" python3 -m pytest -p {PLUGIN_MODULE} -p no:cacheprovider "
-            f"--rootdir=. -q -rf {ids}")
+            f"--rootdir=. --continue-on-collection-errors -q -rf {ids}")
 
 
 async def run_pytest(sandbox: SandboxHandle, tests: list[str], *, pythonpath: list[str],
