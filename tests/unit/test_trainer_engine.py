@@ -264,3 +264,27 @@ def test_bad_inputs_are_rejected(model_dir: Path) -> None:
         engine.sft_step(batch)
     with pytest.raises(ValueError, match="checkpoint_dir"):
         engine.save_checkpoint()
+
+
+class _RunsCode:
+    """What a tampered checkpoint could hold: unpickling it would run code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_checkpoint_holding_pickled_objects_is_refused_unrun(tmp_path: Path) -> None:
+    from kiln.services.trainer.checkpoint import read_checkpoint
+
+    ckpt, marker = tmp_path / "step_00000001", tmp_path / "ran"
+    ckpt.mkdir()
+    (ckpt / "meta.json").write_text('{"step": 1, "tensor_parallel": 1}')
+    torch.save({"model": {"w": torch.zeros(2)}, "extra": _RunsCode(marker)}, ckpt / "rank_00.pt")
+    with pytest.raises(ValueError, match="rank_00.pt: holds more than tensors and plain values"):
+        read_checkpoint(ckpt)
+    assert not marker.exists()
+    torch.save({"model": {"w": torch.zeros(2)}, "step": 1}, ckpt / "rank_00.pt")
+    assert read_checkpoint(ckpt)[1]["step"] == 1

@@ -9,6 +9,9 @@ directory, which the next write of that step replaces and `latest` ignores.
 `<root>/protected.json` lists steps that pruning to the newest `keep` spares: a guarded
 stage's best evaluated checkpoint (`selection.py`), which it may still restore.
 
+Checkpoints are read with `weights_only=True`: tensors, numbers, strings and containers, never
+pickled objects.
+
 Not covered: resharding to a different TP size (export to HF and reload instead), object
 stores.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -122,5 +126,12 @@ def read_checkpoint(path: Path) -> tuple[dict, dict]:
             f"checkpoint {path} was written with tensor_parallel={meta['tensor_parallel']}, this "
             f"trainer runs {parallel.tp_size()}; export it to HF format and start from that instead"
         )
-    state = torch.load(path / f"rank_{parallel.tp_rank():02d}.pt", map_location="cpu", weights_only=False)
+    file = path / f"rank_{parallel.tp_rank():02d}.pt"
+    try:
+        # Tensors, numbers, strings and containers only: a checkpoint is data, and a pickled
+        # object in one (a tampered file on a shared volume) would run code when loaded.
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise ValueError(f"{file}: holds more than tensors and plain values, which Kiln never "
+                         f"loads (a checkpoint is data): {str(exc).splitlines()[0]}") from None
     return meta, state
