@@ -340,3 +340,14 @@ def test_a_model_nothing_will_get_here_is_refused_locally(tmp_path: Path) -> Non
     assert "expected owner/name" in problems[0].message
     _, problems = validate_text(job({"path": "m", "init": {}, "hub": {"id": "a/b"}}), file="job.yaml")
     assert "init and hub are two ways to get the model: set one" in problems[0].message
+
+
+@pytest.mark.parametrize("port", [50050, 50051, 9090, 29500])
+def test_the_endpoint_port_cannot_be_one_kiln_listens_on(port: int) -> None:
+    data = yaml.safe_load(GOOD)
+    data["spec"]["rollout"] = {"openaiPort": port}
+    _, problems = validate_text(yaml.safe_dump(data), file="job.yaml")
+    assert [p.path for p in problems] == ["spec.rollout.openaiPort"]
+    assert f"{port} is the" in problems[0].message and "a port of its own" in problems[0].message
+    data["spec"]["rollout"] = {"openaiPort": 8000, "openai": {"apiKeySecret": "keys"}}
+    assert validate_text(yaml.safe_dump(data), file="job.yaml")[1] == []

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from kiln.api.base import Model
 from kiln.api.openai_endpoint import OpenAIEndpointSpec
+from kiln.api.ports import RESERVED as RESERVED_PORTS
 from kiln.api.sampling import VLLM_MAX_TEMPERATURE, SamplingSpec
 from kiln.api.scheduling import PodSettings
 
@@ -123,7 +124,8 @@ class RolloutSpec(Model):
     openai_port: int | None = Field(None, ge=1, le=65535)
     """Also serve the OpenAI chat-completions API on this port, so that an outside agent
     scaffold can play episodes with the policy (each request names its episode; a reward call
-    ends it and its trajectories go to the buffer). Unset: not served."""
+    ends it and its trajectories go to the buffer). Unset: not served. Not one of the ports
+    Kiln's pods use (50050, 50051, 9090, 29500)."""
     openai: OpenAIEndpointSpec = Field(default_factory=OpenAIEndpointSpec)
     """API keys, admitted peers, reward range and limits of that endpoint."""
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
@@ -132,6 +134,14 @@ class RolloutSpec(Model):
     """Resources of each rollout pod."""
     pod: PodSettings = Field(default_factory=PodSettings)
     """Scheduling, identity and extra environment of these pods."""
+
+    @field_validator("openai_port")
+    @classmethod
+    def _port_of_its_own(cls, value: int | None) -> int | None:
+        if value in RESERVED_PORTS:
+            raise ValueError(f"{value} is {RESERVED_PORTS[value]}; the endpoint needs a port of its "
+                             f"own (not {', '.join(map(str, sorted(RESERVED_PORTS)))})")
+        return value
 
     @model_validator(mode="after")
     def _temperature_on_vllm(self) -> RolloutSpec:

@@ -14,13 +14,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kiln.api.ports import GRPC_PORT, METRICS_PORT  # noqa: F401 (the operator's names for them)
 from kiln.api.spec import API_GROUP, API_VERSION, KIND
 
 COMPONENTS = ("trainer", "rollout", "sandbox", "weight-sync", "buffer")
 """The five services of a job, in the order they are applied (the trainer's Service first)."""
 
-GRPC_PORT = 50051
-METRICS_PORT = 9090
 JOB_FILE = "/etc/kiln/job.yaml"
 RUN_DIR = "/var/lib/kiln"
 MODEL_ROOT = "/models"

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from kiln.api.base import quantity_value
+from kiln.api.ports import HEALTH_PORT
 from kiln.api.scheduling import PodSettings
 from kiln.api.spec import Resources, RLJobSpec
 from kiln.operator import naming
@@ -16,7 +17,6 @@ from kiln.operator.naming import (CONFIG_HASH, GRPC_PORT, JOB_FILE, METRICS_PORT
                                   RUN_DIR, JobRef)
 from kiln.operator.tls import tls_secret_name
 
-HEALTH_PORT = 50050
 TLS_DIR = "/etc/kiln/tls"
 SERVICE_UID = 1000
 

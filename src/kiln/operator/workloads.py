@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.api.base import quantity_value
+from kiln.api.ports import RENDEZVOUS_PORT
 from kiln.api.openai_endpoint import HOST_ENV, KEYS_DIR, KEYS_ENV
 from kiln.api.spec import RLJobSpec
 from kiln.operator import naming
@@ -37,7 +38,6 @@ class SandboxHosting:
     runtime_class: str = ""
     """RuntimeClass of sandbox pods (e.g. kata, gvisor): a kernel of their own per pod, so the
     privileges the sandbox needs stay inside it. Empty: the node's default runtime."""
-RENDEZVOUS_PORT = 29500  # torch.distributed's customary port
 TRAINER_REPLICAS = "trainer-replica"
 DIND_SOCKET_DIR = "/run/dind"
 
