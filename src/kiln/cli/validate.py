@@ -37,10 +37,11 @@ def _download_note(job) -> str | None:  # type: ignore[no-untyped-def]
     if not job.spec.model.pvc and recorded(hub, job.spec.model.local_path()):
         return f"model {hub.id}@{hub.revision} already downloaded to {job.spec.model.path}"
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    token = "with" if (hub.token_secret and job.spec.model.pvc) or os.environ.get("HF_TOKEN") \
-        else "without"
+    # On a cluster the Secret's token, here HF_TOKEN (what the download will use).
+    has_token = hub.token_secret if job.spec.model.pvc else os.environ.get("HF_TOKEN")
     return (f"will download {hub.id}@{hub.revision} from {endpoint} to {where}"
-            f"{job.spec.model.path} ({token} a token) before the job starts")
+            f"{job.spec.model.path} ({'with' if has_token else 'without'} a token) before the "
+            "job starts")
 
 
 def run(args: argparse.Namespace) -> int:

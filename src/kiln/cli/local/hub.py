@@ -129,15 +129,15 @@ def _verify(path: Path, tree: dict) -> None:
 
 
 def _sha256(file: Path) -> str:
-    h = hashlib.sha256()
-    with open(file, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+    return _digest(file, hashlib.sha256())
 
 
 def _blob_sha1(file: Path) -> str:
-    h = hashlib.sha1(b"blob %d\0" % file.stat().st_size)
+    """git's blob id: the sha1 of a header and the contents."""
+    return _digest(file, hashlib.sha1(b"blob %d\0" % file.stat().st_size))
+
+
+def _digest(file: Path, h) -> str:  # type: ignore[no-untyped-def]
     with open(file, "rb") as f:
         while chunk := f.read(1 << 20):
             h.update(chunk)
