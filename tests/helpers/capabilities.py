@@ -19,6 +19,12 @@ MOE = {"architectures": ["Qwen2MoeForCausalLM"], "num_experts": 8, "num_experts_
        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64}
 
 
+DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 2, "n_routed_experts": 8,
+               "num_experts_per_tok": 4, "moe_intermediate_size": 32, "n_group": 4, "topk_group": 2,
+               "first_k_dense_replace": 1, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+               "qk_nope_head_dim": 128, "v_head_dim": 128, "q_lora_rank": None, "head_dim": 64}
+
+
 # One job per capability that the runtime refuses: (spec changes, model config changes).
 VIOLATIONS: dict[str, tuple[dict, dict]] = {
     "pipeline-parallel": ({"trainer": {"pipelineParallel": 2}}, {}),
@@ -31,6 +37,7 @@ VIOLATIONS: dict[str, tuple[dict, dict]] = {
     "tensor-parallel-split": ({"trainer": {"tensorParallel": 2}},
                               {"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 192}),
     "moe-tensor-parallel": ({"trainer": {"tensorParallel": 2}}, MOE),
+    "vllm-cpu-mla": ({"rollout": {"engine": "vllm"}}, DEEPSEEK_V3),
 }
 
 

@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from kiln.api.capabilities import (CAPABILITIES, MODEL_CAPABILITIES, SPEC_CAPABILITIES,
-                                   VLLM_CPU_HEAD_SIZES, job_model_refusals, model_problems)
+                                   SUPPORTED_ARCHS, VLLM_CPU_HEAD_SIZES, VLLM_CPU_MLA_LATENT, job_model_refusals,
+                                   model_problems)
 from kiln.api.validate import validate_text
 from kiln.operator.reconcile import parse_spec
 from kiln.services.trainer.config import config_from_job
@@ -60,6 +61,12 @@ def test_the_head_size_table_is_vllms():
     assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == VLLM_CPU_HEAD_SIZES
 
 
+def test_the_mla_latent_is_vllms():
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+
+    assert CPUMLABackend.get_supported_head_sizes() == [VLLM_CPU_MLA_LATENT]
+
+
 def test_consistency_refuses_an_unsupported_model_in_one_line(tmp_path):
     d = checkpoint_config(tmp_path, hidden_size=64)
     proc = subprocess.run([sys.executable, "-m", "kiln.cli", "consistency", "--model", str(d)],
@@ -82,8 +89,7 @@ def test_kiln_run_refuses_an_unsupported_model_before_starting_anything(tmp_path
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == (f"kiln run: invalid job:\n{job}:1: spec.model.path: {d}: architecture "
                                    "MistralForCausalLM is not supported; the trainer builds "
-                                   "LlamaForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, "
-                                   "Qwen3ForCausalLM, Qwen3MoeForCausalLM")
+                                   + ", ".join(sorted(SUPPORTED_ARCHS)))
     assert not (tmp_path / "run" / "logs").exists()  # no service was started
 
 

@@ -12,7 +12,7 @@ import pytest
 from kiln.api import model_families as mf
 from kiln.api.capabilities import MODEL_CAPABILITIES, SUPPORTED_ARCHS, model_problems, rollout_engine
 
-from helpers.capabilities import checkpoint_config
+from helpers.capabilities import DEEPSEEK_V3, checkpoint_config
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 4, "num_local_experts": 8,
@@ -64,17 +64,34 @@ def test_llama_attention_bias_is_refused_not_dropped() -> None:
                                "num_experts_per_tok": 2, "moe_intermediate_size": 8}) == []
 
 
-def test_a_family_with_unbuilt_features_is_refused_naming_them() -> None:
-    v3 = mf.Family(name="deepseek_v3", title="DeepSeek-V3", architectures=("DeepseekV3ForCausalLM",),
-                   attention=mf.Attention(kind="mla"),
-                   moe=mf.MoE(score="sigmoid", expert_bias=True, routed_scaling="routed_scaling_factor",
-                              expert_groups=("n_group", "topk_group"), first_dense="first_k_dense_replace"))
-    (problem,) = mf.config_problems({"architectures": ["DeepseekV3ForCausalLM"]}, (*mf.FAMILIES, v3))
-    assert problem.startswith("architecture DeepseekV3ForCausalLM (DeepSeek-V3) is not supported yet")
-    for what in ("MLA attention", "sigmoid routing", "expert score bias", "routed scaling",
-                 "expert groups", "dense first layers"):
-        assert what in problem
-    assert all(not f.unbuilt() for f in mf.FAMILIES)
+GLM4_MOE = {"architectures": ["Glm4MoeForCausalLM"], "num_hidden_layers": 3, "n_routed_experts": 8,
+            "num_experts_per_tok": 4, "moe_intermediate_size": 32, "n_group": 4, "topk_group": 2,
+            "first_k_dense_replace": 1, "norm_topk_prob": True, "head_dim": 32}
+
+
+@pytest.mark.parametrize(("changes", "words"), [
+    ({"norm_topk_prob": False}, ["norm_topk_prob=False", "renormalised sigmoid"]),
+    ({"topk_group": 1}, ["num_experts_per_tok=4, topk_group=1", "= 2 x topk_group"]),
+    ({"n_group": 3}, ["n_group=3", "must divide 8 experts"]),
+    ({"n_routed_experts": None}, ["lacks n_routed_experts or num_local_experts"]),
+    ({"partial_rotary_factor": 0.3}, ["partial_rotary_factor=0.3", "even number"]),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, ["rope_parameters=", "RoPE scaling"]),
+])
+def test_a_refused_glm4_moe_config_gets_one_line_naming_the_field(tmp_path, changes, words) -> None:
+    assert mf.config_problems(GLM4_MOE) == []
+    (problem,) = model_problems(checkpoint_config(tmp_path, **{**GLM4_MOE, **changes}), cuda=False)
+    assert all(w in problem for w in words), problem
+
+
+def test_glm4_moe_reads_its_routing_from_config_json() -> None:
+    m = mf.GLM4_MOE.moe
+    assert m.dense_layers(GLM4_MOE) == [0]
+    assert m.groups(GLM4_MOE) == (4, 2) and m.groups({**GLM4_MOE, "n_group": 1, "topk_group": 1}) is None
+    assert m.shared_width({**GLM4_MOE, "n_shared_experts": 2}) == 64
+    assert m.scaling({"routed_scaling_factor": 2.5}) == 2.5 and m.scaling({}) is None
+    a = mf.GLM4_MOE.attention
+    assert a.rotary_percent({"rope_parameters": {"partial_rotary_factor": 0.5}}) == 0.5
+    assert a.qk_norm({"use_qk_norm": True}) and not a.qk_norm({}) and a.bias({"attention_bias": True})
 
 
 def test_rollout_engine_follows_the_family() -> None:
@@ -109,3 +126,27 @@ def test_the_registry_is_plain_data() -> None:
     for f in mf.FAMILIES:
         json.dumps(repr(f))
         assert "<function" not in repr(f) and "<lambda" not in repr(f)
+
+
+def test_deepseek_v3_on_vllm_on_a_cpu_is_refused_with_the_measured_reason(tmp_path) -> None:
+    assert mf.config_problems(DEEPSEEK_V3) == []
+    assert rollout_engine("auto", DEEPSEEK_V3, cuda=False) == "megatron"
+    assert rollout_engine("vllm", DEEPSEEK_V3, cuda=False) == "vllm"  # by name: refused, not replaced
+    d = checkpoint_config(tmp_path, **DEEPSEEK_V3)
+    assert model_problems(d, engine="megatron", cuda=False) == []
+    (problem,) = model_problems(d, engine="vllm", cuda=False)
+    assert "multi-latent attention on vLLM's CPU" in problem and "max |log-prob diff| 0.020" in problem
+    (problem,) = model_problems(checkpoint_config(tmp_path, **{**DEEPSEEK_V3, "kv_lora_rank": 32}),
+                                engine="vllm", cuda=False)
+    assert "config.json kv_lora_rank 32 + qk_rope_head_dim 64" in problem and "576 only" in problem
+    (problem,) = model_problems(checkpoint_config(tmp_path, **{**DEEPSEEK_V3, "rope_interleave": False}),
+                                engine="megatron", cuda=False)
+    assert "rope_interleave=False" in problem
+    # The hub's DeepSeek-V3: YaRN is built, its FP8 weights are refused by name.
+    yarn = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "mscale": 1.0,
+            "mscale_all_dim": 1.0}
+    assert mf.config_problems({**DEEPSEEK_V3, "rope_scaling": yarn}) == []
+    (problem,) = mf.config_problems({**DEEPSEEK_V3, "rope_scaling": {**yarn, "truncate": False}})
+    assert "rope_scaling truncate" in problem
+    (problem,) = mf.config_problems({**DEEPSEEK_V3, "quantization_config": {"quant_method": "fp8"}})
+    assert "quantization_config (quant_method 'fp8')" in problem

@@ -30,6 +30,14 @@ from kiln.api.model_families import SUPPORTED_ARCHS, config_problems, family_of
 #: Head sizes vLLM 0.32's CPU attention backend has kernels for (its
 #: `CPUAttentionBackend.get_supported_head_sizes()`; a test keeps the two equal).
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+#: The one MLA latent (kv_lora_rank + qk_rope_head_dim) vLLM 0.32's CPU MLA kernel takes (its
+#: `CPUMLABackend.get_supported_head_sizes()`; a test keeps the two equal).
+VLLM_CPU_MLA_LATENT = 576
+#: Measured: vLLM 0.32 (CPU, float32) against transformers on the prompt log-probs of a tiny
+#: random DeepSeek-V3 checkpoint with that latent (2 layers, hidden 128, 8 experts top-4 in 2 of
+#: 4 groups), 4 prompts of 40 tokens; with both layers dense it is still 0.012 (mean 0.0018), so
+#: the gap is in its MLA, where other families agree to ~1e-6.
+VLLM_CPU_MLA_MISMATCH = "max |log-prob diff| 0.020 (mean 0.0031) against transformers in float32"
 TRAINER_DTYPES = ("float32", "bfloat16")
 
 
@@ -132,12 +140,29 @@ def _arch(m: ModelFacts, t: Target) -> str | None:
     return problems[0] if problems else None
 
 
+def _is_mla(config: dict[str, Any]) -> bool:
+    family = family_of(config)
+    return family is not None and family.attention.kind == "mla"
+
+
 def _head_size(m: ModelFacts, t: Target) -> str | None:
-    if t.engine != "vllm" or t.cuda or "kiln_dsa" in m.config or m.head_dim in VLLM_CPU_HEAD_SIZES:
+    if (t.engine != "vllm" or t.cuda or "kiln_dsa" in m.config or _is_mla(m.config)
+            or m.head_dim in VLLM_CPU_HEAD_SIZES):
         return None
     return (f"head size {m.head_dim} (hidden_size {m.config.get('hidden_size')} / "
             f"num_attention_heads {m.heads}) has no kernel in vLLM's CPU attention (supported: "
             f"{', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); use such a model, or rollout engine megatron")
+
+
+def _vllm_cpu_mla(m: ModelFacts, t: Target) -> str | None:
+    if t.engine != "vllm" or t.cuda or not _is_mla(m.config):
+        return None
+    kv, rope = m.config.get("kv_lora_rank"), m.config.get("qk_rope_head_dim")
+    if (kv or 0) + (rope or 0) != VLLM_CPU_MLA_LATENT:
+        return (f"config.json kv_lora_rank {kv} + qk_rope_head_dim {rope}: vLLM's CPU MLA kernel takes "
+                f"a latent of {VLLM_CPU_MLA_LATENT} only (512 + 64); use rollout engine megatron or torch")
+    return (f"multi-latent attention on vLLM's CPU: its MLA path serves log-probs off by "
+            f"{VLLM_CPU_MLA_MISMATCH}; use rollout engine megatron or torch")
 
 
 def _vocab(m: ModelFacts, t: Target) -> str | None:
@@ -180,6 +205,9 @@ MODEL_CAPABILITIES: tuple[Capability, ...] = (
     Capability("vllm-cpu-head-size", ("spec", "model", "path"),
                f"head sizes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))} for vLLM on a CPU",
                ("rollout",), _head_size, needs_model=True),
+    Capability("vllm-cpu-mla", ("spec", "rollout", "engine"),
+               "no multi-latent attention (DeepSeek-V3) on vLLM on a CPU", ("rollout",), _vllm_cpu_mla,
+               needs_model=True),
     Capability("tokenizer-vocab", ("spec", "model", "path"),
                "a tokenizer no larger than the model's vocab_size", ("trainer", "rollout"), _vocab,
                needs_model=True),
@@ -246,7 +274,9 @@ def model_refusals(model_dir: str | Path, target: Target) -> list[Refusal]:
 def rollout_engine(requested: str, config: dict[str, Any], cuda: bool | None = None) -> str:
     """The engine that serves a model: `requested`, with "auto" meaning vllm, and "auto" or
     "vllm" meaning megatron for a DSA checkpoint, which vLLM has no CPU path for, and the
-    family's first engine on this hardware where its registry entry lists no vLLM (the MoE
+    family's first engine on this hardware where its registry entry lists no vLLM (except a
+    multi-latent-attention family asked to run on vLLM on a CPU, which the vllm-cpu-mla
+    capability refuses with its reason) (the MoE
     families: vLLM 0.32's CPU build serves them, but returns routed experts only from its V2
     model runner, which needs Triton on a GPU, so routing replay would have nothing to replay,
     and its `reload_weights` leaves the expert weights in checkpoint layout instead of the CPU
@@ -258,7 +288,10 @@ def rollout_engine(requested: str, config: dict[str, Any], cuda: bool | None = N
     family = family_of(config)
     if family is None:
         return "vllm"
-    engines = family.rollout.gpu if (has_cuda() if cuda is None else cuda) else family.rollout.cpu
+    cuda = has_cuda() if cuda is None else cuda
+    if requested == "vllm" and not cuda and family.attention.kind == "mla":
+        return "vllm"  # asked for by name: refused with the measured reason (vllm-cpu-mla), not replaced
+    engines = family.rollout.gpu if cuda else family.rollout.cpu
     return "vllm" if "vllm" in engines else engines[0]
 
 

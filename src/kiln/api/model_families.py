@@ -2,124 +2,64 @@
 
 An entry (`Family`) says everything the rest of Kiln needs to know about a family, as data:
 - which Hugging Face `architectures` names it (config.json);
-- how the trainer builds it: its `Attention` (grouped-query, q/k RMSNorm per head, qkv bias) and,
-  for a mixture of experts, its `MoE` (where config.json keeps the expert count, top-k and expert
-  width; the score function; `norm_topk_prob`; a shared expert and its gate; which config fields
-  make some layers dense);
-- how its weights map between Hugging Face and Megatron-core names (`WeightTable`, one table
-  read in both directions by `kiln.models.hf_io`'s loader and its streaming iterator);
+- how the trainer builds it: its `Attention` (grouped-query with q/k RMSNorm per head, qkv bias
+  and partial RoPE, or multi-latent) and, for a mixture of experts, its `MoE` (where config.json
+  keeps the expert count, top-k and expert width; softmax or sigmoid scores; `norm_topk_prob`;
+  a selection bias; routed scaling; expert groups; shared experts and their gate; which config
+  fields make some layers dense);
+- how its weights map between Hugging Face and Megatron-core names (a `WeightTable` of
+  `kiln.api.weight_tables`, read in both directions by `kiln.models.hf_io`);
 - which tensor-parallel splits it allows, and which rollout engines serve it on which hardware;
 - which config.json fields must keep their default, because the model code does not build
   what another value means (each refusal names the field).
 
 Torch-free, so the capability table (`kiln.api.capabilities`) and `kiln validate` read the same
-entries the model code (`kiln.models`) builds from. Features that a later family needs and the
-model code does not build yet (MLA attention, sigmoid routing, an expert score bias, a routed
-scaling factor, expert groups, dense first layers) have fields here; an entry that sets them is
-refused with one line naming them (`Family.unbuilt`). The README's supported-models table is
-`supported_models_table()`; a test keeps the two equal.
+entries the model code (`kiln.models`) builds from: family-specific behaviour is a field here,
+read by the shared model code, never a branch on a family's name there. The README's
+supported-models table is `supported_models_table()`; a test keeps the two equal.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Literal
 
-WeightKind = Literal["copy", "column", "row", "qkv", "gate_up"]
-"""How one Megatron tensor is made of its HF tensor(s), and how tensor parallelism splits it:
-`copy` one to one, replicated; `column` one to one, rows split over ranks; `row` one to one,
-columns split; `qkv` q, k and v fused per KV group (rows split: whole groups per rank); `gate_up`
-gate and up stacked per rank (each rank holds its gate rows, then its up rows)."""
+from kiln.api.weight_tables import DEEPSEEK_MOE_NAMES, LLAMA_NAMES, MLA_NAMES, WeightTable
+
 ENGINES = ("vllm", "megatron", "torch")
-
-
-@dataclass(frozen=True)
-class Weight:
-    """One row of a weight table: a Megatron parameter and the HF tensor(s) it is made of.
-    Names may hold `{e}` (the expert index); `when` names a flag of the built model
-    (`WeightTable.rows`) without which the row does not exist."""
-
-    megatron: str
-    hf: tuple[str, ...]
-    kind: WeightKind = "copy"
-    when: str | None = None
-
-
-def _w(megatron: str, hf: str | tuple[str, ...], kind: WeightKind = "copy", when: str | None = None) -> Weight:
-    return Weight(megatron, (hf,) if isinstance(hf, str) else hf, kind, when)
-
-
-@dataclass(frozen=True)
-class WeightTable:
-    """Megatron <-> HF names. `model` rows are whole names; `layer`, `dense_mlp` and `moe` rows
-    are under `decoder.layers.{i}.` / `model.layers.{i}.`; `expert` rows are per expert."""
-
-    model: tuple[Weight, ...]
-    layer: tuple[Weight, ...]
-    dense_mlp: tuple[Weight, ...]
-    moe: tuple[Weight, ...] = ()
-    expert: tuple[Weight, ...] = ()
-
-    @staticmethod
-    def rows(rows: tuple[Weight, ...], flags: set[str]) -> list[Weight]:
-        """The rows that exist in a model with `flags` (e.g. {"qkv_bias", "untied"})."""
-        return [r for r in rows if r.when is None or r.when in flags]
-
-
-_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-
-LLAMA_NAMES = WeightTable(
-    model=(
-        _w("embedding.word_embeddings.weight", "model.embed_tokens.weight", "column"),
-        _w("decoder.final_layernorm.weight", "model.norm.weight"),
-        _w("output_layer.weight", "lm_head.weight", "column", when="untied"),
-    ),
-    layer=(
-        _w("input_layernorm.weight", "input_layernorm.weight"),
-        _w("self_attention.linear_qkv.weight", tuple(f"{p}.weight" for p in _QKV), "qkv"),
-        _w("self_attention.linear_qkv.bias", tuple(f"{p}.bias" for p in _QKV), "qkv", when="qkv_bias"),
-        _w("self_attention.q_layernorm.weight", "self_attn.q_norm.weight", when="qk_layernorm"),
-        _w("self_attention.k_layernorm.weight", "self_attn.k_norm.weight", when="qk_layernorm"),
-        _w("self_attention.linear_proj.weight", "self_attn.o_proj.weight", "row"),
-        # Kiln's DeepSeek-sparse-attention indexer (config.json `kiln_dsa`), replicated.
-        *(_w(f"self_attention.indexer.{n}.weight", f"self_attn.indexer.{n}.weight", when="dsa")
-          for n in ("wq", "wk", "weights_proj")),
-        _w("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
-    ),
-    dense_mlp=(
-        _w("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "gate_up"),
-        _w("mlp.linear_fc2.weight", "mlp.down_proj.weight", "row"),
-    ),
-    moe=(
-        _w("mlp.router.weight", "mlp.gate.weight"),
-        _w("mlp.shared_experts.linear_fc1.weight",
-           ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"), "gate_up",
-           when="shared_expert"),
-        _w("mlp.shared_experts.linear_fc2.weight", "mlp.shared_expert.down_proj.weight", "row",
-           when="shared_expert"),
-        _w("mlp.shared_experts.gate_weight", "mlp.shared_expert_gate.weight", when="shared_expert_gate"),
-    ),
-    expert=(
-        _w("mlp.experts.local_experts.{e}.linear_fc1.weight",
-           ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"), "gate_up"),
-        _w("mlp.experts.local_experts.{e}.linear_fc2.weight", "mlp.experts.{e}.down_proj.weight", "row"),
-    ),
-)
-"""The Llama layout, shared by Qwen2, Qwen3 and their MoE variants (per-expert hub names, which
-are also the names vLLM loads)."""
 
 
 @dataclass(frozen=True)
 class Attention:
     kind: Literal["gqa", "mla"] = "gqa"
-    """Grouped-query attention (heads, KV heads, `head_dim`); "mla" is not built yet."""
+    """Grouped-query attention (heads, KV heads, `head_dim`), or multi-latent attention
+    (DeepSeek-V3's `q_lora_rank`, `kv_lora_rank`, `qk_{nope,rope}_head_dim`, `v_head_dim`)."""
     qkv_bias: bool = False
     qkv_bias_field: str | None = None
     """A config.json field that overrides `qkv_bias` when present (Qwen2-MoE: "qkv_bias")."""
     qk_layernorm: bool = False
     """RMSNorm over each head of q and k, before RoPE (Qwen3)."""
+    qk_layernorm_field: str | None = None
+    """A config.json field that overrides `qk_layernorm` when present (GLM-4.5: "use_qk_norm")."""
+    rope_scaling: tuple[str, ...] = ()
+    """RoPE scaling types (`rope_type` of `rope_scaling`/`rope_parameters`) the model code builds
+    for this family (DeepSeek-V3's MLA: "yarn"); any other is refused."""
+    rotary_fraction: str | None = None
+    """A field giving the share of each head's dimensions that RoPE rotates (GLM-4.5's
+    `partial_rotary_factor`, at the top level or in `rope_parameters`); None: all of them."""
 
     def bias(self, config: dict[str, Any]) -> bool:
         return bool(config.get(self.qkv_bias_field, self.qkv_bias)) if self.qkv_bias_field else self.qkv_bias
+
+    def qk_norm(self, config: dict[str, Any]) -> bool:
+        if self.qk_layernorm_field is None:
+            return self.qk_layernorm
+        return bool(config.get(self.qk_layernorm_field, self.qk_layernorm))
+
+    def rotary_percent(self, config: dict[str, Any]) -> float:
+        if self.rotary_fraction is None:
+            return 1.0
+        value = config.get(self.rotary_fraction, (config.get("rope_parameters") or {}).get(self.rotary_fraction))
+        return 1.0 if value is None else float(value)
 
 
 @dataclass(frozen=True)
@@ -131,11 +71,16 @@ class MoE:
     topk: str = "num_experts_per_tok"
     ffn: str = "moe_intermediate_size"
     score: Literal["softmax", "sigmoid"] = "softmax"
-    """Softmax over all experts, then top-k; "sigmoid" (DeepSeek-V3, GLM-4.5) is not built yet."""
+    """Softmax over all experts, then top-k; "sigmoid" (DeepSeek-V3, GLM-4.5): a sigmoid per
+    expert, top-k, then the k weights renormalised (Megatron always renormalises sigmoid scores,
+    so such a family needs `norm_topk_prob` true)."""
     norm_topk_prob: bool = False
     """When config.json does not say: renormalise the k chosen weights to sum to 1."""
     shared_expert: str | None = None
     """The field with the shared expert's width (0 or absent: none); None: the family has none."""
+    shared_expert_count: str | None = None
+    """A field counting shared experts of `ffn` width each, fused into one (DeepSeek's
+    `n_shared_experts`); used when `shared_expert` is None."""
     shared_expert_gate: bool = False
     """The shared expert's output is scaled by sigmoid(gate(x))."""
     sparse_step: str | None = None
@@ -143,26 +88,47 @@ class MoE:
     dense_list: str | None = None
     """A field listing dense layers (Qwen's `mlp_only_layers`)."""
     first_dense: str | None = None
-    """A field giving a number of dense first layers (DeepSeek's `first_k_dense_replace`); not built yet."""
+    """A field giving a number of dense first layers (DeepSeek's `first_k_dense_replace`), built
+    with the dense MLP of `intermediate_size`."""
     expert_bias: bool = False
-    """A per-expert score bias for selection (DeepSeek-V3 `noaux_tc`); not built yet."""
+    """A per-expert score bias added for selection only (DeepSeek-V3's and GLM-4.5's
+    `e_score_correction_bias`); the weights stay the unbiased scores."""
     routed_scaling: str | None = None
-    """A field scaling the routed experts' output (`routed_scaling_factor`); not built yet."""
+    """A field scaling the routed experts' weights (`routed_scaling_factor`)."""
     expert_groups: tuple[str, str] | None = None
-    """Fields of group-limited routing (`n_group`, `topk_group`); not built yet."""
+    """Fields of group-limited routing (`n_group`, `topk_group`): experts in `n_group` equal
+    groups, each ranked by the sum of its 2 best biased scores, top-k only within the best
+    `topk_group` groups."""
 
     def experts(self, config: dict[str, Any]) -> int | None:
         return next((config[f] for f in self.num_experts if config.get(f) is not None), None)
 
     def shared_width(self, config: dict[str, Any]) -> int:
-        return (config.get(self.shared_expert) or 0) if self.shared_expert else 0
+        if self.shared_expert:
+            return config.get(self.shared_expert) or 0
+        if self.shared_expert_count:
+            return (config.get(self.shared_expert_count) or 0) * (config.get(self.ffn) or 0)
+        return 0
+
+    def groups(self, config: dict[str, Any]) -> tuple[int, int] | None:
+        """(groups, groups kept) when routing is group-limited; None for one group."""
+        if self.expert_groups is None:
+            return None
+        n, k = (config.get(f) or 1 for f in self.expert_groups)
+        return None if n == 1 else (n, k)
+
+    def scaling(self, config: dict[str, Any]) -> float | None:
+        value = config.get(self.routed_scaling) if self.routed_scaling else None
+        return None if value in (None, 1, 1.0) else float(value)
 
     def dense_layers(self, config: dict[str, Any]) -> list[int]:
         """The layers config.json makes dense (Qwen's rule: sparse iff not in the list and
-        (i + 1) divisible by the step)."""
+        (i + 1) divisible by the step; DeepSeek's: the first `first_dense`)."""
         step = (config.get(self.sparse_step) or 1) if self.sparse_step else 1
         dense = set(config.get(self.dense_list) or []) if self.dense_list else set()
-        return [i for i in range(config.get("num_hidden_layers", 0)) if i in dense or (i + 1) % step]
+        first = (config.get(self.first_dense) or 0) if self.first_dense else 0
+        return [i for i in range(config.get("num_hidden_layers", 0))
+                if i < first or i in dense or (i + 1) % step]
 
 
 @dataclass(frozen=True)
@@ -192,19 +158,6 @@ class Family:
     """Whether a `kiln_dsa` config entry (DeepSeek sparse attention) may be added."""
     defaults_only: tuple[tuple[str, Any], ...] = ()
     """config.json fields the model code builds only at this value (absent counts as it)."""
-
-    def unbuilt(self) -> list[str]:
-        """Features of this entry that the model code does not build yet."""
-        a, m = self.attention, self.moe
-        out = ["MLA attention (attention.kind)"] if a.kind != "gqa" else []
-        if m is not None:
-            out += [what for what, on in (
-                ("sigmoid routing (moe.score)", m.score != "softmax"),
-                ("an expert score bias (moe.expert_bias)", m.expert_bias),
-                ("routed scaling (moe.routed_scaling)", m.routed_scaling is not None),
-                ("expert groups (moe.expert_groups)", m.expert_groups is not None),
-                ("dense first layers (moe.first_dense)", m.first_dense is not None)) if on]
-        return out
 
 
 _COMMON = (("hidden_act", "silu"), ("use_sliding_window", False))
@@ -245,11 +198,41 @@ QWEN3_MOE = Family(
     defaults_only=(*_COMMON, ("attention_bias", False)),
 )
 
-FAMILIES: tuple[Family, ...] = (QWEN2, LLAMA, QWEN2_MOE, QWEN3, QWEN3_MOE)
+GLM4_MOE = Family(
+    name="glm4_moe", title="GLM-4.5 MoE", architectures=("Glm4MoeForCausalLM",),
+    attention=Attention(qkv_bias_field="attention_bias", qk_layernorm_field="use_qk_norm",
+                        rotary_fraction="partial_rotary_factor"),
+    # transformers writes both `n_routed_experts` and its alias `num_local_experts`.
+    moe=MoE(num_experts=("n_routed_experts", "num_local_experts"), score="sigmoid", norm_topk_prob=True,
+            shared_expert_count="n_shared_experts", first_dense="first_k_dense_replace",
+            expert_bias=True, routed_scaling="routed_scaling_factor",
+            expert_groups=("n_group", "topk_group")),
+    weights=DEEPSEEK_MOE_NAMES, max_tensor_parallel=1, rollout=_MOE_ROLLOUT,
+    defaults_only=(("hidden_act", "silu"),),
+)
+
+DEEPSEEK_V3 = Family(
+    name="deepseek_v3", title="DeepSeek-V3", architectures=("DeepseekV3ForCausalLM",),
+    # qk_layernorm: the q and kv latent RMSNorms.
+    attention=Attention(kind="mla", qk_layernorm=True, rope_scaling=("yarn",)),
+    moe=MoE(num_experts=("n_routed_experts", "num_local_experts"), score="sigmoid", norm_topk_prob=True,
+            shared_expert_count="n_shared_experts", first_dense="first_k_dense_replace",
+            expert_bias=True, routed_scaling="routed_scaling_factor",
+            expert_groups=("n_group", "topk_group")),
+    weights=MLA_NAMES, max_tensor_parallel=1,
+    rollout=Rollout(cpu=("megatron", "torch"), gpu=("megatron", "torch"), note=_MOE_ROLLOUT.note),
+    # Megatron's MLA applies RoPE interleaved, DeepSeek's way, and has no projection biases.
+    defaults_only=(("hidden_act", "silu"), ("rope_interleave", True), ("attention_bias", False)),
+)
+
+FAMILIES: tuple[Family, ...] = (QWEN2, LLAMA, QWEN2_MOE, QWEN3, QWEN3_MOE, GLM4_MOE, DEEPSEEK_V3)
 BY_NAME = {f.name: f for f in FAMILIES}
 BY_ARCHITECTURE = {a: f for f in FAMILIES for a in f.architectures}
 SUPPORTED_ARCHS = {a: f.name for a, f in BY_ARCHITECTURE.items()}
 """Hugging Face architecture -> family name."""
+
+
+_YARN_UNBUILT = {("truncate", False)}
 
 
 def family_of(config: dict[str, Any]) -> Family | None:
@@ -266,14 +249,31 @@ def config_problems(config: dict[str, Any], families: tuple[Family, ...] = FAMIL
         names = sorted(a for f in families for a in f.architectures)
         return [f"architecture {', '.join(archs) or '(none)'} is not supported; the trainer builds "
                 f"{', '.join(names)}"]
-    if unbuilt := family.unbuilt():
-        return [f"architecture {', '.join(archs)} ({family.title}) is not supported yet: Kiln does not "
-                f"build {', '.join(unbuilt)}"]
     problems = [f"config.json {name}={config[name]!r}: {family.title} is built with {name}={value!r} only"
                 for name, value in family.defaults_only if config.get(name, value) != value]
-    scaling = config.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        problems.append(f"config.json rope_scaling={scaling}: RoPE scaling is not supported")
+    if (quant := config.get("quantization_config")) is not None:
+        # DeepSeek-V3's and Kimi K2's hub weights are FP8 blocks with scales: read as plain
+        # tensors they would be garbage, so refuse rather than load them.
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        problems.append(f"config.json quantization_config (quant_method {method!r}): quantised checkpoints "
+                        "are not supported; dequantise to bfloat16 first")
+    # transformers 5 writes RoPE scaling into rope_parameters, older checkpoints into rope_scaling.
+    for field in ("rope_scaling", "rope_parameters"):
+        scaling = config.get(field)
+        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default",
+                                                                            *family.attention.rope_scaling):
+            problems.append(f"config.json {field}={scaling}: RoPE scaling is not supported")
+        elif scaling and (odd := [k for k, v in scaling.items()
+                                  if (k, v) in _YARN_UNBUILT or k == "attention_factor"]):
+            # Megatron's YaRN derives the attention factor and rounds the correction range.
+            problems.append(f"config.json {field} {', '.join(odd)}: YaRN is built with a derived "
+                            "attention factor and truncate true only")
+    if (fraction := family.attention.rotary_percent(config)) != 1.0:
+        head = config.get("head_dim") or config.get("hidden_size", 0) // config.get("num_attention_heads", 1)
+        rotary = fraction * head
+        if not 0 < fraction <= 1 or rotary != int(rotary) or int(rotary) % 2:
+            problems.append(f"config.json {family.attention.rotary_fraction}={fraction}: the rotated part of "
+                            "each head must be a positive even number of dimensions")
     if config.get("kiln_dsa") is not None and not family.dsa:
         problems.append(f"config.json kiln_dsa: DeepSeek sparse attention is not built for {family.title}")
     if (m := family.moe) is not None:
@@ -286,23 +286,51 @@ def _moe_problems(config: dict[str, Any], title: str, m: MoE) -> list[str]:
     if num is None or k is None or config.get(m.ffn) is None:
         return [f"config.json lacks {' or '.join(m.num_experts)}, {m.topk} or {m.ffn} ({title})"]
     problems = [] if 1 <= k <= num else [f"config.json {m.topk}={k} must be in [1, {'/'.join(m.num_experts)}={num}]"]
-    if dense := m.dense_layers(config):
-        fields = [f for f in (m.sparse_step, m.dense_list) if f]
+    fields = [f for f in (m.sparse_step, m.dense_list) if f]
+    if fields and (dense := [i for i in m.dense_layers(config)
+                             if i >= ((config.get(m.first_dense) or 0) if m.first_dense else 0)]):
         problems.append(
             f"config.json {' '.join(f'{f}={config.get(f)!r}' for f in fields)}: layers {dense} are dense; "
             f"only {title} models whose every layer is sparse are supported")
+    if m.score == "sigmoid" and k > 1 and not config.get("norm_topk_prob", m.norm_topk_prob):
+        problems.append(f"config.json norm_topk_prob=False: {title} is built with renormalised sigmoid "
+                        "weights only (norm_topk_prob true)")
+    if (groups := m.groups(config)) is not None:
+        n, kept = groups
+        gf, tf = m.expert_groups
+        if num % n or not 1 <= kept <= n:
+            problems.append(f"config.json {gf}={n}, {tf}={kept}: {gf} must divide {num} experts and "
+                            f"{tf} be in [1, {gf}]")
+        elif k != 2 * kept:
+            # Megatron ranks a group by its best num_experts_per_tok / topk_group scores,
+            # transformers (and the released checkpoints) by its best 2.
+            problems.append(f"config.json {m.topk}={k}, {tf}={kept}: group-limited routing is built only "
+                            f"where {m.topk} = 2 x {tf} (each group ranked by its 2 best experts)")
     return problems
+
+
+def _built_as(f: Family) -> str:
+    a, m = f.attention, f.moe
+    attention = "MLA" if a.kind == "mla" else "GQA" + "".join(
+        f" + {what}" for what, on in (("q/k norm", (a.qk_layernorm or a.qk_layernorm_field) and a.kind == "gqa"),
+                                       ("partial RoPE", a.rotary_fraction)) if on)
+    if m is None:
+        return attention
+    routing = "softmax top-k" if m.score == "softmax" else "sigmoid top-k" + "".join(
+        f" + {what}" for what, on in (("bias", m.expert_bias), ("groups", m.expert_groups),
+                                       ("dense first layers", m.first_dense)) if on)
+    return f"{attention}; {routing}"
 
 
 def supported_models_table() -> str:
     """The README's supported-models table (markdown), generated from the entries."""
-    lines = ["| architecture | family | rollout engines (CPU / GPU) | tensor parallel | routing replay | DSA |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| architecture | family | built as | rollout engines (CPU / GPU) | tensor parallel | routing replay | DSA |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for f in FAMILIES:
         engines = (", ".join(f.rollout.cpu) if f.rollout.cpu == f.rollout.gpu
                    else f"{', '.join(f.rollout.cpu)} / {', '.join(f.rollout.gpu)}")
         tp = "any that divides the heads" if f.max_tensor_parallel is None else f"{f.max_tensor_parallel} only"
         for arch in f.architectures:
-            lines.append(f"| `{arch}` | {f.title} | {engines} | {tp} | "
+            lines.append(f"| `{arch}` | {f.title} | {_built_as(f)} | {engines} | {tp} | "
                          f"{'yes' if f.moe else 'n/a (dense)'} | {'yes' if f.dsa else 'no'} |")
     return "\n".join(lines)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from kiln.api.model_families import BY_NAME, SUPPORTED_ARCHS, Family, config_problems, family_of
 from kiln.models.dsa import DSAConfig
+from kiln.models.mla import MLASpec
 from kiln.models.moe import MoESpec
 
 
@@ -41,6 +42,10 @@ class ArchSpec:
     """Mixture-of-experts settings; None for a dense MLP."""
     qk_layernorm: bool = False
     """RMSNorm over each head of q and k before RoPE (Qwen3)."""
+    rotary_percent: float = 1.0
+    """The share of each head's dimensions RoPE rotates (GLM-4.5: 0.5)."""
+    mla: MLASpec | None = None
+    """Multi-latent attention (DeepSeek-V3); None for grouped-query attention."""
 
     @property
     def family(self) -> Family:
@@ -51,6 +56,10 @@ class ArchSpec:
         flags = {name for name, on in (
             ("qkv_bias", self.qkv_bias), ("qk_layernorm", self.qk_layernorm),
             ("untied", not self.tie_word_embeddings), ("dsa", self.dsa is not None)) if on}
+        if self.mla is not None:
+            flags |= self.mla.weight_flags
+        if self.moe is not None and self.moe.expert_bias:
+            flags.add("expert_bias")
         if self.moe is not None and self.moe.shared_ffn_hidden_size:
             flags.add("shared_expert")
             if self.moe.shared_expert_gate:
@@ -87,7 +96,9 @@ class ArchSpec:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             dsa=DSAConfig.from_hf(config["kiln_dsa"]) if config.get("kiln_dsa") is not None else None,
             moe=MoESpec.from_hf(config, family.moe) if family.moe is not None else None,
-            qk_layernorm=family.attention.qk_layernorm,
+            qk_layernorm=family.attention.qk_norm(config),
+            rotary_percent=family.attention.rotary_percent(config),
+            mla=MLASpec.from_hf(config) if family.attention.kind == "mla" else None,
         )
 
     @classmethod

@@ -17,7 +17,7 @@ both directions; the layout rules of each row's kind live here:
 ranks must call it together), for weight sync and export; `save_hf_checkpoint` writes
 config.json + model.safetensors. MoE experts map one expert at a time under the hub's
 per-expert names (`mlp.experts.J.gate_proj.weight`...), which are also the names vLLM loads;
-TP=1 only.
+TP=1 only. A MoE model's dense layers (`MoESpec.dense_layers`) take the dense MLP rows.
 
 Not covered: expert parallelism, MLA, quantised checkpoints, sharded safetensors writing.
 """
@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from kiln.api.model_families import Weight, WeightTable
+from kiln.api.model_families import family_of
+from kiln.api.weight_tables import Weight, WeightTable
 from kiln.models import parallel
 from kiln.models.dsa import HF_INDEXER_WEIGHTS
 from kiln.models.megatron_model import ArchSpec, AttentionBackend, DSABackend, build_gpt_model
@@ -94,7 +95,7 @@ def weight_rows(spec: ArchSpec) -> Iterator[tuple[Weight, str, tuple[str, ...]]]
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
         for row in WeightTable.rows(table.layer, flags):
             yield named(row, m, h)
-        if spec.moe is None:
+        if spec.moe is None or not spec.moe.is_sparse(i):
             for row in WeightTable.rows(table.dense_mlp, flags):
                 yield named(row, m, h)
             continue
@@ -124,9 +125,18 @@ def hf_to_megatron_shard(hf: dict[str, torch.Tensor], spec: ArchSpec, rank: int,
             for row, m, names in weight_rows(spec)}
 
 
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights as the weight tables name them: its parameters, and the buffers that
+    hold checkpoint data (a router's `expert_bias`, the selection bias of sigmoid routing)."""
+    out = dict(model.named_parameters())
+    out.update((n, b) for n, b in model.named_buffers() if n.endswith("router.expert_bias"))
+    return out
+
+
 def load_state_into(model: torch.nn.Module, mstate: dict[str, torch.Tensor]) -> None:
-    """Copy `mstate` into the model's parameters, checking names and shapes both ways."""
-    params = dict(model.named_parameters())
+    """Copy `mstate` into the model's weights (`model_tensors`), checking names and shapes both
+    ways."""
+    params = model_tensors(model)
     missing = sorted(set(params) - set(mstate))
     unexpected = sorted(set(mstate) - set(params))
     if missing or unexpected:
@@ -180,7 +190,7 @@ def iter_hf_tensors(model: torch.nn.Module, spec: ArchSpec) -> Iterator[tuple[st
     Tensors are detached and may share storage with the model (at TP=1 most do), so copy them
     before mutating.
     """
-    params = dict(model.named_parameters())
+    params = model_tensors(model)
     for row, m, names in weight_rows(spec):
         yield from zip(names, _from_megatron(row, params[m], spec))
 
@@ -211,14 +221,17 @@ def write_hf_dir(
     dtype: torch.dtype | None = None,
 ) -> Path:
     """A HF checkpoint directory: `source_dir`'s config and tokenizer files plus a
-    model.safetensors of `named_tensors` (cast to `dtype` if given).
+    model.safetensors of `named_tensors` (cast to `dtype` if given, except the tensors its
+    family's weight table keeps in float32).
 
     The directory appears atomically: it is written under a temporary name, fsynced and
     renamed, replacing an existing `out_dir`.
     """
     from safetensors.torch import save_file
 
-    tensors = {n: (t.to(dtype) if dtype else t).contiguous() for n, t in named_tensors}
+    keep = _float32_suffixes(Path(source_dir)) if dtype is not None else set()
+    tensors = {n: (t.to(dtype) if dtype and not n.endswith(tuple(keep)) else t).contiguous()
+               for n, t in named_tensors}
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     if tmp.exists():
@@ -246,6 +259,12 @@ def write_hf_dir(
     if old.exists():
         shutil.rmtree(old)
     return out_dir
+
+
+def _float32_suffixes(source_dir: Path) -> set[str]:
+    config = source_dir / "config.json"
+    family = family_of(json.loads(config.read_text())) if config.exists() else None
+    return {"." + n for n in family.weights.float32_suffixes()} if family is not None else set()
 
 
 def fsync_dir(path: Path) -> None:

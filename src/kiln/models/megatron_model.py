@@ -1,5 +1,5 @@
 """Build a Megatron-core GPTModel shaped like a Hugging Face checkpoint of a registered family
-(`kiln.api.model_families`: Llama, Qwen2, Qwen3 and their MoE variants).
+(`kiln.api.model_families`: Llama, Qwen2, Qwen3 and their MoE variants, GLM-4.5 MoE, DeepSeek-V3).
 
 `ArchSpec.from_hf_config` (`arch.py`) reads the dimensions out of config.json; `build_gpt_model` turns them
 into a TransformerConfig and a GPTModel with Megatron's local (pure PyTorch) layer spec, which
@@ -10,12 +10,14 @@ per-token log-probs of the given sequences, with the vocabulary split across ten
 ranks; `next_token_logprob` computes one such log-prob from a single logits row with the same
 arithmetic, for an inference engine that must reproduce the trainer's numbers bit for bit.
 
-A MoE family (Qwen2-MoE, Qwen3-MoE) gets Megatron's MoE layers in every layer (see `moe.py`,
-which also holds routing record and replay); Qwen3's q/k RMSNorm per head is Megatron's
-`qk_layernorm` (applied per head before RoPE, as transformers does).
+A MoE family gets Megatron's MoE layers (see `moe.py`, which also holds routing record and
+replay), with one layer spec per layer where its first layers are dense (DeepSeek's
+`first_k_dense_replace`); Qwen3's and GLM-4.5's q/k RMSNorm per head is Megatron's
+`qk_layernorm` (applied per head before RoPE, as transformers does); GLM-4.5's partial RoPE is
+Megatron's `rotary_percent`; DeepSeek-V3's multi-latent attention is Megatron's MLA (`mla.py`).
 
-Weights are not loaded here (see `hf_io.py`). Not covered: MLA, sliding-window attention,
-RoPE scaling, pipeline parallelism, tensor parallelism of MoE models.
+Weights are not loaded here (see `hf_io.py`). Not covered: sliding-window attention, RoPE
+scaling, pipeline parallelism, tensor parallelism of MoE models.
 """
 from __future__ import annotations
 
@@ -27,8 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from kiln.models import cpu_shims
+from kiln.models import packing
 from kiln.models.arch import ArchSpec
 from kiln.models.dsa import apply_dsa_spec, is_dsa_model, padded_length
+from kiln.models.mla import MLASpec, patch_megatron_without_te
 from kiln.models.moe import install_taps
 
 AttentionBackend = Literal["sdpa", "megatron"]
@@ -50,15 +54,38 @@ def _sdpa_attention_class():
             # [s, b, heads, d] -> [b, heads, s, d]; the mask is causal by construction of the
             # trainer's inputs (see causal_mask), so SDPA's built-in causal masking replaces it.
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-            ctx = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.softmax_scale,
-                dropout_p=self.attention_dropout.p if self.training else 0.0,
-                enable_gqa=k.shape[1] != q.shape[1],
-            )
-            # [b, heads, s, d] -> [s, b, heads * d]
-            return ctx.permute(2, 0, 1, 3).reshape(ctx.shape[2], ctx.shape[0], self.hidden_size_per_partition)
+
+            def attend(q, k, v):
+                return F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=self.softmax_scale,
+                    dropout_p=self.attention_dropout.p if self.training else 0.0,
+                    enable_gqa=k.shape[1] != q.shape[1],
+                )
+
+            lengths = packing.segments()  # packed sequences: causal within each (packing.py)
+            ctx = attend(q, k, v) if lengths is None else packing.varlen_attention(attend, q, k, v, lengths)
+            # [b, heads, s, d] -> [s, b, heads * d] (d: the value head size, which MLA makes
+            # narrower than the query's)
+            return ctx.permute(2, 0, 1, 3).reshape(ctx.shape[2], ctx.shape[0], -1)
 
     return SdpaCausalAttention
+
+
+def _core_attention(attention: AttentionBackend, mla: MLASpec | None):
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    base = _sdpa_attention_class() if attention == "sdpa" else DotProductAttention
+    if mla is None:
+        return base
+
+    class MLACoreAttention(base):
+        # Megatron-core 0.16.1's MLA passes the query and value head sizes to its core
+        # attention, which only transformer-engine's accepts; the local one reads the value
+        # size from kv_channels (set to v_head_dim) and the scale from softmax_scale.
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    return MLACoreAttention
 
 
 def build_gpt_model(
@@ -78,15 +105,18 @@ def build_gpt_model(
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     spec.check_tp(tp)
-    config = TransformerConfig(
+    if spec.mla is not None:
+        patch_megatron_without_te()
+    config = (MLATransformerConfig if spec.mla is not None else TransformerConfig)(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_heads,
         num_query_groups=spec.num_kv_heads,
-        kv_channels=spec.head_dim,
+        # MLA: Megatron's own core attention sizes its output by kv_channels, so the value width.
+        kv_channels=spec.mla.v_head_dim if spec.mla is not None else spec.head_dim,
         ffn_hidden_size=spec.intermediate_size,
         normalization="RMSNorm",
         layernorm_epsilon=spec.rms_norm_eps,
@@ -112,18 +142,31 @@ def build_gpt_model(
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
-        **(spec.moe.transformer_config() if spec.moe is not None else {}),
+        **(spec.moe.transformer_config(spec.num_layers) if spec.moe is not None else {}),
+        **(spec.mla.transformer_config() if spec.mla is not None else {}),
     )
-    layer_spec = get_gpt_layer_local_spec(
-        num_experts=spec.moe.num_experts if spec.moe is not None else None, normalization="RMSNorm",
-        qk_layernorm=spec.qk_layernorm)
     if attention not in ("sdpa", "megatron"):
         raise ValueError(f"attention={attention!r} is not 'sdpa' or 'megatron'")
+    kinds = [spec.moe is not None and spec.moe.is_sparse(i) for i in range(spec.num_layers)]
+    specs = {sparse: get_gpt_layer_local_spec(
+        num_experts=spec.moe.num_experts if sparse else None, normalization="RMSNorm",
+        qk_layernorm=spec.qk_layernorm,
+        multi_latent_attention=spec.mla is not None) for sparse in set(kinds)}
+    for layer_spec in specs.values():
+        if spec.dsa is not None:
+            apply_dsa_spec(layer_spec, spec.dsa, dsa_backend)
+        elif attention == "sdpa" or spec.mla is not None:
+            layer_spec.submodules.self_attention.submodules.core_attention = _core_attention(attention, spec.mla)
     if spec.dsa is not None:
-        apply_dsa_spec(layer_spec, spec.dsa, dsa_backend)
         attention = "dsa"
-    elif attention == "sdpa":
-        layer_spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class()
+    if len(specs) == 1:
+        layer_spec = specs[kinds[0]]
+    else:
+        # Dense first layers, then MoE ones: one spec per layer.
+        from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+
+        # The final norm Megatron picks for a single-layer spec, so both paths build the same.
+        layer_spec = TransformerBlockSubmodules(layer_specs=[specs[k] for k in kinds], layer_norm=LayerNormImpl)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
@@ -134,7 +177,7 @@ def build_gpt_model(
         parallel_output=True,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
         position_embedding_type="rope",
-        rotary_percent=1.0,
+        rotary_percent=spec.rotary_percent,
         rotary_base=spec.rope_theta,
     )
     _mark_tensor_parallel_weights(model)
@@ -190,7 +233,13 @@ def forward_logits(model, tokens_BS: torch.Tensor) -> torch.Tensor:
         return model(tokens, position_ids, None)[:, :s]
     position_ids = torch.arange(s, device=tokens_BS.device)[None].expand(b, s)
     # SDPA masks causally itself; an explicit [S, S] mask would only cost memory at long S.
-    mask = None if getattr(model, "kiln_attention", "megatron") == "sdpa" else causal_mask(s, tokens_BS.device)
+    lengths = packing.segments()
+    if getattr(model, "kiln_attention", "megatron") == "sdpa":
+        mask = None
+    elif lengths is not None:
+        mask = packing.block_causal_mask(lengths, tokens_BS.device)
+    else:
+        mask = causal_mask(s, tokens_BS.device)
     return model(tokens_BS, position_ids, mask)
 
 
@@ -267,18 +316,22 @@ def _sampled_logprobs(logits_BSV: torch.Tensor, tokens_BS: torch.Tensor, tempera
     from megatron.core import tensor_parallel
 
     targets_BS = tokens_BS[:, 1:]
+    # The tool choices' rows first: vocab_parallel_cross_entropy works on its input in place,
+    # and with one row (B = 1) the transposed logits below are `logits_BSV`'s own storage.
+    chosen = None
+    if choices is not None and len(choices.rows):
+        b, t = choices.rows, choices.cols
+        rows_NV = choice_logits(logits_BSV[b, t - 1].float(), choices.ids,
+                                temperature / choices.temperature[:, None], temperature)
+        chosen = torch.log_softmax(rows_NV, dim=-1).gather(-1, tokens_BS[b, t, None])[:, 0]
     # vocab_parallel_cross_entropy takes [S, B, V] / [S, B] and returns -log p, [S, B].
     logits_SBV = _tempered(logits_BSV[:, :-1].transpose(0, 1).float(), temperature)
     nll_SB = tensor_parallel.vocab_parallel_cross_entropy(
         logits_SBV.contiguous(), targets_BS.transpose(0, 1).contiguous()
     )
     logp_BS = F.pad(-nll_SB.transpose(0, 1), (1, 0), value=0.0)
-    if choices is None or not len(choices.rows):
+    if chosen is None:
         return logp_BS
-    b, t = choices.rows, choices.cols
-    rows_NV = choice_logits(logits_BSV[b, t - 1].float(), choices.ids,
-                            temperature / choices.temperature[:, None], temperature)
-    chosen = torch.log_softmax(rows_NV, dim=-1).gather(-1, tokens_BS[b, t, None])[:, 0]
     return logp_BS.index_put((b, t), chosen)
 
 

@@ -1,4 +1,5 @@
-"""Mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE) in the Megatron model, and routing record/replay.
+"""Mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE, GLM-4.5, DeepSeek-V3) in the Megatron model, and
+routing record/replay.
 
 An MoE model chooses, per token and layer, `topk` of `num_experts` expert MLPs. The choice is a
 top-k over router scores, so a difference in the last bit between the inference engine and the
@@ -6,8 +7,8 @@ trainer can flip it; the two sides then compute different functions and the off-
 measures that, not staleness. Routing replay removes it: the rollout records the experts it chose
 (`kiln.routing.RoutedExperts` on the trajectory) and the trainer's forward uses them instead of
 its own top-k. The router's gate still runs and is trained: the replayed experts' weights are
-gathered from the trainer's own softmax over all experts (Megatron's `get_replay_topk` does
-the same), so the gradient reaches the gate through them.
+gathered from the trainer's own scores (Megatron's `get_replay_topk` does the same), so the
+gradient reaches the gate through them.
 
 Layout (Qwen2-MoE and Qwen3-MoE; the weight names are the family's table in
 `kiln.api.model_families`, applied by `hf_io.py`):
@@ -19,15 +20,24 @@ Layout (Qwen2-MoE and Qwen3-MoE; the weight names are the family's table in
   `shared_expert_intermediate_size` scaled by `sigmoid(shared_expert_gate(x))` ->
   `mlp.shared_experts` with `gate_weight`.
 
+GLM-4.5 and DeepSeek-V3 (the registry's `DEEPSEEK_MOE_NAMES`) route by sigmoid scores: the router's
+`e_score_correction_bias` (Megatron's float32 `expert_bias` buffer, never updated here) is added
+for the choice only; with `n_group` > 1 the experts form groups ranked by their 2 best biased
+scores and only the best `topk_group` groups compete (Megatron's group-limited top-k, which ranks
+by the best topk/topk_group, so the registry requires topk = 2 x topk_group); the k unbiased
+scores are renormalised and multiplied by `routed_scaling_factor`; `n_shared_experts` shared
+experts (one fused MLP, no gate) add their output; the first `first_k_dense_replace` layers
+are dense and have no router (routing covers the MoE layers only, in order).
+
 `RouterTap` replaces each router's `router_replay` hook (Megatron calls it for the top-k) and
 serves the three modes per model rather than through Megatron's process-global list of
 instances, so that a trainer and an inference engine built in one process do not share state.
 Token order inside a router is Megatron's `[S, B]` flattened: index `s * B + b`.
 
-Not covered: expert parallelism and tensor parallelism of MoE layers (refused at load), dense
-layers interleaved with sparse ones (`decoder_sparse_step` > 1, `mlp_only_layers`; refused by
-the family registry), auxiliary load-balancing losses (off: RL fine-tuning keeps the routing the
-model has).
+Not covered: expert parallelism and tensor parallelism of MoE layers (refused at load), Qwen's
+dense layers among sparse ones (`decoder_sparse_step` > 1, `mlp_only_layers`; refused by the
+family registry), auxiliary load-balancing losses and expert-bias updates (off: RL fine-tuning
+keeps the routing the model has).
 """
 from __future__ import annotations
 
@@ -52,6 +62,18 @@ class MoESpec:
     norm_topk_prob: bool
     shared_expert_gate: bool = True
     """The shared expert's output is scaled by sigmoid(gate(x)) (Qwen2-MoE)."""
+    score_function: str = "softmax"
+    expert_bias: bool = False
+    """A per-expert bias added to the sigmoid scores for selection only (`e_score_correction_bias`)."""
+    scaling_factor: float | None = None
+    """`routed_scaling_factor`: the routed experts' weights are multiplied by it."""
+    groups: tuple[int, int] | None = None
+    """(n_group, topk_group) of group-limited routing; None: one group."""
+    dense_layers: tuple[int, ...] = ()
+    """Layers built with a dense MLP instead (DeepSeek's `first_k_dense_replace`)."""
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers
 
     @classmethod
     def from_hf(cls, config: dict, family: MoE) -> "MoESpec":
@@ -62,11 +84,15 @@ class MoESpec:
             ffn_hidden_size=config[family.ffn], shared_ffn_hidden_size=shared,
             norm_topk_prob=bool(config.get("norm_topk_prob", family.norm_topk_prob)),
             shared_expert_gate=family.shared_expert_gate and bool(shared),
+            score_function=family.score, expert_bias=family.expert_bias,
+            scaling_factor=family.scaling(config), groups=family.groups(config),
+            dense_layers=tuple(family.dense_layers(config)),
         )
 
-    def transformer_config(self) -> dict:
+    def transformer_config(self, num_layers: int) -> dict:
         """TransformerConfig keyword arguments for these MoE layers."""
         return dict(
+            moe_layer_freq=[int(self.is_sparse(i)) for i in range(num_layers)],
             num_moe_experts=self.num_experts,
             moe_router_topk=self.topk,
             moe_ffn_hidden_size=self.ffn_hidden_size,
@@ -75,7 +101,16 @@ class MoESpec:
             # Qwen2-MoE, Qwen3-MoE: softmax over all experts, then top-k, unnormalised; with norm_topk_prob
             # the k weights sum to 1, which is Megatron's top-k-then-softmax.
             moe_router_pre_softmax=not self.norm_topk_prob,
-            moe_router_score_function="softmax",
+            # Sigmoid (GLM-4.5, DeepSeek-V3): Megatron adds `expert_bias` to the scores for the
+            # top-k only and renormalises the k unbiased scores, as transformers does with
+            # norm_topk_prob (the registry refuses it false).
+            moe_router_score_function=self.score_function,
+            moe_router_enable_expert_bias=self.expert_bias,
+            # The bias is part of the checkpoint; RL keeps it (no load-balancing updates).
+            moe_router_bias_update_rate=0.0,
+            moe_router_topk_scaling_factor=self.scaling_factor,
+            moe_router_num_groups=self.groups[0] if self.groups else None,
+            moe_router_group_topk=self.groups[1] if self.groups else None,
             # No router dtype: as in HF, the gate's matmul runs in the model's dtype (Megatron's
             # fp32 router path needs transformer-engine); both take the softmax in float32.
             moe_router_load_balancing_type="none",
@@ -128,7 +163,9 @@ class RouterTap:
                 return own_probs, own
             chosen = torch.where(valid[:, None], target, own)
             # The replayed experts' weights come from this router's own scores (softmax over all
-            # experts, or the logits when the top-k are renormalised), so the gate is trained.
+            # experts, the logits when the top-k are renormalised, or the sigmoids; with an
+            # expert bias these are the biased choice scores, which Megatron drops, gathering
+            # the unbiased ones itself), so the gate is trained.
             return scores.gather(1, chosen), chosen
         return default_compute_topk(scores, topk, num_groups, group_topk)
 

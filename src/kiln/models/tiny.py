@@ -3,7 +3,7 @@ quickstart.
 
 Nothing is downloaded: the tokenizer is a byte-level BPE trained with the `tokenizers` library
 on whatever texts the caller gives, and the model is a checkpoint of one of `ARCHS` (Qwen2,
-Llama, Qwen3 and the MoE variants) with random weights written in the Hugging Face layout
+Llama, Qwen3 and the MoE variants, GLM-4.5 MoE, DeepSeek-V3) with random weights written in the Hugging Face layout
 (config.json, generation_config.json, model.safetensors and the tokenizer files). Both transformers (`AutoTokenizer`,
 `AutoModelForCausalLM`) and vLLM's CPU engine load the result.
 
@@ -95,7 +95,7 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
 )
 
-ARCHS = ("qwen2", "llama", "qwen2_moe", "qwen3", "qwen3_moe")
+ARCHS = ("qwen2", "llama", "qwen2_moe", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3")
 VOCAB_MULTIPLE = 64
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -210,9 +210,19 @@ def make_tiny_model(
     shared_expert_intermediate_size: int = 128,
     head_dim: int | None = None,
     norm_topk_prob: bool | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    first_k_dense_replace: int = 1,
+    routed_scaling_factor: float = 2.5,
+    q_lora_rank: int | None = 32,
+    kv_lora_rank: int = 32,
+    qk_nope_head_dim: int = 16,
+    qk_rope_head_dim: int = 16,
+    v_head_dim: int = 16,
+    rope_scaling: dict | None = None,
 ) -> Path:
     """Write a randomly initialised `arch` checkpoint (one of `ARCHS`: Qwen2, Llama, Qwen2-MoE,
-    Qwen3, Qwen3-MoE) to `out_dir`, with the tokenizer from `tokenizer_dir` copied in. Returns
+    Qwen3, Qwen3-MoE, GLM-4.5 MoE, DeepSeek-V3) to `out_dir`, with the tokenizer from `tokenizer_dir` copied in. Returns
     `out_dir`.
 
     The MoE archs use the `num_experts*` and `moe_intermediate_size` arguments, and `qwen2_moe`
@@ -220,6 +230,13 @@ def make_tiny_model(
     `norm_topk_prob` defaults to each family's usual value (Qwen2-MoE False, Qwen3-MoE True).
     `head_dim` (default hidden_size / num_heads) is written for Qwen3 and Qwen3-MoE, whose heads
     need not divide the hidden size.
+    `glm4_moe` (GLM-4.5 MoE) has q/k/v biases, q/k norms, half-rotary RoPE, sigmoid routing with
+    an expert score bias (random, like the norms), one shared expert, `first_k_dense_replace`
+    dense first layers, `routed_scaling_factor` and `n_group`/`topk_group` expert groups.
+    `deepseek_v3` (DeepSeek-V3, the Kimi K2 shape) routes as `glm4_moe` does, with multi-latent
+    attention of the `*_lora_rank` and `*_head_dim` arguments (`q_lora_rank` None: no query
+    compression), interleaved RoPE (`rope_scaling`: e.g. YaRN's settings) and
+    `topk_method: noaux_tc` written as the hub's have it.
 
     The vocabulary is exactly the tokenizer's, so every id the model can sample decodes.
     The same arguments give bit-identical weights. `perturb_norms` (for tests) draws norm
@@ -227,15 +244,15 @@ def make_tiny_model(
     be trained should pass False.
     """
     import torch
-    from transformers import (AutoTokenizer, GenerationConfig, LlamaConfig, Qwen2Config, Qwen2MoeConfig,
-                              Qwen3Config, Qwen3MoeConfig)
+    from transformers import (AutoTokenizer, DeepseekV3Config, Glm4MoeConfig, GenerationConfig, LlamaConfig,
+                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
     from transformers import AutoModelForCausalLM
 
     if arch not in ARCHS:
         raise ValueError(f"arch={arch!r} is not one of {ARCHS}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {DTYPES}")
-    if hidden_size % num_heads and (head_dim is None or arch not in ("qwen3", "qwen3_moe")):
+    if hidden_size % num_heads and (head_dim is None or arch not in ("qwen3", "qwen3_moe", "glm4_moe")):
         raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} must be divisible by num_kv_heads={num_kv_heads}")
@@ -279,6 +296,26 @@ def make_tiny_model(
             moe_intermediate_size=moe_intermediate_size, decoder_sparse_step=1, mlp_only_layers=[],
             norm_topk_prob=True if norm_topk_prob is None else norm_topk_prob,
             output_router_logits=False, router_aux_loss_coef=0.0, **common)
+    elif arch == "glm4_moe":
+        config = Glm4MoeConfig(
+            head_dim=head_dim or hidden_size // num_heads, attention_bias=True, use_qk_norm=True,
+            partial_rotary_factor=0.5, n_routed_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=moe_intermediate_size, n_shared_experts=1, n_group=n_group,
+            topk_group=topk_group, first_k_dense_replace=first_k_dense_replace,
+            routed_scaling_factor=routed_scaling_factor, norm_topk_prob=True, num_nextn_predict_layers=0,
+            output_router_logits=False, **common)
+    elif arch == "deepseek_v3":
+        config = DeepseekV3Config(
+            q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
+            qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim, rope_interleave=True,
+            attention_bias=False, n_routed_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=moe_intermediate_size, n_shared_experts=1, n_group=n_group,
+            topk_group=topk_group, first_k_dense_replace=first_k_dense_replace,
+            routed_scaling_factor=routed_scaling_factor, norm_topk_prob=True, num_nextn_predict_layers=0,
+            output_router_logits=False, **{**common, "num_key_value_heads": num_heads},
+            **({"rope_parameters": {"rope_theta": 10000.0, **rope_scaling}} if rope_scaling else {}))
+        # vLLM reads the selection rule from here (transformers always routes this way).
+        config.topk_method = "noaux_tc"
     else:
         config = LlamaConfig(attention_bias=False, mlp_bias=False, **common)
 
@@ -296,6 +333,11 @@ def make_tiny_model(
                         p.copy_(1.0 + 0.1 * torch.randn_like(p))
                     elif name.endswith(".bias"):
                         p.copy_(0.02 * torch.randn_like(p))
+                # A selection bias of the size of the score spread, so a mapping that drops it
+                # routes differently.
+                for name, b in model.named_buffers():
+                    if name.endswith("e_score_correction_bias"):
+                        b.copy_(0.05 * torch.randn_like(b))
     model = model.to(torch_dtype)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,

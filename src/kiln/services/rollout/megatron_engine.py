@@ -36,7 +36,7 @@ import torch
 
 from kiln.models import dsa, moe, parallel
 from kiln.models.hf_io import (
-    hf_to_megatron_shard, iter_hf_tensors, load_hf_checkpoint, load_state_into)
+    hf_to_megatron_shard, iter_hf_tensors, load_hf_checkpoint, load_state_into, model_tensors)
 from kiln.models.megatron_model import (DSABackend, forward_logits, next_token_logprob,
                                         token_logprobs)
 from kiln.routing import RoutedExperts
@@ -65,7 +65,7 @@ class MegatronEngine(EngineBase):
         self.max_len = settings.max_model_len or spec.max_position_embeddings
         self._lock = asyncio.Lock()  # one decoding step or one weight update at a time
         self._seeds = random.Random(settings.seed)
-        self._params = dict(model.named_parameters())
+        self._params = model_tensors(model)
         self._hf_names = {name for name, _ in iter_hf_tensors(model, spec)}
 
     @classmethod
@@ -127,7 +127,7 @@ class MegatronEngine(EngineBase):
         hashes = dsa.sequence_hashes(indices, 0, len(tokens)) if indices else []
         # Only the last step's routing is kept: it covers every position, under the newest version.
         experts = (RoutedExperts.pack(moe.recorded_to_BSLK(routed, 1, len(tokens) - 1)[0].cpu().numpy(),
-                                      self.spec.moe.num_experts) if routed else None)
+                                      self.spec.moe.num_experts, version=versions[-1]) if routed else None)
         return Generation(out, logps, versions, finish, index_hashes=hashes, routed_experts=experts)
 
     async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:

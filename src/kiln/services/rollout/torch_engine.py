@@ -11,9 +11,10 @@ Sampling follows vLLM's semantics: log-probs are those of the raw model distribu
 temperature and top-p), or with `tempered_logprobs` of softmax(logits / temperature); temperature 0 is greedy; generation stops at `stop_token_ids` or the
 model's end-of-sequence token(s), which are kept in the output.
 
-Mixture-of-experts models (Qwen2-MoE, Qwen3-MoE): with `record_routing`, each generation carries the
-experts transformers routed every position to (the top-k of its router's softmax, from
-`output_router_logits`), an implementation independent of the trainer's Megatron MoE layers,
+Mixture-of-experts models (the registry's MoE families): with `record_routing`, each generation
+carries the experts transformers routed every position to (what each layer's router module
+returns: its own softmax or biased, group-limited sigmoid top-k), an implementation independent
+of the trainer's Megatron MoE layers,
 which is what `kiln consistency --engine torch` uses to measure routing flips. transformers
 keeps each layer's experts fused (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj`
 [E, H, I]); weights arriving under the checkpoint's per-expert names are fused on apply.
@@ -29,6 +30,7 @@ from typing import Any, Sequence
 
 import torch
 
+from kiln.api.model_families import family_of
 from kiln.routing import RoutedExperts
 from kiln.services.rollout.engine import (
     EngineBase, EngineSettings, Generation, NamedTensors, SamplingOptions, TopKScores, check_sequence,
@@ -44,10 +46,14 @@ class TorchEngine(EngineBase):
         self.eos_token_ids = eos_token_ids
         self._lock = asyncio.Lock()  # one decoding step or one weight update at a time
         self._seeds = random.Random(settings.seed)
-        self._params = dict(model.named_parameters())
-        cfg = model.config
-        self._moe = bool(getattr(cfg, "num_experts", None) and getattr(cfg, "num_experts_per_tok", None))
+        # A sigmoid router's selection bias is a buffer in transformers and a weight to sync.
+        self._params = dict(model.named_parameters()) | {
+            n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
+        family = family_of(model.config.to_dict())
+        self._num_experts = family.moe.experts(model.config.to_dict()) if family and family.moe else None
+        self._moe = self._num_experts is not None
         self._record = self._moe and settings.record_routing
+        self._routers = [m for n, m in model.named_modules() if n.endswith(".mlp.gate")] if self._record else []
 
     @classmethod
     async def start(cls, settings: EngineSettings) -> "TorchEngine":
@@ -65,14 +71,15 @@ class TorchEngine(EngineBase):
         """Last-row logits, the cache, and (MoE, recording) the experts of the `new`
         positions: [new, layers, topk]."""
         ids = torch.tensor([tokens[-new:]], dtype=torch.long)
-        out = self.model(input_ids=ids, past_key_values=past, use_cache=True,
-                         **({"output_router_logits": True} if self._record else {}))
-        routed = None
-        if self._record:
-            k = self.model.config.num_experts_per_tok
-            # transformers' own rule: top-k of the float32 softmax over all experts.
-            routed = torch.stack([torch.topk(torch.softmax(r.float(), dim=-1), k, dim=-1).indices
-                                  for r in out.router_logits], dim=1)
+        chosen: list[torch.Tensor] = []
+        # Every transformers router returns (logits, weights, expert ids [tokens, k]).
+        hooks = [r.register_forward_hook(lambda _m, _i, o: chosen.append(o[2])) for r in self._routers]
+        try:
+            out = self.model(input_ids=ids, past_key_values=past, use_cache=True)
+        finally:
+            for h in hooks:
+                h.remove()
+        routed = torch.stack(chosen, dim=1) if self._record else None
         return out.logits[0, -1].float(), out.past_key_values, routed
 
     async def generate(self, prompt_token_ids: Sequence[int], sampling: SamplingOptions) -> Generation:
@@ -104,7 +111,8 @@ class TorchEngine(EngineBase):
             if token in stops:
                 finish = "stop"
                 break
-        experts = (RoutedExperts.pack(torch.cat(rows).numpy(), self.model.config.num_experts)
+        # A change of weights reset `rows`: every row kept was routed under the last version.
+        experts = (RoutedExperts.pack(torch.cat(rows).numpy(), self._num_experts, version=past_version)
                    if rows else None)
         return Generation(out, logps, versions, finish, routed_experts=experts)
 
