@@ -109,6 +109,16 @@ class StepMetrics:
         "fraction", "MoE: fraction of (token, layer) pairs of the last step whose trainer top-k "
         "differs from the experts rollout recorded (replayed or not); measured in supervised "
         "steps too, on demonstrations rollout generated", "kiln_moe_routing_flip_fraction")
+    routing_straddle_frac: float | None = _step(
+        "fraction", "MoE with routing replayed: fraction of trained tokens left out of the loss "
+        "because the weights changed inside their generation, so the routing recorded for them "
+        "is a newer version's", rl_only=True)
+    correction_mask_frac: float | None = _step(
+        "fraction", "Fraction of trained tokens dropped by the rollout correction's mask "
+        "(rl.correction)", rl_only=True)
+    correction_weight_mean: float | None = _step(
+        "ratio", "Mean rollout-correction weight of the tokens it kept (rl.correction)",
+        rl_only=True)
     staleness: dict[int, int] = field(default_factory=dict, metadata={"metric": dict(
         unit="trajectories", help="Trajectories of the step by staleness (versions behind the "
         "trainer when the buffer served them)", series="", kind="gauge", labels=(), buckets=(),
@@ -208,6 +218,8 @@ SERIES: dict[str, Metric] = {m.name: m for m in (
     _S("reward_model_seconds", "seconds", "Time to have one episode scored by its task set's "
        "outcome model and judge (rewardRules)", "kiln_reward_model_seconds", "histogram",
        buckets=(0.01,) + SECONDS_BUCKETS[:-1]),
+    _S("judge_unparsed", "verdicts", "Judge verdicts whose final line is not `SCORE: n/10` "
+       "(scored 0, never guessed)", "kiln_judge_verdicts_unparsed_total", "counter"),
     _S("teacher_scored_tokens", "tokens", "Tokens scored by the teacher (on-policy "
        "distillation)", "kiln_teacher_scored_tokens_total", "counter"),
     _S("swarm_subagents", "subagents", "Subagents created per orchestrator episode (agent swarm "
@@ -236,6 +248,10 @@ SERIES: dict[str, Metric] = {m.name: m for m in (
        "kiln_sandbox_failures_total", "counter", ("backend", "reason")),
     _S("sandbox_active", "sandboxes", "Sandboxes currently alive", "kiln_sandbox_active",
        labels=("backend",)),
+    # --- certificates
+    _S("certificate_expiry", "seconds", "When the certificate a service serves with expires "
+       "(Unix time); the operator renews it at two thirds of its lifetime",
+       "kiln_certificate_expiry_timestamp_seconds", labels=("component",)),
     # --- the operator
     _S("operator_reconciles", "reconciliations", "RLJob reconciliations by outcome",
        "kiln_operator_reconciles_total", "counter", ("result",)),
@@ -268,6 +284,11 @@ STATUS: dict[str, dict[str, Metric]] = {
 """What the stage driver tracks besides the trainer's steps, by tracker prefix: fields of the
 rollout and buffer status records and of an evaluation (`kiln.control.records`), under the same
 names (`rollout/<name>`, `buffer/<name>`, `eval/<task set>/<name>`)."""
+
+PASS_AT_K = Metric("pass_at_k", "fraction", "Held-out pass@k: the chance that one of k sampled "
+                   "attempts at a task succeeds, estimated without bias from eval.samples "
+                   "attempts (kiln.evaluation); tracked as eval/<task set>/pass_at_k/<k>")
+"""An evaluation's pass@k, one value per k (1, 2, 4, ... up to its samples per task)."""
 
 
 def series_metric(series: str) -> Metric:

@@ -15,6 +15,7 @@ Torch-free (numpy only, imported when packing or unpacking).
 from __future__ import annotations
 
 import base64
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -38,10 +39,15 @@ class RoutedExperts:
     rows: int
     """Token positions covered: `[start, start + rows)`."""
     packed: bytes
+    versions: tuple[tuple[int, int], ...] = ()
+    """The policy version each row was routed under, as `(first position, version)` pairs in
+    order, each holding until the next; empty when the engine did not say (the trainer then
+    cannot tell a row routed under newer weights than its token was sampled with)."""
 
     @classmethod
-    def pack(cls, ids, num_experts: int, start: int = 0) -> "RoutedExperts":
-        """From an integer array-like `[rows, layers, topk]` of expert ids."""
+    def pack(cls, ids, num_experts: int, start: int = 0, version: int | None = None) -> "RoutedExperts":
+        """From an integer array-like `[rows, layers, topk]` of expert ids, all routed under
+        policy `version` (if given)."""
         import numpy as np
 
         arr = np.asarray(ids, dtype=np.int64)
@@ -54,7 +60,8 @@ class RoutedExperts:
         shifts = np.arange(bits - 1, -1, -1, dtype=np.int64)
         bit_array = ((arr.reshape(-1, 1) >> shifts) & 1).astype(np.uint8)
         return cls(layers=arr.shape[1], topk=arr.shape[2], num_experts=num_experts, start=start,
-                   rows=arr.shape[0], packed=np.packbits(bit_array.reshape(-1)).tobytes())
+                   rows=arr.shape[0], packed=np.packbits(bit_array.reshape(-1)).tobytes(),
+                   versions=((start, version),) if version is not None else ())
 
     def unpack(self):
         """The ids as a numpy int64 array `[rows, layers, topk]`."""
@@ -78,13 +85,24 @@ class RoutedExperts:
     def end(self) -> int:
         return self.start + self.rows
 
+    def version_at(self, position: int) -> int | None:
+        """The policy version row `position` was routed under (None: not recorded)."""
+        found = None
+        for first, version in self.versions:
+            if first > position:
+                break
+            found = version
+        return found
+
     def to_dict(self) -> dict:
         return {"layers": self.layers, "topk": self.topk, "num_experts": self.num_experts,
-                "start": self.start, "rows": self.rows, "packed": base64.b64encode(self.packed).decode()}
+                "start": self.start, "rows": self.rows, "packed": base64.b64encode(self.packed).decode(),
+                "versions": [list(v) for v in self.versions]}
 
     @classmethod
     def from_dict(cls, data: dict) -> "RoutedExperts":
-        return cls(**{**data, "packed": base64.b64decode(data["packed"])})
+        versions = tuple((int(a), int(b)) for a, b in data.get("versions", ()))
+        return cls(**{**data, "packed": base64.b64decode(data["packed"]), "versions": versions})
 
 
 def merge_routing(old: RoutedExperts | None, new: RoutedExperts | None) -> RoutedExperts | None:
@@ -100,4 +118,26 @@ def merge_routing(old: RoutedExperts | None, new: RoutedExperts | None) -> Route
     import numpy as np
 
     kept = old.unpack()[: new.start - old.start]
-    return RoutedExperts.pack(np.concatenate([kept, new.unpack()]), new.num_experts, old.start)
+    merged = RoutedExperts.pack(np.concatenate([kept, new.unpack()]), new.num_experts, old.start)
+    if not (old.versions and new.versions):
+        return merged
+    versions = tuple(v for v in old.versions if v[0] < new.start) + new.versions
+    return dataclasses.replace(merged, versions=versions)
+
+
+def straddled_positions(routed: RoutedExperts | None, spans) -> list[int]:
+    """Generated token positions whose recorded routing is not the one they were sampled under:
+    token p (sampled under its span's version) is predicted from row p - 1, and that row was
+    routed under another version. It happens when weights change inside one generation: an
+    engine recomputes the context under the new weights and keeps that routing for the earlier
+    tokens too, so replaying it would not reproduce their sampling. `spans`: the trajectory's
+    `VersionSpan`s. Empty when the routing has no versions."""
+    if routed is None or not routed.versions:
+        return []
+    out = []
+    for span in spans:
+        for p in range(max(span.start, routed.start + 1), min(span.end, routed.end + 1)):
+            row = routed.version_at(p - 1)
+            if row is not None and row != span.policy_version:
+                out.append(p)
+    return out

@@ -26,7 +26,11 @@ sub-tasks before one wait puts only the longest one on it.
 The reward: `r = lambda_parallel * r_parallel + lambda_finish * r_finish + r_perf`, where
 - `r_parallel = min(peak, target) / target`: the most subagents running at once, against a
   target (the episode's subagent limit unless the job sets one); it pays for instantiating
-  subagents side by side, against collapse into one serial agent;
+  subagents side by side, against collapse into one serial agent. "At once" is in the
+  episode's own order of calls: a subagent runs from the call that assigned it to the `wait`
+  that collects its answer, however soon it finished in wall-clock time, so the peak is a
+  function of what the orchestrator did (serial use, assign then wait, gives 1; assigning k
+  before one wait gives k), never of timing;
 - `r_finish`: the fraction of assigned sub-tasks that were really completed (the subagent
   answered and its sub-task's verifier passed), against spawning many useless subagents; an
   assignment the tool refused (past the subagent limit) counts as one not completed; 0 when

@@ -51,6 +51,7 @@ async def test_engines_record_routing_that_the_trainer_replays(moe_dir: Path, tm
                 assert (r.start, r.rows, r.layers, r.topk, r.num_experts) == (0, len(s) - 1, 2, 2, 8)
                 assert len(r.packed) == (len(s) - 1) * 2 * 2 * 3 // 8 + ((len(s) - 1) * 12 % 8 > 0)
                 assert g.versions == [version] * len(g.token_ids)
+                assert r.versions == ((0, version),)  # every row routed under this version
             replayed, flips = trainer.logprobs_routed(seqs, [g.routed_experts for g in gens], replay=True)
             # In float32 the two sides agree on every expert of this model, and on log-probs to
             # rounding.

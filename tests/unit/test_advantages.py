@@ -49,14 +49,20 @@ def test_the_group_mean_is_the_baseline() -> None:
 
 
 def test_group_std_normalization_by_hand() -> None:
-    """mean-std divides the reward-minus-mean advantage by the group's reward std (population
-    std, as GRPO): group a (rewards 1, 0, 0, 0: std sqrt(3)/4) and group b (all 1: advantage 0
-    stays 0)."""
-    out = sequence_advantages(_rewards({"a": [1.0, 0.0, 0.0, 0.0], "b": [1.0, 1.0]}), "mean-std")
-    std = math.sqrt(3) / 4
-    assert out.task == pytest.approx([0.75 / std, -0.25 / std, -0.25 / std, -0.25 / std, 0.0, 0.0],
-                                     rel=1e-5)
+    """mean-std divides the reward-minus-mean advantage by the group's sample reward std
+    (n - 1, as torch.std in verl and slime): group a (rewards 1, 0, 0, 0: std 1/2; the
+    population std would be sqrt(3)/4) and group b (all 1: advantage 0 stays 0); a group of one
+    (c) has no baseline and keeps 0."""
+    out = sequence_advantages(_rewards({"a": [1.0, 0.0, 0.0, 0.0], "b": [1.0, 1.0], "c": [5.0]}),
+                              "mean-std")
+    std = 0.5 + 1e-6
+    assert out.task == pytest.approx([0.75 / std, -0.25 / std, -0.25 / std, -0.25 / std, 0.0, 0.0, 0.0],
+                                     rel=1e-9)
     assert out.shaping is None
+    # Two members: sample std |r1 - r2| / sqrt(2), so the advantages are +-1/sqrt(2).
+    pair = sequence_advantages(_rewards({"d": [1.0, 0.0]}), "mean-std")
+    assert pair.task == pytest.approx([0.5 / (math.sqrt(0.5) + 1e-6), -0.5 / (math.sqrt(0.5) + 1e-6)],
+                                      rel=1e-9)
 
 
 def test_a_shaping_reward_credited_by_turn_is_split_off_its_group_advantage() -> None:
@@ -85,7 +91,7 @@ def test_a_shaping_reward_credited_by_turn_is_split_off_its_group_advantage() ->
     assert adv[0, first[0] + 1].item() == pytest.approx(1 - 2 * THIRD)  # the others: the rest
     assert adv[2][gen[2]].tolist() == pytest.approx([-1.0] * int(gen[2].sum()))  # all marked: whole
     assert adv[3][gen[3]].tolist() == pytest.approx([0.5] * int(gen[3].sum()))   # no mask: whole
-    std = math.sqrt(2 / 3)
+    std = 1.0  # sample std of 2, 1, 0
     normed = sequence_advantages(batch, "mean-std")
     assert normed.shaping[0] == pytest.approx(2 * THIRD / std, rel=1e-5)
     assert normed.task[0] == pytest.approx((1 - 2 * THIRD) / std, rel=1e-5)
@@ -169,8 +175,8 @@ def test_two_groups_by_hand() -> None:
     half = token_advantages(_tb(batch), logp, task_reward_weight=0.0, sampled_weight=0.5)
     assert half[3].tolist() == pytest.approx([0.0, 0.0] + [-0.5] * 4)
 
-    # mean-std: both parts of a over a's reward std, b's over b's (population std, + 1e-6).
-    std_a, std_b = math.sqrt(2 / 3) + 1e-6, 0.5 + 1e-6
+    # mean-std: both parts of a over a's reward std, b's over b's (sample std, + 1e-6).
+    std_a, std_b = 1.0 + 1e-6, math.sqrt(0.5) + 1e-6
     normed = token_advantages(_tb(batch, "mean-std"), logp, distill=False)
     _close(normed, [[x / std_a for x in row] for row in task[:3]]
            + [[x / std_b for x in row] for row in task[3:]])

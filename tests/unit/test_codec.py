@@ -38,7 +38,9 @@ def _full() -> Trajectory:
         sandbox_image_digest="sha256:abc",
         engine_fingerprint="vllm-0.32;seed=1",
         index_hashes=[2**63 + 5, 1],
-        routed_experts=RoutedExperts.pack([[[3, 1]], [[4, 0]], [[7, 2]]], num_experts=8, start=1),
+        routed_experts=dataclasses.replace(
+            RoutedExperts.pack([[[3, 1]], [[4, 0]], [[7, 2]]], num_experts=8, start=1),
+            versions=((1, 2), (3, 2**40))),
         teacher_logp=[0.0, 0.0, -0.75, _f32(-0.1), 0.0, -2.0],
         teacher_top_k=2,
         teacher_topk_ids=[0, 0, 0, 0, 7, 70000, 8, 3, 0, 0, 9, 1],
@@ -137,7 +139,7 @@ def _routed(draw) -> RoutedExperts:
                         max_size=rows * layers * topk))
     import numpy as np
     return RoutedExperts.pack(np.array(ids, dtype=np.int64).reshape(rows, layers, topk), experts,
-                              start=draw(st.integers(0, 9)))
+                              start=draw(st.integers(0, 9)), version=draw(st.none() | st.integers(0, 2**64 - 1)))
 
 
 @settings(max_examples=60, deadline=None)

@@ -51,6 +51,34 @@ def test_no_coefficient_no_penalty_and_the_estimate_stays_finite() -> None:
     assert same[0, 0].item() == 0.0 and torch.isfinite(same).all() and (same >= 0).all()
 
 
+def test_the_estimate_is_clamped_so_no_token_dominates() -> None:
+    """k3 at d = 6 is e^6 - 7 = 396.4, with gradient 1 - e^6 = -402.4: clamped at 10 (the
+    default, verl's and slime's) the token adds 10 and no gradient; below the clamp nothing
+    changes; `rl.klClamp: null` keeps the raw estimate."""
+    from kiln.api.spec import RLSettings
+    from kiln.services.trainer.config import RLTerms
+
+    assert RLSettings().kl_clamp == 10.0 and RLTerms().kl_clamp == 10.0
+    assert RLSettings.model_validate({"klClamp": None}).kl_clamp is None
+    on = torch.ones(1, 2, dtype=torch.bool)
+    logp = torch.tensor([[-7.0, -1.0]], dtype=F64, requires_grad=True)
+    ref = torch.tensor([[-1.0, -0.5]], dtype=F64)  # d = 6, 0.5
+    kl = kl_to_reference(logp, ref, on, clamp=10.0)
+    assert kl[0, 0].item() == 10.0
+    assert kl[0, 1].item() == pytest.approx(math.exp(0.5) - 1.5, rel=1e-12)
+    kl.sum().backward()
+    assert logp.grad[0, 0].item() == 0.0
+    assert logp.grad[0, 1].item() == pytest.approx(1 - math.exp(0.5), rel=1e-12)
+    raw = kl_to_reference(logp.detach(), ref, on)
+    assert raw[0, 0].item() == pytest.approx(math.exp(6) - 7, rel=1e-12)
+    # Through the loss: the stage's clamp reaches the penalty.
+    mask = torch.ones(1, 2, dtype=F64)
+    x = logp.detach().clone().requires_grad_(True)
+    loss, _ = policy_loss(x, x.detach(), mask, torch.zeros(1, dtype=F64), MaskedLoss(), kl_coef=1.0,
+                          kl_clamp=10.0, logp_ref=ref)
+    assert loss.item() == pytest.approx((10.0 + math.exp(0.5) - 1.5) / 2, rel=1e-12)
+
+
 def test_spec_pairs_the_coefficient_with_a_served_reference() -> None:
     from pydantic import ValidationError
 

@@ -214,6 +214,29 @@ def test_trainer_replays_counts_flips_and_trains_the_gate(moe_dir: Path, tmp_pat
         assert m.mismatch_abs > 1e-3
 
 
+def test_tokens_whose_routing_is_a_newer_versions_are_left_out_and_counted(moe_dir: Path, tmp_path: Path) -> None:
+    """A generation that straddled a weight update: tokens 4..7 sampled under v0, 8..13 under
+    v1, and the routing of every row recorded under v1 (the engine recomputed the context).
+    With replay, the step trains only tokens 8..13 and reports 4 of 10 trained tokens taken out;
+    with the routing recorded under v0 for rows 0..6 (a prefix cache), nothing is."""
+    import dataclasses
+
+    trainer = TrainerEngine(TrainerConfig(
+        model_dir=moe_dir, micro_batch_size=2, optimizer=OptimizerConfig(lr=1e-2, grad_clip=0.0),
+        checkpoint_dir=tmp_path / "ck", routing_replay="replay"), resume=False)
+    toks = _tokens(2, 14, seed=4)
+    trajs = _trajectories(trainer.model, 2, 14, _least_likely(trainer.model, toks))
+    for t in trajs:
+        t.version_spans = [VersionSpan(4, 8, 0), VersionSpan(8, 14, 1)]
+        t.routed_experts = dataclasses.replace(t.routed_experts, versions=((0, 1),))
+    m = trainer.step(trajs)
+    assert m.routing_straddle_frac == pytest.approx(0.4) and m.tokens == 2 * 6
+    for t in trajs:
+        t.routed_experts = dataclasses.replace(t.routed_experts, versions=((0, 0), (7, 1)))
+    m = trainer.step(trajs)
+    assert m.routing_straddle_frac == 0.0 and m.tokens == 2 * 10
+
+
 def test_batch_refuses_routing_of_different_models() -> None:
     from kiln.services.trainer.batch import collate
 

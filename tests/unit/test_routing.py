@@ -65,3 +65,39 @@ def test_merge_keeps_earlier_positions_and_takes_the_newest_from_where_it_starts
     gap = RoutedExperts.pack([[[7, 0]]], 8, start=6)
     assert merge_routing(merged, gap) == gap
     assert merge_routing(None, first) == first and merge_routing(first, None) == first
+
+
+def test_rows_carry_the_version_they_were_routed_under_through_merge_and_json() -> None:
+    from kiln.routing import merge_routing
+
+    first = RoutedExperts.pack([[[1, 2]]] * 3, 8, start=0, version=4)   # rows 0..2 under v4
+    cached = RoutedExperts.pack([[[3, 4]]] * 2, 8, start=2, version=5)  # rows 2..3 under v5
+    merged = merge_routing(first, cached)
+    assert merged.versions == ((0, 4), (2, 5))
+    assert [merged.version_at(p) for p in range(4)] == [4, 4, 5, 5]
+    assert RoutedExperts.from_dict(merged.to_dict()) == merged
+    unversioned = RoutedExperts.pack([[[1, 2]]], 8)
+    assert unversioned.versions == () and unversioned.version_at(0) is None
+    old3 = RoutedExperts.pack([[[1, 2]]] * 3, 8)
+    assert merge_routing(old3, cached).versions == ()  # an unknown part: none claimed
+    # A record written before versions existed still loads.
+    legacy = {k: v for k, v in first.to_dict().items() if k != "versions"}
+    assert RoutedExperts.from_dict(legacy).versions == ()
+
+
+def test_straddled_positions_by_hand() -> None:
+    """Tokens 3..5 sampled under v0, 6..9 under v1; the engine recomputed the context under v1
+    and kept that routing for every row: tokens 3..5 (predicted from rows 2..4, routed under v1)
+    straddle, tokens 6..9 do not. With rows 0..4 kept from a v0 pass (a prefix cache), nothing
+    straddles."""
+    from kiln.routing import straddled_positions
+    from kiln.trajectory import VersionSpan
+
+    spans = [VersionSpan(3, 6, 0), VersionSpan(6, 10, 1)]
+    recomputed = RoutedExperts.pack([[[1, 2]]] * 9, 8, start=0, version=1)
+    assert straddled_positions(recomputed, spans) == [3, 4, 5]
+    import dataclasses
+    cached = dataclasses.replace(recomputed, versions=((0, 0), (5, 1)))
+    assert straddled_positions(cached, spans) == []
+    assert straddled_positions(RoutedExperts.pack([[[1, 2]]] * 9, 8), spans) == []
+    assert straddled_positions(None, spans) == []

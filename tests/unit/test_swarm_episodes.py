@@ -54,6 +54,18 @@ def test_assigning_before_waiting_runs_subagents_at_once_and_shortens_the_critic
     assert many.reward == pytest.approx(0.5 + 0.5 + 1.0)
 
 
+def test_the_peak_counts_subagents_until_collected_not_until_they_finish(manager, tok):
+    """r_parallel's peak is in the episode's order of calls: with an orchestrator slow enough
+    that each subagent has finished (in wall-clock time) before the next assignment, assigning
+    every sub-task before one wait still counts them all side by side; serial use counts 1."""
+    slow = Scripted(tok, orchestrator(parallel(manager)), 0.4)
+    many, _ = play(manager, tok, parallel(manager), engine=slow, delay=0.0)
+    assert many.reward_parts["swarm/peak_parallel"] == WIDTH
+    assert many.reward_parts["parl/parallel"] == 1.0
+    one, _ = play(manager, tok, serial(manager), delay=0.0)
+    assert one.reward_parts["swarm/peak_parallel"] == 1
+
+
 def test_only_the_orchestrators_replies_are_trained_on(manager, tok):
     t, _ = play(manager, tok, parallel(manager))
     trained = tok.decode([x for x, m in zip(t.tokens, t.loss_mask) if m], skip_special_tokens=False)

@@ -63,6 +63,10 @@ def test_distillation_and_routing_settings_reach_the_trainer(tmp_path: Path) -> 
     cfg = config_from_job(RLJob.model_validate(data), run_dir=tmp_path, stage="rl")
     assert (cfg.terms.advantage_norm, cfg.loss.mode, cfg.loss.aggregation, cfg.terms.seq_sum_tokens) == (
         "mean-std", "masked", "sequence-sum", 300)
+    assert cfg.terms.correction is None and cfg.terms.kl_clamp == 10.0
+    data["spec"]["stages"][1]["rl"].update(correction={"level": "geometric", "mode": "mask", "upper": 1.5})
+    cfg = config_from_job(RLJob.model_validate(data), run_dir=tmp_path, stage="rl")
+    assert (cfg.terms.correction.level, cfg.terms.correction.upper) == ("geometric", 1.5)
 
 
 def test_default_stage_is_the_first(tmp_path: Path) -> None:

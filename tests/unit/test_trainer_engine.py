@@ -206,6 +206,28 @@ def test_opd_trajectories_use_teacher_advantage(model_dir: Path) -> None:
     assert after[0] > before[0] and after[1] > before[1]
 
 
+def test_distillation_takes_the_students_logprobs_from_the_start_of_the_step(model_dir: Path) -> None:
+    """With two updates per step, the second minibatch's distillation advantage is teacher minus
+    the student *before the step* (as a reward would be fixed before it): t1's teacher equals
+    the student's start-of-step log-probs, so its advantage is exactly 0 and its update has no
+    gradient, although the first update (t0, a teacher far above) moved the student. Taking the
+    current log-probs instead would give t1 a non-zero advantage and gradient."""
+    engine = TrainerEngine(_config(model_dir, minibatches_per_step=2, micro_batch_size=1,
+                                   loss=MaskedLoss(eps_low=0.9, eps_high=10.0)))
+    t0, t1 = _trajectories(engine, n=2)
+    for t in (t0, t1):
+        t.reward = 0.0  # no task advantage: distillation alone
+    t0.teacher_logp = [x + 2.0 for x in t0.logp_infer]
+    t1.teacher_logp = list(t1.logp_infer)
+    norms: list[float] = []
+    clip = engine._clip_grads
+    engine._clip_grads = lambda: norms.append(clip()) or norms[-1]
+    before = _mean_logp(engine, [t1])[0]
+    engine.step([t0, t1])
+    assert _mean_logp(engine, [t1])[0] != pytest.approx(before, abs=1e-6)  # the student moved
+    assert norms[0] > 1e-3 and norms[1] == 0.0
+
+
 def test_the_task_reward_weight_reaches_a_distilled_step(model_dir: Path) -> None:
     """`rl.taskRewardWeight` weighs the task advantage of sequences that carry a teacher's
     log-probs, in the engine's own step: with a teacher that agrees with the student (no

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator, Field, model_validator
 
 from kiln.api.base import Model
 
@@ -55,6 +55,56 @@ class PPOLoss(_LossBase):
     icepop_beta: float | None = Field(2.0, gt=1)
     """IcePop keeps a token only if pi_train_old / pi_infer is in [1/beta, beta] and weighs it
     by that ratio; null disables."""
+
+
+class Correction(Model):
+    """Rollout correction (`rl.correction`): importance weights of the trainer's policy at the
+    start of the step to the inference policy that sampled the tokens, rho_t = pi_train_old /
+    pi_infer, taken at one `level` and used in one `mode`. Applied on top of the loss mode's own
+    masks (the double-sided window, PPO's clip, IcePop), to the policy term only.
+
+    Levels: `token` (rho_t), `sequence` (the product of a trajectory's rho_t over its trained
+    tokens), `geometric` (their geometric mean, a per-token average that does not grow with
+    length). Modes: `truncate` weighs each token by min(w, upper) (truncated importance
+    sampling, TIS: Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy
+    RL training"; verl's `rollout_is`), `mask` drops the tokens (or whole trajectories) whose w
+    is outside [lower, upper] and leaves the others' weight alone (rejection sampling; verl's
+    `rollout_rs` at the same three levels). A dropped token gets exactly zero gradient."""
+
+    level: Literal["token", "sequence", "geometric"]
+    """`token`, `sequence` or `geometric` (see above)."""
+    mode: Literal["truncate", "mask"]
+    """`truncate` (TIS) or `mask` (rejection)."""
+    upper: float = Field(2.0, gt=1)
+    """truncate: the largest weight; mask: the largest w kept."""
+    lower: float | None = Field(None, gt=0, lt=1)
+    """mask: the smallest w kept (1/upper when left out); truncate: unused (must be unset)."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "Correction":
+        if self.mode == "truncate" and self.lower is not None:
+            raise ValueError("rl.correction.lower applies to mode 'mask' only: truncate bounds "
+                             "the weight from above (upper)")
+        return self
+
+    @property
+    def low(self) -> float:
+        return self.lower if self.lower is not None else 1.0 / self.upper
+
+
+def correction_refusal(correction: "Correction | None", loss: "MaskedLoss | PPOLoss") -> str | None:
+    """Why `correction` cannot go with `loss`, or None. Both refusals keep a token from being
+    weighed twice by the same ratio."""
+    if correction is None:
+        return None
+    if loss.mode == "masked" and (correction.mode == "truncate" or correction.level == "token"):
+        return ("rl.correction: masked mode's ratio is already to the inference policy per token "
+                "(weight and window), so only a sequence- or geometric-level mask adds to it; "
+                f"got level {correction.level!r}, mode {correction.mode!r}")
+    if loss.mode == "ppo" and correction.mode == "truncate" and loss.icepop_beta is not None:
+        return ("rl.correction: mode 'truncate' weighs tokens by pi_train_old/pi_infer, which "
+                "IcePop already does; set rl.loss.icepopBeta: null to use it, or use mode 'mask'")
+    return None
 
 
 LOSS_MODES: dict[str, type[_LossBase]] = {"masked": MaskedLoss, "ppo": PPOLoss}

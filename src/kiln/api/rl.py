@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from kiln.api.components import Model, TeacherSpec
-from kiln.api.loss import Loss, MaskedLoss
+from kiln.api.loss import Correction, Loss, MaskedLoss, correction_refusal
 
 MOVED_TO_LOSS: dict[str, str] = {
     "lossMode": "mode", "epsLow": "epsLow", "epsHigh": "epsHigh", "dualClip": "dualClip",
@@ -26,6 +26,10 @@ class RLSettings(Model):
     """G: samples per task; advantages are relative to the group mean."""
     loss: Loss = Field(default_factory=MaskedLoss)
     """The policy loss, by `mode` (`masked` when left out); each mode has its own fields."""
+    correction: Correction | None = None
+    """Rollout correction: importance weights to the inference policy at the token, sequence or
+    geometric level, truncated (TIS) or masked (rejection), on top of the loss's own masks;
+    null (the default): none. See the README's "Off-policy corrections"."""
     # Not in the loss: the trainer splits a step's batch into this many updates in either mode,
     # and masked mode can use it too (a later update's ratio to the inference policy grows, and
     # its window bounds it); only ppo needs it, for its two ratios to differ.
@@ -41,8 +45,9 @@ class RLSettings(Model):
     """Reset AdamW's first and second moments after each weight publish."""
     advantage_norm: Literal["mean", "mean-std"] = "mean"
     """`mean`: a trajectory's advantage is its reward minus its group's mean (Dr. GRPO keeps it
-    so); `mean-std`: also divided by the standard deviation of its group's rewards (GRPO as first
-    published; a group whose rewards are all equal keeps advantage 0)."""
+    so); `mean-std`: also divided by the sample standard deviation (n - 1) of its group's rewards
+    (GRPO as first published, and verl's and slime's `torch.std`; a group whose rewards are all
+    equal keeps advantage 0)."""
     advantage: Literal["group", "opd"] = "group"
     """`group`: reward minus group mean; `opd`: per-token teacher minus student log-prob."""
     teacher: str | None = None
@@ -72,6 +77,11 @@ class RLSettings(Model):
     `klCoef * KL(pi_theta || pi_ref)`, the k3 estimate `exp(d) - d - 1` with
     `d = log pi_ref - log pi_theta` (GRPO's), from the reference's log-probs of the sampled
     tokens; 0 (the default) has no reference and no penalty."""
+    kl_clamp: float | None = Field(10.0, gt=0.0)
+    """klCoef: each token's k3 estimate is clamped at this value, so a token whose reference
+    log-prob is far above the policy's (k3 grows as exp(d)) adds at most `klCoef * klClamp` to
+    the loss and no gradient beyond it; 10 is verl's (`low_var_kl`) and slime's bound. null: no
+    clamp (the log-ratio is still clamped at +-20)."""
     reference: str | None = None
     """The frozen reference of `klCoef` (advantage group only): an earlier stage's name, whose
     final weights it is, or a Hugging Face checkpoint directory; served like a distillation
@@ -81,6 +91,8 @@ class RLSettings(Model):
 
     @model_validator(mode="after")
     def _opd(self) -> RLSettings:
+        if (why := correction_refusal(self.correction, self.loss)) is not None:
+            raise ValueError(why)
         if self.advantage == "opd" and bool(self.teacher) == bool(self.teachers):
             raise ValueError("advantage 'opd' needs a teacher: set teacher or teachers (not both)")
         if self.teachers and self.advantage != "opd":

@@ -63,7 +63,7 @@ def to_proto(traj: Trajectory) -> trajectory_pb2.Trajectory:
         r = traj.routed_experts
         msg.routed_experts.CopyFrom(trajectory_pb2.RoutedExperts(
             layers=r.layers, topk=r.topk, num_experts=r.num_experts, start=r.start, rows=r.rows,
-            packed=r.packed))
+            packed=r.packed, version_starts=[a for a, _ in r.versions], versions=[v for _, v in r.versions]))
     if traj.tool_choice is not None:
         c = traj.tool_choice
         msg.tool_choice.CopyFrom(trajectory_pb2.ToolChoice(
@@ -110,8 +110,12 @@ def _routed_from_proto(msg: trajectory_pb2.Trajectory) -> RoutedExperts | None:
     if not msg.HasField("routed_experts"):
         return None
     r = msg.routed_experts
+    if len(r.version_starts) != len(r.versions):
+        raise ValueError(f"routed experts: {len(r.version_starts)} version starts but "
+                         f"{len(r.versions)} versions")
     return RoutedExperts(layers=r.layers, topk=r.topk, num_experts=r.num_experts, start=r.start,
-                         rows=r.rows, packed=r.packed)
+                         rows=r.rows, packed=r.packed,
+                         versions=tuple(zip(r.version_starts, r.versions)))
 
 
 def to_bytes(traj: Trajectory) -> bytes:

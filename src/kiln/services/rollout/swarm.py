@@ -118,9 +118,11 @@ class SwarmEnv:
         self.stats = SwarmStats()
         self._agents: dict[str, _Subagent] = {}
         self._running: set[int] = set()
-        """The assignments (ids) whose subagents are still working."""
+        """The assignments (ids) outstanding: assigned, and their answer not yet collected by a
+        `wait`. Counted in the episode's own order of calls, not in wall-clock time, so that
+        r_parallel does not depend on how fast a subagent happened to finish."""
         self._overlaps: list[frozenset[int]] = []
-        """The running set each time it grew: who ran side by side."""
+        """The outstanding set each time it grew: who ran side by side."""
         self._collected: set[int] = set()
         """The assignments whose output a `wait` brought into the orchestrator's context."""
         self._episode = ""
@@ -270,8 +272,6 @@ class SwarmEnv:
             raise
         except Exception as exc:  # the subagent's failure is the orchestrator's observation
             return f"error: {type(exc).__name__}: {exc}", sub.calls, False
-        finally:
-            self._running.discard(agent.assignment)
 
     async def _wait(self, names: str) -> str:
         """`wait s1 s2`: those subagents' answers. `wait all` (or nothing named): wait for every
@@ -297,6 +297,7 @@ class SwarmEnv:
             output, calls, finished = await agent.task
             agent.collected, agent.output = True, output
             self._collected.add(agent.assignment)
+            self._running.discard(agent.assignment)
             self.stats.path.observed(self.stats.path.subagent_done(agent.assigned_at, calls))
             self.stats.finished += finished
         shown = [a for a in self._agents.values() if a.output is not None] if board else pending

@@ -17,8 +17,9 @@ reward r_i:
       A_i = r_i - mean_{j in g} r_j
 - mean-std (`rl.advantageNorm: mean-std`, GRPO as first published):
       A_i = (r_i - mean_{j in g} r_j) / (std_g + 1e-6)
-  with std_g the population standard deviation of the group's rewards (divided by |g|, not
-  |g| - 1: `statistics.pstdev`); a group whose rewards are all equal keeps 0.
+  with std_g the sample standard deviation of the group's rewards (divided by |g| - 1:
+  `statistics.stdev`, as `torch.std` in verl and slime); a group whose rewards are all equal
+  keeps 0, and so does a group of one (no baseline to compare with: verl would give it r_i).
 - shaping split (a trajectory with a `shaping_mask`: the part s_i of its reward earned by the
   marked tokens, `Trajectory.shaping_reward`; any feature may fill that channel):
       S_i = s_i - mean_{j in g} s_j   for a masked sequence, 0 for one without a mask
@@ -79,7 +80,7 @@ def sequence_advantages(batch: list[Trajectory],
         shaping = [t.shaping_reward - s_mean[t.group_key] if t.shaping_mask else 0.0 for t in batch]
         task = [a - s for a, s in zip(task, shaping)]
     if norm == "mean-std":
-        std = {k: statistics.pstdev(v) + STD_EPS for k, v in rewards.items()}
+        std = {k: (statistics.stdev(v) if len(v) > 1 else 0.0) + STD_EPS for k, v in rewards.items()}
         task = [a / std[t.group_key] for a, t in zip(task, batch)]
         if shaping is not None:
             shaping = [s / std[t.group_key] for s, t in zip(shaping, batch)]

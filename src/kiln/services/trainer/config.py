@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 
 from kiln.api.capabilities import spec_refusals
-from kiln.api.loss import Loss, MaskedLoss
+from kiln.api.loss import Correction, Loss, MaskedLoss
 from kiln.api.spec import RLJob, RLStage
 
 
@@ -41,6 +41,10 @@ class RLTerms(BaseModel):
     kl_coef: float = Field(0.0, ge=0.0)
     """`rl.klCoef`: weight of the KL penalty to the reference, whose log-probs the trajectories
     then carry instead of a teacher's."""
+    kl_clamp: float | None = Field(10.0, gt=0.0)
+    """`rl.klClamp`: the bound on each token's k3 estimate (None: unbounded)."""
+    correction: Correction | None = None
+    """`rl.correction`: rollout correction weights (None: none)."""
     dense_weight: float = Field(0.0, ge=0.0)
     """`rl.denseWeight` where `rl.teacherTopK` is set, else 0: weight of the forward KL on the
     teacher's top k (`kiln.services.trainer.distill`)."""
@@ -63,6 +67,10 @@ class TrainerConfig(BaseModel):
     """Core attention: PyTorch's fused causal SDPA, or Megatron's local unfused version."""
     micro_batch_size: int = Field(4, ge=1)
     """Sequences per forward/backward pass; gradients of a batch's micro-batches are summed."""
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
+    """Packing: micro-batches of at most this many tokens, their sequences concatenated into
+    one row with no padding (`kiln.models.packing`), instead of `micro_batch_size` padded rows;
+    a longer sequence goes alone. None: padded micro-batches."""
     minibatches_per_step: int = Field(1, ge=1)
     """Optimizer updates per `step(batch)`: the batch is split into this many parts. With more
     than one, the log-probs of the weights at the start of the step (`logp_train_old`, used by
@@ -125,6 +133,8 @@ def config_from_job(job: RLJob, *, run_dir: Path, stage: str | None = None, mode
             task_reward_weight=rl.task_reward_weight,
             sampled_weight=rl.sampled_weight,
             kl_coef=rl.kl_coef,
+            kl_clamp=rl.kl_clamp,
+            correction=rl.correction,
             dense_weight=rl.dense_weight if rl.teacher_top_k else 0.0,
             # Rollout records log-probs at its temperature (raw for 0 and 1): so does the trainer.
             temperature=s.temperature if (s := job.spec.rollout.sampling).tempered else 1.0,
@@ -138,6 +148,7 @@ def config_from_job(job: RLJob, *, run_dir: Path, stage: str | None = None, mode
         data_parallel=t.data_parallel,
         params_dtype=job.spec.model.dtype,
         micro_batch_size=st.micro_batch_size,
+        max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
         minibatches_per_step=minibatches,
         loss=loss,
         terms=terms,

@@ -16,7 +16,8 @@ Every rank of the world (`tensor_parallel * data_parallel` processes, see `ranks
 the same calls with the same whole batch: a data-parallel replica trains on its share of each
 minibatch's rows, and gradients, the loss and the loss statistics are summed over the replicas
 before clipping, so a step equals the one-replica step up to floating-point reduction order.
-A minibatch whose loss or gradient norm is not finite is not applied (counted, `metrics.py`).
+Micro-batches are padded or packed by a token budget (`microbatches.py`). A minibatch whose
+loss or gradient norm is not finite is not applied (counted, `metrics.py`).
 Checkpoints and exports are written by replica 0 alone; a resumed replica 0 hands its state to
 the others at start-up.
 
@@ -41,12 +42,12 @@ from kiln.metrics import STEP, StepMetrics
 from kiln.models.megatron_model import forward_logits
 from kiln.routing import RoutedExperts
 from kiln.services.trainer import checkpoint as ckpt
-from kiln.services.trainer import metrics
+from kiln.services.trainer import metrics, microbatches
 from kiln.services.trainer.advantages import SequenceAdvantages, sequence_advantages, token_advantages
 from kiln.services.trainer.batch import TensorBatch, collate, collate_tokens
 from kiln.services.trainer.config import TrainerConfig
 from kiln.services.trainer.loss import LossStats, loss_normalizer, policy_loss, sft_loss
-from kiln.services.trainer.replay import batch_logprobs, score as score_routed
+from kiln.services.trainer.replay import score as score_routed
 from kiln.trajectory import Trajectory
 
 # (log-probs, micro-batch, trainer's log-probs before the step, normalizer, the student's log-probs of the teacher's top k or None) -> (loss, stats)
@@ -140,19 +141,23 @@ class TrainerEngine:
         cfg, terms = self.config.loss, self.config.terms
         # Advantages (advantages.py): per sequence here, over whole groups; per token in loss_fn.
         per_seq = sequence_advantages(batch, terms.advantage_norm)
+        distill = not terms.kl_coef and any(t.teacher_logp for t in batch)
 
         def loss_fn(logp, mb, train_old, normalizer, student_topk):
             # A KL-penalised stage's frozen log-probs are the reference's: nothing is distilled.
-            adv = token_advantages(mb, logp, distill=not terms.kl_coef, sampled_weight=terms.sampled_weight,
+            # Distillation takes the student's log-probs at the start of the step (`train_old`),
+            # as a reward is fixed before it: a later minibatch must not move its own advantage.
+            adv = token_advantages(mb, train_old, distill=distill, sampled_weight=terms.sampled_weight,
                                    task_reward_weight=terms.task_reward_weight)
-            frozen = (dict(kl_coef=terms.kl_coef, logp_ref=mb.teacher_logp, has_ref=mb.has_teacher)
+            frozen = (dict(kl_coef=terms.kl_coef, kl_clamp=terms.kl_clamp, logp_ref=mb.teacher_logp,
+                           has_ref=mb.has_teacher)
                       if terms.kl_coef else
                       dict(dense_weight=terms.dense_weight, student_topk=student_topk,
                            teacher_topk=mb.topk_logp, has_topk=mb.has_topk))
             return policy_loss(logp, mb.logp_infer, mb.loss_mask, adv, cfg, logp_train_old=train_old,
-                               normalizer=normalizer, **frozen)
+                               normalizer=normalizer, correction=terms.correction, **frozen)
 
-        return self._run(batch, loss_fn, needs_old=cfg.mode == "ppo", aggregation=cfg.aggregation,
+        return self._run(batch, loss_fn, needs_old=cfg.mode == "ppo" or distill, aggregation=cfg.aggregation,
                          rl=True, staleness=staleness, advantages=per_seq)
 
     def sft_step(self, batch: list[Trajectory]) -> StepMetrics:
@@ -173,9 +178,15 @@ class TrainerEngine:
         self._check_vocab(tb.tokens)
         if tb.loss_mask.sum() == 0:
             raise ValueError("batch has no trainable tokens (every loss_mask is 0)")
+        replay = rl and self.config.routing_replay == "replay"
+        straddled = microbatches.mask_straddled_routing(batch, tb) if replay else None
         tb = tb.to(self.device)
         parts = [p for p in torch.tensor_split(torch.arange(len(batch)), self.config.minibatches_per_step) if len(p)]
-        old = self._old_logprobs(tb) if needs_old and len(parts) > 1 else None
+        budget = self.config.max_tokens_per_micro_batch  # packing (microbatches.py), or None
+        old = None  # the start of the step's log-probs, in eval mode (train mode below)
+        if needs_old and len(parts) > 1:
+            old = microbatches.start_of_step_logprobs(self.model, tb, self.config.micro_batch_size, budget,
+                                                      self.config.routing_replay, self.config.terms.temperature)
 
         self.model.train()
         stats = LossStats()
@@ -194,11 +205,11 @@ class TrainerEngine:
             part_stats = LossStats()
             # This replica's rows of the minibatch; the normalizer above is the whole
             # minibatch's, so the replicas' summed gradients are the one-replica gradient.
-            rows = part[dp_rank::dp]
-            for idx in torch.split(rows, self.config.micro_batch_size) if len(rows) else ():
+            rows = microbatches.replica_rows(part, tb.lengths, dp, dp_rank, budget)
+            for idx in microbatches.split(rows, tb.lengths, self.config.micro_batch_size, budget):
                 mb = tb.select(idx)
-                logp, flips, student_topk = batch_logprobs(self.model, mb, self.config.routing_replay,
-                                                           topk=rl and dense, temperature=temp)
+                logp, flips, student_topk = microbatches.logprobs(self.model, mb, self.config.routing_replay, budget,
+                                                                  topk=rl and dense, temperature=temp)
                 train_old = old[idx][:, : logp.shape[1]] if old is not None else logp.detach()
                 loss, st = loss_fn(logp, mb, train_old, normalizer, student_topk)
                 st.routing_flips, st.routing_compared = flips.flips, flips.compared
@@ -229,7 +240,8 @@ class TrainerEngine:
             tokens_per_second=tb.num_tokens / elapsed if elapsed > 0 else 0.0,
             # The masks, drift and reward mean nothing in a supervised step (kiln.metrics).
             **{k: v for k, v in loss_stats.items() if rl or not STEP[k].rl_only},
-            **({"reward_mean": sum(t.reward for t in batch) / len(batch)} if rl else {}))
+            **({"reward_mean": sum(t.reward for t in batch) / len(batch)} if rl else {}),
+            **({"routing_straddle_frac": straddled} if straddled is not None else {}))
         if staleness is not None:
             # How many versions behind the trainer each trajectory's oldest token was when the
             # buffer served it (the buffer computes it, where freshness is enforced), counted
@@ -241,16 +253,6 @@ class TrainerEngine:
             self.stage_steps[self.stage] = self.stage_steps.get(self.stage, 0) + 1
         metrics.observe_step(out, self.stage or ("rl" if rl else "sft"))
         self.maybe_checkpoint()
-        return out
-
-    @torch.no_grad()
-    def _old_logprobs(self, tb: TensorBatch) -> torch.Tensor:
-        self.model.eval()
-        out = torch.zeros_like(tb.logp_infer)
-        for idx in torch.split(torch.arange(tb.tokens.shape[0]), self.config.micro_batch_size):
-            mb = tb.select(idx)
-            out[idx, : mb.tokens.shape[1]] = batch_logprobs(self.model, mb, self.config.routing_replay,
-                                                            temperature=self.config.terms.temperature)[0]
         return out
 
     def _reduce_replicas(self, loss: float, stats: LossStats) -> tuple[float, LossStats]:

@@ -42,7 +42,8 @@ tokens): every trainable token's loss gets `kl_coef * (exp(d) - 1 - d)`, `d = lo
 the k3 estimate of KL(pi_theta || pi_ref) (non-negative; unbiased for tokens sampled from
 pi_theta itself, nearly so for the slightly stale samples of asynchronous RL), whatever the
 masks did to its policy term (GRPO applies it so); `d` is clamped to
-+-`LOG_RATIO_CLAMP` so a token the reference finds impossible does not overflow. Rows without
++-`LOG_RATIO_CLAMP` so a token the reference finds impossible does not overflow, and the estimate
+at `kl_clamp` (`rl.klClamp`, 10 by default) so no one token outweighs the step. Rows without
 reference log-probs get no penalty. Reported as `kl_ref`, the mean estimate per trained token.
 
 Not covered: entropy bonuses, value functions.
@@ -54,12 +55,11 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from kiln.api.loss import Aggregation, Loss
+from kiln.api.loss import Aggregation, Correction, Loss
+# LOG_RATIO_CLAMP: log-ratios beyond it are clamped in the mismatch metrics, the KL estimate
+# and the correction (its home).
+from kiln.services.trainer.correction import LOG_RATIO_CLAMP, correction_weights
 from kiln.services.trainer.distill import dense_kl
-
-#: Log-ratios beyond this are clamped in the mismatch metrics: exp(20) is 5e8, far past any
-#: window, and float32's expm1 overflows near 88.
-LOG_RATIO_CLAMP = 20.0
 
 
 @dataclass
@@ -96,6 +96,12 @@ class LossStats:
     the rollout's (counted whether or not the rollout's was replayed)."""
     routing_compared: float = 0.0
     """Token-layer pairs compared for routing_flips."""
+    corrected: float = 0.0
+    """Trainable tokens that went through `rl.correction` (0: no correction configured)."""
+    correction_masked: float = 0.0
+    """Of those, tokens the correction's mask dropped (their trajectory's, at sequence level)."""
+    correction_weight_sum: float = 0.0
+    """Sum of the correction's weights over the tokens it did not drop."""
 
     def merge(self, other: "LossStats") -> "LossStats":
         return LossStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
@@ -144,6 +150,10 @@ class LossStats:
             "dense_kl": self._frac(self.dense_kl_sum),
             **({"routing_flip_frac": self.routing_flips / self.routing_compared}
                if self.routing_compared else {}),
+            **({"correction_mask_frac": self.correction_masked / self.corrected,
+                "correction_weight_mean": (self.correction_weight_sum / (self.corrected - self.correction_masked)
+                                           if self.corrected > self.correction_masked else 1.0)}
+               if self.corrected else {}),
         }
 
 
@@ -206,12 +216,14 @@ def policy_loss(
     normalizer: float | None = None,
     seq_sum_tokens: int = 1024,
     kl_coef: float = 0.0,
+    kl_clamp: float | None = None,
     logp_ref: torch.Tensor | None = None,
     has_ref: torch.Tensor | None = None,
     dense_weight: float = 0.0,
     student_topk: torch.Tensor | None = None,
     teacher_topk: torch.Tensor | None = None,
     has_topk: torch.Tensor | None = None,
+    correction: Correction | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """The policy-gradient loss of one (micro-)batch in `config.mode`, and its stats.
 
@@ -220,10 +232,11 @@ def policy_loss(
     `logp_train_old` is needed in ppo mode (with one minibatch per step, `logp.detach()`).
     `normalizer` (else `loss_normalizer` with `seq_sum_tokens`): see the module doc.
     `logp_ref` `[B, T]` and `has_ref` `[B]` (rows that have them): the reference's log-probs for
-    the KL penalty, used when `kl_coef` > 0. `student_topk`, `teacher_topk` `[B, T, K]` and
+    the KL penalty, used when `kl_coef` > 0 (each token's estimate clamped at `kl_clamp`). `student_topk`, `teacher_topk` `[B, T, K]` and
     `has_topk` `[B]`: the student's and the teacher's log-probs of the teacher's top k, for the
     dense term (`dense_weight` > 0). The two weights are the stage's (`TrainerConfig.terms`),
-    not the loss mode's.
+    not the loss mode's. `correction` (`rl.correction`): rollout correction weights of the
+    policy term (`correction_weights`), from `logp_train_old` (else `logp.detach()`).
     """
     shape = logp.shape
     mask = loss_mask.to(logp.dtype)
@@ -252,6 +265,14 @@ def policy_loss(
         per_token, ratio_drop, ice_drop, keep, ratio = _masked(logp, logp_infer, on, adv, config)
     else:
         per_token, ratio_drop, ice_drop, keep, ratio = _ppo(logp, old, logp_infer, on, adv, config)
+    if correction is not None:
+        weight, dropped = correction_weights(old if old is not None else logp.detach(), logp_infer, on,
+                                             correction)
+        per_token = torch.where(dropped, torch.zeros_like(per_token), per_token * weight)
+        keep = keep & ~dropped
+        stats.corrected = float(on.sum())
+        stats.correction_masked = float(dropped.sum())
+        stats.correction_weight_sum = float((weight * (on & ~dropped)).sum())
     stats.ratio_masked = float(ratio_drop.sum())
     stats.icepop_masked = float(ice_drop.sum())
     stats.ratio_only = float((ratio_drop & ~ice_drop).sum())
@@ -262,7 +283,8 @@ def policy_loss(
     if kl_coef and logp_ref is not None:
         _check_shapes({"logp_ref": logp_ref}, shape)
         rows = has_ref if has_ref is not None else torch.ones(shape[0], dtype=torch.bool)
-        kl = kl_to_reference(logp, logp_ref.detach().to(logp.dtype), on & rows.to(on.device)[:, None])
+        kl = kl_to_reference(logp, logp_ref.detach().to(logp.dtype), on & rows.to(on.device)[:, None],
+                             kl_clamp)
         stats.kl_ref_sum = float(kl.detach().sum())
         per_token = per_token + kl_coef * kl
     if dense_weight and student_topk is not None:
@@ -274,12 +296,20 @@ def policy_loss(
     return loss, stats
 
 
-def kl_to_reference(logp: torch.Tensor, logp_ref: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
+def kl_to_reference(logp: torch.Tensor, logp_ref: torch.Tensor, on: torch.Tensor,
+                    clamp: float | None = None) -> torch.Tensor:
     """Per-token k3 estimate of KL(pi_theta || pi_ref), `exp(d) - 1 - d` with
-    `d = logp_ref - logp` clamped to +-LOG_RATIO_CLAMP; 0 where `on` is False. Differentiable
-    in `logp`."""
+    `d = logp_ref - logp` clamped to +-LOG_RATIO_CLAMP, then the estimate clamped at `clamp`
+    (None: not); 0 where `on` is False. Differentiable in `logp`: a clamped token has gradient 0.
+
+    Why the second clamp: k3 grows as exp(d), so at d = 20 one token's value and gradient are
+    4.9e8, and after global gradient clipping that token alone steers the step. Clamping the
+    estimate (verl's `low_var_kl`, slime: at 10) caps any token's share."""
     d = torch.where(on, (logp_ref - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), torch.zeros_like(logp))
-    return torch.where(on, torch.expm1(d) - d, torch.zeros_like(logp))
+    k3 = torch.expm1(d) - d
+    if clamp is not None:
+        k3 = k3.clamp(max=clamp)
+    return torch.where(on, k3, torch.zeros_like(logp))
 
 
 def _mismatch(stats: LossStats, log_rho: torch.Tensor, on: torch.Tensor) -> None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from kiln.models import moe
-from kiln.models.megatron_model import token_and_topk_logprobs, token_logprobs
+from kiln.models import moe, packing
+from kiln.models.megatron_model import ToolChoices, token_and_topk_logprobs, token_logprobs
 from kiln.routing import RoutedExperts
 from kiln.services.trainer.batch import TensorBatch, collate_routing
 
@@ -29,7 +29,7 @@ def routed_logprobs(model, tokens: torch.Tensor, lengths: list[int], routing: to
     return logp, flips
 
 
-def _routed(model, tokens, lengths, routing, covered, mode, topk_ids, temperature, choices):
+def _routed(model, tokens, lengths, routing, covered, mode, topk_ids, temperature, choices, predicts=None):
     def forward():
         if topk_ids is None:
             return token_logprobs(model, tokens, temperature, choices), None
@@ -37,8 +37,9 @@ def _routed(model, tokens, lengths, routing, covered, mode, topk_ids, temperatur
 
     if routing is None or mode == "off" or not moe.is_moe_model(model):
         return (*forward(), moe.RoutingFlips())
-    positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
-    predicts = positions < torch.tensor(lengths, device=tokens.device)[:, None] - 1
+    if predicts is None:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
+        predicts = positions < torch.tensor(lengths, device=tokens.device)[:, None] - 1
     with moe.replay_routing(model, routing, covered & predicts, apply=mode == "replay") as flips:
         logp, topk = forward()
     return logp, topk, flips
@@ -52,6 +53,42 @@ def batch_logprobs(model, mb: TensorBatch, mode: str, *, topk: bool = False, tem
     ids = mb.topk_ids if topk else None
     logp, student_topk, flips = _routed(model, mb.tokens, mb.lengths, mb.routing,
                                         mb.routing_valid, mode, ids, temperature, mb.choices)
+    return logp, flips, student_topk
+
+
+def packed_batch_logprobs(model, mb: TensorBatch, mode: str, *, topk: bool = False,
+                          temperature: float = 1.0
+                          ) -> tuple[torch.Tensor, moe.RoutingFlips, torch.Tensor | None]:
+    """`batch_logprobs` with the micro-batch's sequences packed into one row
+    (`kiln.models.packing`): the same `[B, S]` results (and `[B, S, K]` top k), so the loss,
+    its masks and its aggregation read them exactly as they read the padded path's; only the
+    forward pass changes shape. Everything the forward reads per token (tokens, recorded
+    routing, the teacher's top-k ids, tool choices) is packed the same way."""
+    device = mb.tokens.device
+    lengths = mb.lengths
+    b, s = mb.tokens.shape
+    rows = torch.cat([torch.full((n,), i, dtype=torch.long, device=device) for i, n in enumerate(lengths)])
+    cols = packing.positions(lengths, device)
+    one = lambda t: t[rows, cols][None] if t is not None else None  # noqa: E731
+    ids = one(mb.topk_ids) if topk else None
+    choices = None
+    if mb.choices is not None and len(mb.choices.rows):
+        offsets = torch.tensor([0, *lengths], device=device).cumsum(0)[:-1]
+        c = mb.choices
+        choices = ToolChoices(torch.zeros_like(c.rows), offsets[c.rows] + c.cols, c.ids, c.temperature)
+    predicts = (cols < torch.tensor(lengths, device=device)[rows] - 1)[None]
+    with packing.packed(model, lengths):
+        logp_1T, topk_1TK, flips = _routed(model, one(mb.tokens), [len(rows)], one(mb.routing),
+                                           one(mb.routing_valid), mode, ids, temperature, choices,
+                                           predicts=predicts)
+    # Back to [B, S]. A sequence's first position predicts nothing: 0, as in the padded path
+    # (packed, it would hold the previous sequence's last token's prediction).
+    keep = cols > 0
+    logp = logp_1T.new_zeros(b, s).index_put((rows[keep], cols[keep]), logp_1T[0][keep])
+    student_topk = None
+    if topk_1TK is not None:
+        student_topk = topk_1TK.new_zeros(b, s, topk_1TK.shape[-1]).index_put(
+            (rows[keep], cols[keep]), topk_1TK[0][keep])
     return logp, flips, student_topk
 
 

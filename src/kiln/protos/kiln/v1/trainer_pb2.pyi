@@ -55,7 +55,7 @@ class TrainerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StepMetrics(_message.Message):
-    __slots__ = ("step", "policy_version", "loss", "grad_norm", "lr", "sequences", "tokens", "step_seconds", "tokens_per_second", "wait_seconds", "reward_mean", "ratio_mask_frac", "icepop_mask_frac", "ratio_only_frac", "icepop_only_frac", "both_masked_frac", "kept_frac", "ratio_mean", "mismatch_abs", "mismatch_kl", "kl_ref", "dense_kl", "routing_flip_frac", "staleness")
+    __slots__ = ("step", "policy_version", "loss", "grad_norm", "lr", "sequences", "tokens", "step_seconds", "tokens_per_second", "wait_seconds", "reward_mean", "ratio_mask_frac", "icepop_mask_frac", "ratio_only_frac", "icepop_only_frac", "both_masked_frac", "kept_frac", "ratio_mean", "mismatch_abs", "mismatch_kl", "kl_ref", "dense_kl", "routing_flip_frac", "staleness", "correction_mask_frac", "correction_weight_mean", "routing_straddle_frac")
     class StalenessEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,9 @@ class StepMetrics(_message.Message):
     DENSE_KL_FIELD_NUMBER: _ClassVar[int]
     ROUTING_FLIP_FRAC_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
+    CORRECTION_MASK_FRAC_FIELD_NUMBER: _ClassVar[int]
+    CORRECTION_WEIGHT_MEAN_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_STRADDLE_FRAC_FIELD_NUMBER: _ClassVar[int]
     step: int
     policy_version: int
     loss: float
@@ -111,7 +114,10 @@ class StepMetrics(_message.Message):
     dense_kl: float
     routing_flip_frac: float
     staleness: _containers.ScalarMap[int, int]
-    def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., lr: _Optional[float] = ..., sequences: _Optional[int] = ..., tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., reward_mean: _Optional[float] = ..., ratio_mask_frac: _Optional[float] = ..., icepop_mask_frac: _Optional[float] = ..., ratio_only_frac: _Optional[float] = ..., icepop_only_frac: _Optional[float] = ..., both_masked_frac: _Optional[float] = ..., kept_frac: _Optional[float] = ..., ratio_mean: _Optional[float] = ..., mismatch_abs: _Optional[float] = ..., mismatch_kl: _Optional[float] = ..., kl_ref: _Optional[float] = ..., dense_kl: _Optional[float] = ..., routing_flip_frac: _Optional[float] = ..., staleness: _Optional[_Mapping[int, int]] = ...) -> None: ...
+    correction_mask_frac: float
+    correction_weight_mean: float
+    routing_straddle_frac: float
+    def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., lr: _Optional[float] = ..., sequences: _Optional[int] = ..., tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., reward_mean: _Optional[float] = ..., ratio_mask_frac: _Optional[float] = ..., icepop_mask_frac: _Optional[float] = ..., ratio_only_frac: _Optional[float] = ..., icepop_only_frac: _Optional[float] = ..., both_masked_frac: _Optional[float] = ..., kept_frac: _Optional[float] = ..., ratio_mean: _Optional[float] = ..., mismatch_abs: _Optional[float] = ..., mismatch_kl: _Optional[float] = ..., kl_ref: _Optional[float] = ..., dense_kl: _Optional[float] = ..., routing_flip_frac: _Optional[float] = ..., staleness: _Optional[_Mapping[int, int]] = ..., correction_mask_frac: _Optional[float] = ..., correction_weight_mean: _Optional[float] = ..., routing_straddle_frac: _Optional[float] = ...) -> None: ...
 
 class TrainerStatus(_message.Message):
     __slots__ = ("step", "policy_version", "stage", "last_step", "last_checkpoint", "tensor_parallel", "model_dir", "stage_step", "stage_max_steps", "stage_done", "stage_failed", "message", "stage_eval_step", "stage_selected_step", "stage_selected_reason")

@@ -7,20 +7,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RoutedExperts(_message.Message):
-    __slots__ = ("layers", "topk", "num_experts", "start", "rows", "packed")
+    __slots__ = ("layers", "topk", "num_experts", "start", "rows", "packed", "version_starts", "versions")
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
     NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_STARTS_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
     layers: int
     topk: int
     num_experts: int
     start: int
     rows: int
     packed: bytes
-    def __init__(self, layers: _Optional[int] = ..., topk: _Optional[int] = ..., num_experts: _Optional[int] = ..., start: _Optional[int] = ..., rows: _Optional[int] = ..., packed: _Optional[bytes] = ...) -> None: ...
+    version_starts: _containers.RepeatedScalarFieldContainer[int]
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layers: _Optional[int] = ..., topk: _Optional[int] = ..., num_experts: _Optional[int] = ..., start: _Optional[int] = ..., rows: _Optional[int] = ..., packed: _Optional[bytes] = ..., version_starts: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ToolChoice(_message.Message):
     __slots__ = ("positions", "token_ids", "counts", "temperatures")
