@@ -104,9 +104,11 @@ def test_host_loopback_listener_unreachable(make_config):
         res = run(_one(make_config(), probe))
         assert "CONNECTED" not in res.stdout and res.exit_code != 0
         if make_config.backend == "bubblewrap":
-            # Positive control: with the network shared, the same probe does connect.
+            # With the network shared the egress filter refuses this host's own addresses
+            # (test_sandbox_egress.py has the positive control: outside addresses connect).
             res = run(_one(make_config(network=True), probe))
-            assert "CONNECTED" in res.stdout, res.stderr
+            assert "CONNECTED" not in res.stdout and "ConnectionRefusedError" in res.stderr, \
+                res.stderr
     finally:
         srv.close()
 
@@ -196,7 +198,7 @@ def test_detached_tree_killed_on_timeout(make_config):
     res, after = run(go(make_config()))
     assert res.timed_out and res.exit_code == 124
     assert token not in after.stdout
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while _host_procs_with(f"sleep\x00{token}") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _host_procs_with(f"sleep\x00{token}") == []

@@ -8,7 +8,7 @@ import pytest
 
 from kiln.cli.synth import gitmine, pyenv
 from kiln.cli.synth.swe import leaks_patch, statement_describes
-from kiln.services.sandbox.environments.pytest_outcomes import pytest_command
+from kiln.services.sandbox.environments.verifier import verifier_command
 from kiln.services.sandbox.environments.tasks import TaskSetError, parse_task
 
 
@@ -75,12 +75,13 @@ def test_statement_rules():
     assert not leaks_patch("chunked() accepts a negative n silently", patch)
 
 
-def test_pytest_command_refuses_odd_paths():
-    assert 'PYTHONPATH="$PWD/src:$PWD/.kiln-verifier"' in pytest_command(["t.py::a"], ["src"], "r")
+def test_verifier_command_refuses_odd_paths():
+    cmd = verifier_command("pytest", ["t.py::a"], ["src"], "r")
+    assert cmd[:2] == ["python3", "-I"] and cmd[-3:] == ["src", "--", "t.py::a"]
     with pytest.raises(ValueError, match="pythonpath"):
-        pytest_command(["t.py"], ["../etc"], "r")
+        verifier_command("pytest", ["t.py"], ["../etc"], "r")
     with pytest.raises(ValueError, match="pythonpath"):
-        pytest_command(["t.py"], ["$(reboot)"], "r")
+        verifier_command("pytest", ["t.py"], ["$(reboot)"], "r")
 
 
 def test_swe_bench_names_load():

@@ -68,8 +68,8 @@ class OutcomeModel(Model):
 class Judge(Model):
     """A generative reward model: a checkpoint served by a rollout deployment, prompted with a
     rubric, the task, the answer and (where the task has one) a reference answer as an anchor;
-    the first number in its verdict, on a 0-10 scale, divided by 10 is its score (0 when the
-    verdict holds no number: `judge/parsed` says which)."""
+    its verdict's final line `SCORE: n/10` gives the score n/10 (0 when the verdict has no such
+    line: `judge/parsed` says which)."""
 
     model: str = Field(min_length=1)
     """An earlier stage's name (its final weights) or a checkpoint directory. It must share the

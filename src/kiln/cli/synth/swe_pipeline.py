@@ -215,7 +215,7 @@ class SwePipeline:
                     project: pyenv.PythonProject) -> list[dict[str, str]] | str:
         """Outcomes of `--runs` runs of `modules` in one sandbox holding the snapshot with
         `patches` applied, or why the state could not be built."""
-        from kiln.services.sandbox.environments.pytest_outcomes import run_pytest
+        from kiln.services.sandbox.environments.verifier import run_pytest
         from kiln.services.sandbox.factory import make_sandbox
         async with make_sandbox(self.config) as sandbox:
             await sandbox.write_file(".kiln-snapshot.tar", snapshot)

@@ -17,6 +17,7 @@ def _series(name: str):  # type: ignore[no-untyped-def]
 SERVICE_UP = _series("service_up")
 RPC_TOTAL = _series("rpc_requests")
 RPC_SECONDS = _series("rpc_duration")
+CERTIFICATE_EXPIRY = _series("certificate_expiry")
 
 # --- policy versions and off-policy drift ---------------------------------------------------
 POLICY_VERSION = _series("policy_version")
@@ -56,6 +57,7 @@ ACCEPTED = _series("accepted")
 SERVED = _series("served")
 TEACHER_SCORE_SECONDS = _series("teacher_score_seconds")
 REWARD_MODEL_SECONDS = _series("reward_model_seconds")
+JUDGE_UNPARSED = _series("judge_unparsed")
 TEACHER_SCORED_TOKENS = _series("teacher_scored_tokens")
 SWARM_SUBAGENTS = _series("swarm_subagents")
 SWARM_CRITICAL_PATH = _series("swarm_critical_path_steps")

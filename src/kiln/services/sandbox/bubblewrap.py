@@ -13,7 +13,10 @@ Each `exec` starts a fresh `bwrap` in that cgroup:
 
 Privileges are dropped before bwrap runs, so bwrap works in an unprivileged user namespace and
 nothing inside maps to host root. With `network=False` the sandbox has only its own loopback:
-the host's 127.0.0.1 is unreachable. The command runs under a seccomp deny-list (`seccomp.py`:
+the host's 127.0.0.1 is unreachable. With `network=True` it shares the service's network
+namespace under an egress filter on its cgroup (`egress.py`): this host's own addresses,
+link-local ones (cloud metadata) and Kiln's ports anywhere are refused. The command runs
+under a seccomp deny-list (`seccomp.py`:
 no new namespaces, io_uring, keyrings, bpf, perf, mounts, modules...), and `--disable-userns`
 makes the sandbox's user namespace the last one: a nested `unshare -U` fails even where the
 filter would not see it. When the command returns, the PID namespace dies with it;
@@ -21,10 +24,9 @@ on timeout the cgroup is killed, which takes detached and double-forked processe
 
 Not covered: persistence of processes between execs (each exec is its own process tree; state
 lives in the workspace), and kernel-level attack surface (bubblewrap shares the host kernel;
-the filter narrows it but a bug in an allowed syscall is still a host kernel bug). With
-`network=True` the sandbox shares the service's network namespace: nothing here filters
-egress (cloud metadata, cluster services and the host's loopback ports are reachable); that
-is the pod's NetworkPolicy's job on a cluster, and an open door under `kiln run`.
+the filter narrows it but a bug in an allowed syscall is still a host kernel bug). Other
+destinations of a networked sandbox (the internet, cluster services on other ports) are the
+pod's NetworkPolicy's to limit.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ import time
 import uuid
 
 from .cgroups import Cgroup
+from .egress import EgressPolicy
 from .config import NAME_PREFIX, BubblewrapConfig
 from .interface import (EXIT_OOM, EXIT_TIMEOUT, WORKSPACE, ExecResult, Sandbox, SandboxError,
                         WorkspaceFull)
@@ -66,6 +69,8 @@ class BubblewrapSandbox(Sandbox):
         self.dir = config.state_dir / self.name
         self.workspace = self.dir / "workspace"
         self.cgroup = Cgroup(config.cgroup_root, self.name)
+        self.egress = (EgressPolicy(f"/{self.name}", tuple(config.egress_ports))
+                       if self.limits.network else None)
         self._started = False
         self._destroyed = False
 
@@ -83,6 +88,13 @@ class BubblewrapSandbox(Sandbox):
                 f"sandbox:x:{cfg.uid}:{cfg.gid}:sandbox:{WORKSPACE}:/bin/sh\n")
             (self.dir / "group").write_text(f"root:x:0:\nsandbox:x:{cfg.gid}:\n")
             self.cgroup.create(self.limits.memory_bytes, self.limits.pids, self.limits.cpu)
+            if self.egress is not None:
+                # Before any command runs: a networked sandbox never exists unfiltered.
+                try:
+                    self.egress.install()  # removes what it added when it fails
+                except BaseException:
+                    self.cgroup.remove()
+                    raise
         except BaseException:
             unmount_workspace(self.workspace)
             shutil.rmtree(self.dir, ignore_errors=True)
@@ -98,6 +110,8 @@ class BubblewrapSandbox(Sandbox):
 
     def _teardown(self) -> None:
         self.cgroup.remove()  # first: nothing may still write into the workspace
+        if self.egress is not None:
+            self.egress.remove()
         unmount_workspace(self.workspace)
         shutil.rmtree(self.dir)
 

@@ -62,7 +62,8 @@ class SandboxLimits(BaseModel):
     timeout_seconds: float = 60.0
     """Default wall-clock limit of one exec; the whole process tree is killed when it passes."""
     network: bool = False
-    """Give the sandbox the host's network. Off: the sandbox has only its own loopback."""
+    """Give the sandbox the host's network, less this host's own addresses, link-local ones
+    and Kiln's ports (`egress.py`). Off: the sandbox has only its own loopback."""
     output_limit_bytes: int = DEFAULT_OUTPUT_LIMIT_BYTES
     """Bytes of stdout and of stderr kept per exec; the rest is dropped behind a marker."""
     disk_bytes: int = DEFAULT_DISK_BYTES
@@ -116,6 +117,9 @@ class BubblewrapConfig(BaseModel):
     gid: int = 65534
     """Unprivileged identity the sandboxed commands run as (on the host too)."""
     cgroup_root: Path = Path("/sys/fs/cgroup")
+    egress_ports: list[int] = Field(default_factory=list)
+    """Ports a networked sandbox may not reach on any address, besides Kiln's own
+    (`egress.py`): the job's OpenAI port."""
     seccomp: bool = True
     """Load the syscall filter (`seccomp.py`) into every sandboxed command. Off only to measure
     what it costs: without it the model's code reaches the whole kernel surface."""

@@ -10,8 +10,8 @@ reads no state) costs no sandbox. `demonstrate` plays the environment's scripted
 SFT, with its tool calls run for real unless the solver knows their outputs.
 
 Task sets come from the job (`spec.tasks`): generated (`generate`, built-in `chain` and `lookup`)
-or read from a JSONL file (`path`; relative paths inside resolve against its folder); the
-environment is built in or a user's plugin (`env: {plugin: "module:Class"}`).
+or read from a JSONL file (`path`, or a cluster's `source` mounted under `tasks_root`; relative
+paths inside resolve against its folder); the environment is built in or a user's plugin (`env: {plugin: "module:Class"}`).
 
 Not covered: gRPC (`env_servicer.py`), tokens and log-probs (rollout).
 """
@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 from kiln.api.rewards import RewardRules
 from kiln.api.spec import RLJob, TaskSetSpec
+from kiln.api.task_sources import located
 from kiln.env import Environment, Grade, PluginError, Task, ToolResult, load_plugin
 from kiln.episode import Action, Demonstration, Turn, EpisodeInfo, Message, StepResult, ToolOutput
 from kiln.services.common import metrics
@@ -83,10 +84,15 @@ class _Episode:
     """Sub-tasks opened for this episode's subagents so far."""
 
 
-def load_task_set(spec: TaskSetSpec, base_dir: Path) -> TaskSet:
+def load_task_set(spec: TaskSetSpec, base_dir: Path, tasks_root: str | None = None) -> TaskSet:
     """The task set a job's `spec.tasks` entry names, its environment made. EpisodeError
-    (naming the entry) for anything that cannot load."""
+    (naming the entry) for anything that cannot load. `tasks_root`: where a cluster's task
+    sources are mounted (`kiln.api.task_sources`)."""
     where = f"spec.tasks[{spec.name}]"
+    try:
+        spec = located(spec, tasks_root)
+    except ValueError as exc:
+        raise EpisodeError(str(exc)) from None
     try:
         if isinstance(spec.env, str):
             env_cls = builtin_environment(spec.env)
@@ -148,7 +154,7 @@ class EpisodeManager:
     def __init__(self, job: RLJob, *, base_dir: Path, owner: str = "env",
                  config: BubblewrapConfig | DockerConfig | None = None,
                  idle_ttl: float | None = None, room: asyncio.Semaphore | None = None,
-                 room_timeout_s: float = 600.0) -> None:
+                 room_timeout_s: float = 600.0, tasks_root: str | None = None) -> None:
         self.job = job
         self.room, self.room_timeout_s = room, room_timeout_s
         """`room`: the sandbox service's count of living sandboxes (its sessions' and these
@@ -159,7 +165,7 @@ class EpisodeManager:
         if reaped:
             log.info("reaped %d sandboxes left by a previous run", len(reaped))
         self.task_sets: dict[str, TaskSet] = {
-            ts.name: load_task_set(ts, base_dir) for ts in job.spec.tasks}
+            ts.name: load_task_set(ts, base_dir, tasks_root) for ts in job.spec.tasks}
         self.default_max_actions = job.spec.rollout.max_turns
         # An episode outlives its deadline plus grading; after that its sandbox is reclaimed.
         self.idle_ttl = idle_ttl or job.spec.rollout.episode_timeout_seconds + 60

@@ -1,7 +1,8 @@
 """Choosing a backend, and reaping what a killed predecessor left behind.
 
 `make_sandbox` switches on the config's `type` literal ("bubblewrap" | "docker").
-`reap_orphans` removes every cgroup, workspace and container named `kiln-sbx-<owner>-*`: call it
+`reap_orphans` removes every cgroup, workspace, egress rule (`egress.py`) and container named
+`kiln-sbx-<owner>-*`: call it
 when a service starts, so a service killed with SIGKILL and restarted leaves nothing running.
 An owner must therefore be unique to one live service (a pod name, a job name + replica).
 
@@ -33,7 +34,9 @@ def leftovers(config: BubblewrapConfig | DockerConfig, client=None) -> list[str]
     prefix = f"{NAME_PREFIX}-{config.owner}-"
     if isinstance(config, BubblewrapConfig):
         from .cgroups import list_groups
+        from .egress import stale_jumps
         names = set(list_groups(config.cgroup_root, prefix))
+        names.update(f"egress rule {' '.join(rule)}" for _, rule in stale_jumps(prefix))
         if config.state_dir.is_dir():
             names.update(p.name for p in config.state_dir.iterdir() if p.name.startswith(prefix))
         return sorted(names)
@@ -58,9 +61,11 @@ def reap_orphans(config: BubblewrapConfig | DockerConfig, client=None) -> list[s
     if isinstance(config, BubblewrapConfig):
         from .cgroups import Cgroup, list_groups
         from .quota import unmount_workspace
+        from .egress import remove_stale_jumps
         names = list_groups(config.cgroup_root, prefix)
         for name in names:
             Cgroup(config.cgroup_root, name).remove()
+        remove_stale_jumps(prefix)
         if config.state_dir.is_dir():
             for path in config.state_dir.iterdir():
                 if path.name.startswith(prefix):

@@ -17,6 +17,8 @@ import socket
 import sys
 from pathlib import Path
 
+from kiln.api.task_sources import TASKS_ROOT_ENV
+
 
 def _parser():
     from kiln.services.common.server import service_argparser
@@ -55,6 +57,9 @@ async def build(job, args):
     if args.backend and args.backend != config.type:
         config = (DockerConfig if args.backend == "docker" else BubblewrapConfig)(
             owner=owner, limits=config.limits)
+    if job is not None and job.spec.rollout.openai_port and isinstance(config, BubblewrapConfig):
+        # The job's OpenAI endpoint feeds training: no networked sandbox may call it.
+        config = config.model_copy(update={"egress_ports": [job.spec.rollout.openai_port]})
     engine = None
     if isinstance(config, DockerConfig):
         from .podman_service import LocalEngine
@@ -83,7 +88,9 @@ async def build(job, args):
         episodes = EpisodeManager(job, base_dir=Path.cwd(), config=config.model_copy(
             update={"owner": f"{owner[:37]}-ep"}), room=manager.room,
             # An episode waits for a sandbox as long as it may run at all.
-            room_timeout_s=job.spec.rollout.episode_timeout_seconds)
+            room_timeout_s=job.spec.rollout.episode_timeout_seconds,
+            # Where the operator mounted the task sets kept in ConfigMaps and PVCs.
+            tasks_root=os.environ.get(TASKS_ROOT_ENV))
         registrations.append(Registration(env_pb2_grpc.add_EnvironmentServicer_to_server,
                                           EnvironmentServicer(episodes), "kiln.v1.Environment"))
 

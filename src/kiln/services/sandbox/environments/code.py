@@ -15,9 +15,11 @@ Tools: `python` (runs a snippet with the sandbox's python3 in the workspace: fil
 between calls, variables do not; stdout, stderr and the exit code come back, cut), `write_file`
 and, for solution tasks, `submit`. An answer task ends with the reply that calls no tool (its
 text is the answer; numbers compare by value: `338350.0` == `338350`). A solution task is graded
-by its `tests`, written into the sandbox only after the episode and run with python3; reward 1
-when they exit 0. Reference solution: `{id}.py`; for an answer task the last line it prints is
-its answer, for a solution task it is written to solution.py.
+by its `tests`, written into the sandbox only after the episode and run with `python3 -I`
+(`verifier.py`); reward 1 when the verifier's report says they ran to their end (an exit of any
+code, or an exception, before the end fails; the exit code is not read). Reference solution:
+`{id}.py`; for an answer task the last line it prints is its answer, for a solution task it
+is written to solution.py.
 
 Not covered: a persistent interpreter (REPL state between calls).
 """
@@ -30,6 +32,7 @@ from pydantic import Field, model_validator
 from kiln.env import Grade, SandboxHandle, ToolCall, ToolResult, ToolSpec, string_tool
 from .base import (SUBMIT, WRITE_FILE, Environment, Task, format_exec, kill_leftovers,
                    normalize_answer, unknown_tool)
+from .verifier import run_tests
 
 PYTHON = string_tool("python", "Run a Python snippet in the workspace; returns its exit code, "
                      "stdout and stderr.", code="the Python source to run")
@@ -93,14 +96,14 @@ class CodeEnvironment(Environment):
         if task.tests is not None:
             await kill_leftovers(sandbox)
             await sandbox.write_file(TESTS_PATH, task.tests.encode())
-            # No environment variables, user site or site hooks: only the workspace's own
-            # modules (the solution) are found besides the standard library.
-            res = await sandbox.exec(["python3", "-E", "-s", "-S", TESTS_PATH],
-                                     timeout=task.timeout_seconds)
+            # `python3 -I`: the workspace goes on the import path after the standard library
+            # (a `json.py` beside the solution shadows nothing); the verdict is the verifier's
+            # report that the tests ran to their end (an `os._exit(0)` at import writes none).
+            run = await run_tests(sandbox, "script", [TESTS_PATH], timeout=task.timeout_seconds)
             await sandbox.exec(["rm", "-f", TESTS_PATH], timeout=10)
-            return Grade(float(res.ok), parts={"tests_passed": float(res.ok)},
-                         output=(res.stdout + res.stderr)[-8000:],
-                         flags=["verifier_timeout"] if res.timed_out else [])
+            ok = float(run.passed(TESTS_PATH))
+            return Grade(ok, parts={"tests_passed": ok}, output=run.log[-8000:],
+                         flags=["verifier_timeout"] if run.timed_out else [])
         if answer is None or not answer.strip():
             return Grade(0.0, parts={"exact": 0.0}, output="no answer given", flags=["no_answer"])
         got = normalize_answer(answer)

@@ -9,14 +9,14 @@ TaskSet record:
      "problem_statement": "divide() crashes on ...",
      "fail_to_pass": ["tests.test_calc.DivTest.test_zero"],
      "pass_to_pass": ["tests.test_calc.AddTest.test_add"],
-     "test_command": "python3 -m unittest {test}",   # {test} is one test id, shell-quoted
+     "test_command": "python3 -m unittest {test}",   # the runner: unittest or pytest
      "test_files": ["tests/**"]}          # optional; protected files besides the defaults
 
 SWE-bench's field names are read too (`instance_id`, `base_commit`, `patch`, `FAIL_TO_PASS`,
 `PASS_TO_PASS`, lists or JSON strings), so `kiln synth swe` output and imported SWE-bench-style
 files load as they are; SWE-bench's `repo` ("owner/name") goes in `repo_name` and `repo` is the
-local repository. With `"test_runner": "pytest"` the graded tests run in one pytest process
-(`pytest_outcomes.py`), ids as `python -m pytest` takes them, `pythonpath` put in front.
+local repository. With `"test_runner": "pytest"` ids are as `python -m pytest` takes them;
+`pythonpath` folders go on the import path after the standard library.
 
 The repository is checked out on the host and copied into /workspace (with its .git).
 
@@ -25,37 +25,32 @@ one exact, unique occurrence of a string in a file), `create` (a new file), `sub
 that grade (FAIL_TO_PASS, PASS_TO_PASS) run only after the episode; a `test_patch` (the tests
 the fix must make pass, SWE-bench style) is applied only then, so the agent never sees it.
 
-Exploit check: before any test runs, every protected file (tests, conftest.py, and modules
-that could hijack the test runner: sitecustomize.py, unittest/pytest shadows, .pth files) is
-compared by SHA-256 with the original commit, and new protected files are looked for. Any
-difference gives reward 0 and the flag `tests_modified`, without running the tests. Each test
-then runs in its own process, after every process the agent left behind is killed.
+Grading (`swe_grading.py`), the SWE-bench way: the candidate's diff against the commit is
+taken with a trusted git folder, applied onto a fresh checkout in an emptied workspace, and
+refused (reward 0, flag `tests_modified`) when it changes a protected file (tests,
+conftest.py, modules that could hijack the runner: sitecustomize.py, unittest/pytest shadows,
+.pth files, ini files) or adds a symlink into one. The tests then run in one `python3 -I`
+process (`verifier.py`): `test_command` names the runner (`python3 -m unittest {test}` or
+`python3 -m pytest {test}`; any other command is refused at load), and each test's outcome is
+read from the runner's own report, never from an exit code.
 Reference solution: `{id}.patch`, applied with `git apply`; `gold_patch` in the record (optional)
 is the demonstration SFT imitates.
 
 Not covered: building per-repo images with dependencies (the docker backend takes a task
-`image` for that); test ids are opaque strings handed to `test_command`.
+`image` for that); test runners other than unittest and pytest.
 """
 from __future__ import annotations
 
 import asyncio
-import fnmatch
-import hashlib
-import io
 import json
-import os
-import shlex
-import subprocess
-import tarfile
-import tempfile
-from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
 
 from kiln.env import AssistantTurn, Grade, SandboxHandle, ToolCall, ToolResult, ToolSpec, string_tool
 from .base import BASH, SUBMIT, TOOL_OUTPUT_CHARS, Environment, Task, kill_leftovers, truncate, unknown_tool
-from .pytest_outcomes import run_pytest
+from .swe_grading import Refused, candidate_diff, checkout_tar, clean_checkout_with
+from .verifier import check_pythonpath, run_tests, runner_of_command
 
 VIEW = ToolSpec("view", "Show a file with line numbers (optionally lines start..end), or list a "
                 "folder.", {"type": "object", "properties": {
@@ -95,9 +90,9 @@ class SweTask(Task):
     command_timeout_seconds: float = Field(60.0, gt=0)
     """Wall-clock limit of one `bash` call of the agent."""
     test_runner: Literal["command", "pytest"] = "command"
-    """`command`: `test_command` once per test; `pytest`: every test in one pytest process."""
+    """`command`: the runner `test_command` names; `pytest`: pytest."""
     pythonpath: list[str] = Field(default_factory=list)
-    """Folders (relative to the repository) put on PYTHONPATH for the `pytest` runner."""
+    """Folders (relative to the repository) put on the tests' import path."""
     repo_name: str = ""
     """Where the repository came from (SWE-bench's `repo`, e.g. "owner/name")."""
     environment: dict = Field(default_factory=dict)
@@ -133,28 +128,12 @@ class SweTask(Task):
                 data["meta"] = {**data["meta"], extra: data.pop(extra)}
         return data
 
-
-def _checkout(repo: Path, commit: str, dest: Path) -> None:
-    if not repo.exists():
-        raise FileNotFoundError(f"repo: {repo} does not exist")
-    run = lambda *a: subprocess.run(a, check=True, capture_output=True, text=True)  # noqa: E731
-    run("git", "clone", "--quiet", "--no-hardlinks", "--", str(repo), str(dest))
-    run("git", "-C", str(dest), "-c", "advice.detachedHead=false", "checkout", "--quiet", commit)
-
-
-def _is_protected(rel: str, patterns: list[str]) -> bool:
-    return any(fnmatch.fnmatch(rel, p) for p in patterns)
-
-
-def _protected_hashes(root: Path, patterns: list[str]) -> dict[str, str]:
-    hashes = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d != ".git"]
-        for name in filenames:
-            rel = os.path.relpath(os.path.join(dirpath, name), root)
-            if _is_protected(rel, patterns):
-                hashes[rel] = hashlib.sha256(Path(dirpath, name).read_bytes()).hexdigest()
-    return hashes
+    @model_validator(mode="after")
+    def _gradable(self) -> "SweTask":
+        if self.test_runner == "command":
+            runner_of_command(self.test_command)
+        check_pythonpath(self.pythonpath)
+        return self
 
 
 class SweEnvironment(Environment):
@@ -243,60 +222,27 @@ class SweEnvironment(Environment):
         return DEFAULT_PROTECTED + list(task.test_files)
 
     async def setup(self, sandbox: SandboxHandle, task: SweTask) -> None:
-        with tempfile.TemporaryDirectory() as tmp:
-            dest = Path(tmp) / "repo"
-            await asyncio.to_thread(_checkout, self.resolve(task.repo), task.commit, dest)
-            buf = io.BytesIO()
-            with tarfile.open(fileobj=buf, mode="w") as tar:
-                tar.add(dest, arcname=".")
-        await sandbox.write_file(".kiln-repo.tar", buf.getvalue())
+        tar = await asyncio.to_thread(checkout_tar, self.resolve(task.repo), task.commit)
+        await sandbox.write_file(".kiln-repo.tar", tar)
         res = await sandbox.exec("tar -xf .kiln-repo.tar --no-same-owner && rm .kiln-repo.tar",
                                  timeout=task.timeout_seconds)
         if not res.ok:
             raise RuntimeError(f"task {task.id}: unpacking the repo failed: {res.stderr[-2000:]}")
 
-    async def _tampered(self, sandbox: SandboxHandle, task: SweTask) -> list[str] | None:
-        """Protected files that differ from the commit; None if the listing was cut short."""
-        with tempfile.TemporaryDirectory() as tmp:
-            dest = Path(tmp) / "repo"
-            await asyncio.to_thread(_checkout, self.resolve(task.repo), task.commit, dest)
-            original = _protected_hashes(dest, self._patterns(task))
-        listing = await sandbox.exec("find . -path ./.git -prune -o -type f -print",
-                                     timeout=task.timeout_seconds)
-        if listing.truncated or not listing.ok:
-            return None
-        now = [p[2:] for p in listing.stdout.splitlines() if p.startswith("./")]
-        changed = []
-        protected_now = {p for p in now if _is_protected(p, self._patterns(task))}
-        for rel in sorted(protected_now | set(original)):
-            if rel not in protected_now or rel not in original:
-                changed.append(rel)
-                continue
-            try:
-                data = await sandbox.read_file(rel)
-            except (ValueError, OSError):
-                changed.append(rel)  # replaced by a symlink or unreadable: tampering either way
-                continue
-            if hashlib.sha256(data).hexdigest() != original[rel]:
-                changed.append(rel)
-        return changed
-
-    async def _run_test(self, sandbox: SandboxHandle, task: SweTask, test: str) -> tuple[bool, str]:
-        cmd = task.test_command.replace("{test}", shlex.quote(test))
-        res = await sandbox.exec(cmd, timeout=task.timeout_seconds)
-        return res.ok, f"== {test}: {'PASS' if res.ok else 'FAIL'} (exit {res.exit_code})\n" \
-                       f"{res.stderr[-1500:]}"
+    def runner(self, task: SweTask) -> str:
+        return "pytest" if task.test_runner == "pytest" else runner_of_command(task.test_command)
 
     async def grade(self, sandbox: SandboxHandle, task: SweTask, answer: str | None = None
                     ) -> Grade:
         await kill_leftovers(sandbox)
-        changed = await self._tampered(sandbox, task)
-        if changed is None:
-            return Grade(0.0, output="file listing too long to check", flags=["verifier_error"])
-        if changed:
-            return Grade(0.0, parts={"f2p": 0.0, "p2p": 0.0},
-                         output="protected files changed: " + ", ".join(changed),
-                         flags=["tests_modified"])
+        repo, patterns = self.resolve(task.repo), self._patterns(task)
+        try:
+            diff = await candidate_diff(sandbox, repo, task.commit, task.timeout_seconds)
+            await clean_checkout_with(sandbox, repo, task.commit, diff, patterns,
+                                      task.timeout_seconds)
+        except Refused as exc:
+            return Grade(0.0, parts={"f2p": 0.0, "p2p": 0.0}, output=str(exc)[-8000:],
+                         flags=[exc.flag])
         if task.test_patch:
             await sandbox.write_file(".kiln-tests.patch", task.test_patch.encode())
             res = await sandbox.exec("git apply .kiln-tests.patch; rc=$?; rm -f .kiln-tests.patch; "
@@ -304,26 +250,9 @@ class SweEnvironment(Environment):
             if not res.ok:
                 return Grade(0.0, parts={"f2p": 0.0, "p2p": 0.0}, flags=["verifier_error"],
                              output=f"the test patch does not apply: {res.stderr[-2000:]}")
-        if task.test_runner == "pytest":
-            return await self._grade_pytest(sandbox, task)
-        logs, f2p_ok, p2p_ok = [], 0, 0
-        for test in task.fail_to_pass:
-            ok, log = await self._run_test(sandbox, task, test)
-            f2p_ok += ok
-            logs.append(log)
-        for test in task.pass_to_pass:
-            ok, log = await self._run_test(sandbox, task, test)
-            p2p_ok += ok
-            logs.append(log)
-        f2p = f2p_ok / len(task.fail_to_pass)
-        p2p = p2p_ok / len(task.pass_to_pass) if task.pass_to_pass else 1.0
-        reward = 1.0 if f2p == 1.0 and p2p == 1.0 else 0.0
-        return Grade(reward, parts={"f2p": f2p, "p2p": p2p}, output="\n".join(logs)[-8000:])
-
-    async def _grade_pytest(self, sandbox: SandboxHandle, task: SweTask) -> Grade:
         tests = list(dict.fromkeys(task.fail_to_pass + task.pass_to_pass))
-        run = await run_pytest(sandbox, tests, pythonpath=task.pythonpath,
-                               timeout=task.timeout_seconds)
+        run = await run_tests(sandbox, self.runner(task), tests, pythonpath=task.pythonpath,
+                              timeout=task.timeout_seconds)
         f2p = sum(map(run.passed, task.fail_to_pass)) / len(task.fail_to_pass)
         p2p = (sum(map(run.passed, task.pass_to_pass)) / len(task.pass_to_pass)
                if task.pass_to_pass else 1.0)
