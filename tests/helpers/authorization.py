@@ -4,7 +4,7 @@ components that may call it, written out by hand rather than read from the code
 test_authorization_mtls.py hold the code to it)."""
 from __future__ import annotations
 
-T, R, O = "trainer", "rollout", "operator"
+T, R, O, TE = "trainer", "rollout", "operator", "teacher"
 
 # The reviewed table: change it only with a review of who needs the RPC (each entry is a trust
 # decision; a caller added here can, e.g., feed the trainer or drop the buffer's contents).
@@ -36,7 +36,9 @@ REVIEWED: dict[str, set[str]] = {
     "/kiln.v1.Trainer/GetTrainerStatus": {O},
     "/kiln.v1.Trainer/ContinueStage": {O},
     "/kiln.v1.Trainer/RestoreCheckpoint": {O},
-    "/kiln.v1.Trainer/FetchStageExport": {R},
+    # Only a frozen deployment (teacher, reference, judge, ...) fetches a stage's weights; its
+    # identity may call nothing else.
+    "/kiln.v1.Trainer/FetchStageExport": {TE},
     "/kiln.v1.WeightSync/Publish": {T},
     "/kiln.v1.WeightSync/Subscribe": {R},
     "/kiln.v1.WeightSync/Ack": {R},
@@ -44,5 +46,5 @@ REVIEWED: dict[str, set[str]] = {
 }
 
 # Who connects to each component's gRPC port (the NetworkPolicies), reviewed likewise.
-REVIEWED_CLIENTS = {"buffer": {T, R, O}, "sandbox": {R}, "rollout": {R, O}, "trainer": {O, R},
+REVIEWED_CLIENTS = {"buffer": {T, R, O}, "sandbox": {R}, "rollout": {R, O}, "trainer": {O, TE},
                     "weight-sync": {T, R, O}}

@@ -53,7 +53,7 @@ def rules_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_alert_rules_pass_promtool_check(rules_file: Path) -> None:
     out = run(PROMTOOL, "check", "rules", rules_file)
-    assert "SUCCESS: 12 rules found" in out
+    assert "SUCCESS: 13 rules found" in out
 
 
 def _series(name: str, labels: dict[str, str], values: str) -> dict[str, str]:
@@ -119,6 +119,12 @@ def test_alert_rules_fire_for_the_drifting_job_only(rules_file: Path) -> None:
         _series("kiln_trainer_nonfinite_steps_total", {**BAD, "stage": "rl", "reason": "loss"},
                 "0x10 1x30"),
         _series("kiln_trainer_nonfinite_steps_total", {**GOOD, "stage": "rl", "reason": "loss"}, "0x40"),
+        # Prometheus' test clock starts at the Unix epoch: one certificate expires on day 2,
+        # the other in three years.
+        _series("kiln_certificate_expiry_timestamp_seconds", {**BAD, "component": "buffer"},
+                "172800x120"),
+        _series("kiln_certificate_expiry_timestamp_seconds", {**GOOD, "component": "buffer"},
+                "94608000x120"),
     ]
     alerts = ["KilnStalenessNearTau", "KilnTrajectoriesDroppedStale", "KilnRatioMaskFractionHigh",
               "KilnIcePopMaskFractionHigh", "KilnTrainInferenceMismatchHigh", "KilnWeightSyncSlow",
@@ -147,6 +153,9 @@ def test_alert_rules_fire_for_the_drifting_job_only(rules_file: Path) -> None:
     cases.append({"eval_time": "12m", "alertname": "KilnTrainerNonFiniteSteps", "exp_alerts": [
         {"exp_labels": {"severity": "warning", "stage": "rl", "reason": "loss", **BAD}}]})
     cases.append({"eval_time": "35m", "alertname": "KilnTrainerNonFiniteSteps", "exp_alerts": []})
+    cases.append({"eval_time": "30m", "alertname": "KilnCertificateExpiring", "exp_alerts": []})
+    cases.append({"eval_time": "90m", "alertname": "KilnCertificateExpiring", "exp_alerts": [
+        {"exp_labels": {"severity": "critical", "component": "buffer", **BAD}}]})
     keep = {"KilnRatioMaskFractionHigh", "KilnTrainingStalled"}
     groups = yaml.safe_load(rules_file.read_text())["groups"]
     for group in groups:

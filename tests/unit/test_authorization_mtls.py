@@ -158,6 +158,14 @@ def test_a_refused_call_changes_nothing_on_the_real_servicers(bundles, tmp_path:
             huge = buffer_pb2.SetPolicyVersionRequest(policy_version=2**64 - 1)
             async with ch(buf, "buffer", "rollout") as c:
                 assert await code(lambda: buffer_pb2_grpc.BufferStub(c).SetPolicyVersion(huge)) == DENIED
+                # The refusal names the caller and the method; a method no servicer has is
+                # unimplemented for every caller, not passed on unchecked.
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await buffer_pb2_grpc.BufferStub(c).SetPolicyVersion(huge)
+                assert refused.value.details() == \
+                    "rollout may not call /kiln.v1.Buffer/SetPolicyVersion"
+                assert await code(lambda: c.unary_unary("/kiln.v1.Buffer/Unknown")(
+                    b"", timeout=5)) == grpc.StatusCode.UNIMPLEMENTED
             assert buffer.status().policy_version == 0
             async with ch(buf, "buffer", "trainer", other_job) as c:  # another job's CA
                 assert await code(lambda: buffer_pb2_grpc.BufferStub(c).SetPolicyVersion(

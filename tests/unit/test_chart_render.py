@@ -153,6 +153,8 @@ def test_pod_monitor_labels_series_with_the_rljob_name() -> None:
     ("image.pullPolicy=Sometimes", "image.pullPolicy: image.pullPolicy must be one of the following"),
     ("prometheusRule.forDuration=ten", "prometheusRule.forDuration: Does not match pattern"),
     ("operater.verbose=true", "Additional property operater is not allowed"),
+    ("operator.allowed.imageRegistries={ghcr.io}",
+     "operator.allowed.imageRegistries.0: Does not match pattern"),
 ])
 def test_bad_values_fail_lint_and_template_with_the_value_named(setting: str, message: str) -> None:
     for command in (["lint", "--strict"], ["template", "kiln"]):

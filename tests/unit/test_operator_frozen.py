@@ -73,13 +73,14 @@ def test_each_distinct_frozen_checkpoint_gets_a_deployment_started_when_its_stag
     assert c["args"][-4:] == ["--teacher", frozen.TEACHER_DIR, "--teacher-stage", "sft"]
     assert pod(first["Deployment/demo-teacher-2"])["containers"][0]["args"][-2:] == [
         "--teacher", "/models/skill-b"]
-    # The rollout's resources, scheduling and certificate (callers authorize it as a rollout);
-    # its own component label, so neither Service selects the other's pods.
+    # The rollout's resources and scheduling, but a certificate of its own identity (`teacher`:
+    # it may fetch weights, not Put or Exec); its own component label, so neither Service
+    # selects the other's pods.
     rollout = first["Deployment/demo-rollout"]
     assert c["resources"] == pod(rollout)["containers"][0]["resources"]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
     tls = {v["name"]: v for v in pod(teacher)["volumes"]}["tls"]
-    assert tls["secret"]["secretName"] == "demo-rollout-tls"
+    assert tls["secret"]["secretName"] == "demo-teacher-tls"
     assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod(teacher)["volumes"]
     labels = teacher["spec"]["template"]["metadata"]["labels"]
     assert labels["app.kubernetes.io/component"] == "teacher"

@@ -80,3 +80,18 @@ app.kubernetes.io/component: operator
   resources: ["events"]
   verbs: ["create", "patch"]
 {{- end }}
+
+{{- /* The namespaces the operator watches, as a JSON list: the release's own in single-namespace
+mode, else operator.watchNamespaces (empty: every namespace). */}}
+{{- define "kiln.watchNamespaces" -}}
+{{- if .Values.operator.singleNamespace -}}
+{{- list .Release.Namespace | toJson -}}
+{{- else -}}
+{{- .Values.operator.watchNamespaces | default list | toJson -}}
+{{- end -}}
+{{- end }}
+
+{{- /* The username the API server gives the operator's ServiceAccount. */}}
+{{- define "kiln.operatorUser" -}}
+system:serviceaccount:{{ .Release.Namespace }}:{{ include "kiln.serviceAccountName" . }}
+{{- end }}

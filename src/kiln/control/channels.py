@@ -1,5 +1,8 @@
 """How one Kiln process opens a gRPC channel to another: the one set of channel options every
-client and server uses, and mutual TLS with this process's certificate where it has one.
+client and server uses, and mutual TLS with this process's certificate. A process without one
+refuses to connect (`PlainTextRefused`) unless plain text was asked for (`--insecure`,
+$KILN_INSECURE=1): a missing certificate folder is a deployment mistake, and quietly sending the
+job's traffic unauthenticated would hide it.
 
 The options are here, not in each client, because both ends must agree: a client that pings
 more often than its server permits is sent GOAWAY, and a message larger than either end's limit
@@ -9,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kiln.tls import Bundle, own_bundle, server_name
+from kiln.tls import INSECURE_ENV, TLS_DIR_ENV, Bundle, insecure_allowed, own_bundle, server_name
 
 if TYPE_CHECKING:
     import grpc
@@ -37,6 +40,21 @@ CHANNEL_OPTIONS = [
 ]
 
 
+class PlainTextRefused(ValueError):
+    """No certificate to connect with, and plain text was not asked for."""
+
+
+def _bundle_or_refuse(bundle: Bundle | None, component: str, target: str) -> Bundle | None:
+    """The bundle to connect with; None where plain text was asked for."""
+    bundle = bundle or own_bundle()
+    if bundle is None and not insecure_allowed():
+        raise PlainTextRefused(
+            f"no certificate to connect to {component} at {target}: set ${TLS_DIR_ENV} to this "
+            f"component's certificate folder (ca.crt, tls.crt, tls.key); ${INSECURE_ENV}=1 (or a "
+            "service's --insecure) connects in plain text (debugging only)")
+    return bundle
+
+
 def _credentials(bundle: Bundle) -> "grpc.ChannelCredentials":
     import grpc
 
@@ -51,10 +69,10 @@ def _tls_options(component: str, options) -> list[tuple[str, Any]]:
 def channel(target: str, component: str, options=CHANNEL_OPTIONS,
             bundle: Bundle | None = None) -> "grpc.Channel":
     """A blocking channel to `component` at `target`: mutual TLS with this process's
-    certificate (or `bundle`) when it has one, plain text otherwise."""
+    certificate (or `bundle`); plain text only where asked for, `PlainTextRefused` otherwise."""
     import grpc
 
-    bundle = bundle or own_bundle()
+    bundle = _bundle_or_refuse(bundle, component, target)
     if bundle is None:
         return grpc.insecure_channel(target, options=options)
     return grpc.secure_channel(target, _credentials(bundle), options=_tls_options(component, options))
@@ -65,7 +83,7 @@ def aio_channel(target: str, component: str, options=CHANNEL_OPTIONS,
     """As `channel`, for asyncio code."""
     import grpc
 
-    bundle = bundle or own_bundle()
+    bundle = _bundle_or_refuse(bundle, component, target)
     if bundle is None:
         return grpc.aio.insecure_channel(target, options=options)
     return grpc.aio.secure_channel(target, _credentials(bundle),

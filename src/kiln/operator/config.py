@@ -7,14 +7,20 @@ Not covered: per-job settings, which live in the RLJob spec.
 """
 from __future__ import annotations
 
+import datetime
+import json
 import os
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kiln.operator.policy import ANY, Allowlist, check_registry_prefix
 from kiln.operator.status import DEFAULT_ADDRESS
+from kiln.operator.tls import Lifetimes
+from kiln.tls import CA_LIFETIME, CERT_LIFETIME
 from kiln.operator.workloads import DIND_IMAGE, SandboxHosting
 
 PREFIX = "KILN_OPERATOR_"
+HOUR = datetime.timedelta(hours=1)
 
 
 class OperatorConfig(BaseModel):
@@ -46,13 +52,56 @@ class OperatorConfig(BaseModel):
     gVisor): the privileges the sandboxes need then stay inside the pod's VM, and jobs with
     sandboxes are admitted without `allow_privileged_sandboxes`."""
 
+    cert_lifetime_hours: float = Field(CERT_LIFETIME / HOUR, gt=0)
+    """Lifetime of each job's component certificates; renewed (and the job's pods restarted)
+    at two thirds of it."""
+    ca_lifetime_hours: float = Field(CA_LIFETIME / HOUR, gt=0)
+    """Lifetime of each job's CA; rotated at two thirds of it."""
+    ca_overlap_hours: float = Field(24.0, gt=0)
+    """How long a job's new CA is trusted before it signs: must outlast one restart of all the
+    job's pods (they pick up the trust bundle that holds it)."""
+
+    allowed_service_accounts: list[str] = [ANY]
+    """ServiceAccounts (names or globs) RLJobs may run their pods as (`pod.serviceAccountName`);
+    `*`: any. A JSON list in the environment."""
+    allowed_image_registries: list[str] = [ANY]
+    """Image registry prefixes (ending in `/`) RLJobs' images may come from; `*`: any."""
+    allowed_secrets: list[str] = [ANY]
+    """Secrets (names or globs) RLJobs may reference (env, envFrom, volumes, imagePullSecrets,
+    the Hub token, the OpenAI API keys); `*`: any. Kiln's own certificate Secrets never."""
+
+    @field_validator("allowed_image_registries")
+    @classmethod
+    def _prefixes(cls, value: list[str]) -> list[str]:
+        return [check_registry_prefix(p) for p in value]
+
+    @model_validator(mode="after")
+    def _lifetimes_fit(self) -> OperatorConfig:
+        if self.cert_lifetime_hours >= self.ca_lifetime_hours:
+            raise ValueError("cert_lifetime_hours must be shorter than ca_lifetime_hours")
+        if self.ca_overlap_hours >= self.ca_lifetime_hours / 3:
+            raise ValueError("ca_overlap_hours must be under a third of ca_lifetime_hours (the "
+                             "old CA expires a third of its lifetime after the rotation starts)")
+        return self
+
+    @property
+    def lifetimes(self) -> Lifetimes:
+        return Lifetimes(cert=self.cert_lifetime_hours * HOUR, ca=self.ca_lifetime_hours * HOUR,
+                         overlap=self.ca_overlap_hours * HOUR)
+
+    @property
+    def allowlist(self) -> Allowlist:
+        return Allowlist(tuple(self.allowed_service_accounts), tuple(self.allowed_image_registries),
+                         tuple(self.allowed_secrets))
+
     @property
     def hosting(self) -> SandboxHosting:
         return SandboxHosting(dind_image=self.dind_image, runtime_class=self.sandbox_runtime_class)
 
     def refusals(self, spec) -> list[str]:
         """What this operator will not run of an accepted spec (kiln.api.spec.RLJobSpec)."""
-        return self._sandbox_refusals(spec) + self._openai_refusals(spec)
+        return (self._sandbox_refusals(spec) + self._openai_refusals(spec)
+                + self.allowlist.refusals(spec))
 
     @staticmethod
     def _openai_refusals(spec) -> list[str]:
@@ -75,9 +124,16 @@ class OperatorConfig(BaseModel):
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> OperatorConfig:
         env = os.environ if environ is None else environ
-        values = {name: env[PREFIX + name.upper()] for name in cls.model_fields
-                  if PREFIX + name.upper() in env}
+        values: dict[str, object] = {name: env[PREFIX + name.upper()] for name in cls.model_fields
+                                     if PREFIX + name.upper() in env}
         try:
+            for name in ("allowed_service_accounts", "allowed_image_registries", "allowed_secrets"):
+                if name in values:
+                    try:
+                        values[name] = json.loads(str(values[name]))
+                    except ValueError:
+                        raise ValueError(f"invalid operator setting {PREFIX + name.upper()}: a JSON "
+                                         f"list of strings is expected, got {values[name]!r}") from None
             return cls.model_validate(values)
         except ValidationError as exc:
             names = ", ".join(PREFIX + str(e["loc"][0]).upper() for e in exc.errors())

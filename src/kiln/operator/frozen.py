@@ -6,8 +6,9 @@ On-policy distillation teachers (`rl.teacher`, `rl.teachers`), a KL penalty's re
 their own that weight sync never updates, as `kiln run` serves them with one process each. The
 job's distinct checkpoints, in `kiln.api.distillation.teacher_refs` order, become components
 `teacher`, `teacher-1`, ...: each a Deployment of one pod running
-`kiln-rollout --teacher DIR` (the rollout's image, resources, pod settings and certificate: its
-callers authorize it as a rollout), a Service, and a NetworkPolicy that lets the job's rollout
+`kiln-rollout --teacher DIR` (the rollout's image, resources and pod settings; its certificate's
+identity is `teacher`, which may call only Trainer.FetchStageExport: a frozen model cannot Put
+trajectories or Exec in sandboxes), a Service, and a NetworkPolicy that lets the job's rollout
 pods and the operator reach its gRPC port (`CLIENTS`). The rollout finds them at `KILN_TEACHER_ADDR`,
 `KILN_TEACHER_1_ADDR`, ... (`addresses`).
 
@@ -34,6 +35,7 @@ from kiln.operator import naming
 from kiln.operator import pods
 from kiln.operator.naming import GRPC_PORT, METRICS_PORT, JobRef, RUN_DIR
 from kiln.operator.pods import job_volume, model_volume, pod_template, scratch, service_container
+from kiln.operator.tls import tls_secret_name
 
 # Who may call a frozen deployment's gRPC port (Score, Generate; as the services' CALLERS).
 CLIENTS = ("operator", "rollout")
@@ -70,13 +72,17 @@ def deployment(job: JobRef, spec: RLJobSpec, name: str, ref: str, stage: str | N
     container["name"] = name
     container["args"] += (["--teacher", TEACHER_DIR, "--teacher-stage", stage] if stage
                           else ["--teacher", ref])
-    # Its own name in logs and metrics; its certificate (and so its identity) is the rollout's.
+    # Its own name in logs and metrics.
     container["env"] = [{"name": "KILN_COMPONENT", "value": name} if e["name"] == "KILN_COMPONENT"
                         else e for e in container["env"]]
     template = pod_template(job, spec, "rollout", config_hash, [container],
                             [job_volume(job), {"name": "run", **scratch(spec.rollout.resources)},
                              *volumes])
     template["metadata"]["labels"].update(naming.selector_labels(job, name))
+    # Its own identity, not the rollout's (`kiln.services.common.tls.CALLERS`).
+    for volume in template["spec"]["volumes"]:
+        if volume["name"] == "tls":
+            volume["secret"]["secretName"] = tls_secret_name(job, "teacher")
     body = pods.deployment(job, spec, name, replicas, template)
     body["metadata"] = naming.metadata(job, name, spec.image)
     return body

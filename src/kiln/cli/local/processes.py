@@ -82,7 +82,7 @@ def start(name: str, job_file: Path, run_dir: Path, addresses: dict[str, str],
     env = {**os.environ, **{env_var(k): v for k, v in addresses.items()
                             if not k.startswith(ROLLOUT_WORKER_PREFIX)}, **(extra_env or {})}
     # Each service's own certificate (`issue_certificates`); the launcher's is the operator's.
-    env[TLS_DIR_ENV] = str(run_dir / "tls" / component_of(name))
+    env[TLS_DIR_ENV] = str(run_dir / "tls" / identity_of(name))
     env.setdefault("KILN_LOG_FORMAT", "json")
     if name.startswith(ROLLOUT_WORKER_PREFIX):
         # Its own task stream (the producer salts the job's seed with it), across restarts too.
@@ -106,9 +106,14 @@ def sandbox_owner(run_dir: Path) -> str:
     return "run-" + hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]
 
 
+def identity_of(name: str) -> str:
+    """The certificate identity a local service process runs as: a teacher's is `teacher`
+    (it may fetch a stage's weights and nothing else), as on a cluster."""
+    return "teacher" if is_teacher(name) else component_of(name)
+
+
 def component_of(name: str) -> str:
-    """The component (certificate identity) a local service process runs as: a teacher is a
-    rollout deployment, as on a cluster."""
+    """The service a local process runs: a teacher is a rollout deployment, as on a cluster."""
     if name.startswith(REPLICA_PREFIX):
         return "trainer"
     if is_teacher(name) or name.startswith(ROLLOUT_WORKER_PREFIX):
@@ -148,7 +153,7 @@ def wait_port(svc: ServiceProcess, timeout: float = 180.0) -> float:
 def wait_ready(svc: ServiceProcess, timeout: float = 180.0) -> None:
     """Wait for the port file, then for the health service to say SERVING."""
     deadline = wait_port(svc, timeout)
-    with channels.channel(svc.address, component_of(svc.name)) as ch:
+    with channels.channel(svc.address, identity_of(svc.name)) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             _check_alive(svc)

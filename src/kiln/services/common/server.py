@@ -248,6 +248,8 @@ def _tls(service: str, args: argparse.Namespace) -> tuple[Bundle | None, str | N
         os.environ[TLS_DIR_ENV] = str(args.tls_dir or os.environ[TLS_DIR_ENV])
         return bundle, None
     if args.insecure or os.environ.get(INSECURE_ENV) == "1":
+        # This process's own clients then connect in plain text too (`kiln.control.channels`).
+        os.environ[INSECURE_ENV] = "1"
         return None, None
     return None, (f"no certificate folder: give --tls-dir DIR (ca.crt, tls.crt, tls.key) or "
                   f"${TLS_DIR_ENV}; --insecure serves plain text (debugging only)")

@@ -9,7 +9,8 @@ certificate without requiring it, so no RPC happens that could answer UNAUTHENTI
 server as the component they meant to reach (`kiln-<component>`, whatever its address).
 
 Without a certificate folder a server refuses to start unless told `--insecure` (or
-`KILN_INSECURE=1`), which it logs as a warning; clients of such a process connect in plain text.
+`KILN_INSECURE=1`), which it logs as a warning; clients of such a process connect in plain text,
+and a client without a certificate refuses to connect otherwise (`kiln.control.channels`).
 """
 from __future__ import annotations
 
@@ -17,15 +18,16 @@ import logging
 from typing import Awaitable, Callable
 
 import grpc
+from cryptography import x509
 
 from kiln.services.common.interceptors import rewrap
+from kiln.services.common.metrics import CERTIFICATE_EXPIRY
 from kiln.services.common.ratelimit import LogLimiter
-from kiln.tls import Bundle
+from kiln.tls import INSECURE_ENV, Bundle  # noqa: F401 (the services' name for it)
 
 log = logging.getLogger("kiln.tls")
 _REFUSALS = LogLimiter(burst=5, period_s=60)
 
-INSECURE_ENV = "KILN_INSECURE"
 ANY = "*"
 
 # Full method name -> the components that may call it. "*": any caller holding a certificate of
@@ -48,8 +50,9 @@ CALLERS: dict[str, frozenset[str]] = {
     # also holds a stage at a held-out evaluation and rolls it back to its best checkpoint.
     **{f"/kiln.v1.Trainer/{m}": frozenset({"operator"})
        for m in ("RunStage", "GetTrainerStatus", "ContinueStage", "RestoreCheckpoint")},
-    # A frozen deployment (its certificate is a rollout's) loads an earlier stage's weights.
-    "/kiln.v1.Trainer/FetchStageExport": frozenset({"rollout"}),
+    # A frozen deployment (identity `teacher`, which may call nothing else) loads an earlier
+    # stage's weights.
+    "/kiln.v1.Trainer/FetchStageExport": frozenset({"teacher"}),
     "/kiln.v1.WeightSync/Publish": frozenset({"trainer"}),
     "/kiln.v1.WeightSync/Subscribe": frozenset({"rollout"}),
     "/kiln.v1.WeightSync/Ack": frozenset({"rollout"}),
@@ -66,6 +69,12 @@ def allowed(method: str, component: str) -> bool:
 
 
 def server_credentials(bundle: Bundle) -> grpc.ServerCredentials:
+    """Credentials that serve `bundle`'s certificate and admit clients of its trust bundle; its
+    expiry is exported (`kiln_certificate_expiry_timestamp_seconds`) for the renewal alert."""
+    cert = x509.load_pem_x509_certificate(bundle.cert)
+    names = cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)
+    CERTIFICATE_EXPIRY.labels(names[0].value if names else "").set(
+        cert.not_valid_after_utc.timestamp())
     return grpc.ssl_server_credentials([(bundle.key, bundle.cert)], root_certificates=bundle.ca,
                                        require_client_auth=True)
 

@@ -27,13 +27,13 @@ class RolloutClient(RolloutControlClient):
 
 
 class TeacherScorer:
-    """A frozen deployment's Score, asynchronous, over mutual TLS (its certificate is a
-    rollout's): what a student's rollout calls for a teacher's, a reference's or an outcome
+    """A frozen deployment's Score, asynchronous, over mutual TLS (its certificate's identity is
+    `teacher`): what a student's rollout calls for a teacher's, a reference's or an outcome
     model's log-probs. Retried for up to `wait_s` while the deployment starts, restarts or
     loads: on a cluster one made by a stage starts only when that stage is done."""
 
     def __init__(self, address: str, *, wait_s: float = FROZEN_WAIT_S) -> None:
-        self.channel = aio_channel(address, "rollout")
+        self.channel = aio_channel(address, "teacher")
         self._stub = rollout_pb2_grpc.RolloutStub(self.channel)
         self.wait_s = wait_s
 
@@ -64,7 +64,7 @@ class FrozenEngine:
     fingerprint = "frozen"
 
     def __init__(self, address: str, *, wait_s: float = FROZEN_WAIT_S) -> None:
-        self._channel = aio_channel(address, "rollout")
+        self._channel = aio_channel(address, "teacher")
         self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
         self.wait_s = wait_s
         self.policy_version = 0
