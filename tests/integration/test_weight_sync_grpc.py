@@ -14,7 +14,7 @@ from kiln.control.channels import CHANNEL_OPTIONS
 from kiln.services.common.server import Registration, create_server
 from kiln.services.weight_sync import client as ws
 from kiln.services.weight_sync import wire
-from kiln.services.weight_sync.buckets import pack
+from kiln.services.weight_sync.buckets import Bucket, pack
 from kiln.services.weight_sync.servicer import SERVICE_NAME, STREAMS_METADATA, WeightSyncServicer
 
 BUCKET = 4096
@@ -30,18 +30,33 @@ def weights(seed: int) -> list[tuple[str, torch.Tensor]]:
 
 
 class Replica:
-    """A stand-in engine: keeps the applied tensors; optionally slow to apply."""
+    """A stand-in engine: keeps the applied tensors. With `gated`, each apply waits for `gate`,
+    so newer versions arrive while one is applied however slow the machine; `buckets` counts
+    the buckets received of each version."""
 
-    def __init__(self, channel: grpc.aio.Channel, name: str, delay: float = 0.0) -> None:
-        self.name, self.delay = name, delay
+    def __init__(self, channel: grpc.aio.Channel, name: str, gated: bool = False) -> None:
+        self.name = name
+        self.gate = asyncio.Event()
+        if not gated:
+            self.gate.set()
+        self.started: list[int] = []
+        self.buckets: dict[int, int] = {}
         self.state: dict[str, torch.Tensor] = {}
         self.receiver = ws.make_receiver(channel, name, self.apply)
+        receive = self.receiver.on_chunk
+
+        async def on_chunk(chunk) -> None:
+            await receive(chunk)
+            if isinstance(chunk, Bucket):
+                self.buckets[chunk.policy_version] = self.buckets.get(chunk.policy_version, 0) + 1
+        self.receiver.on_chunk = on_chunk
         self.task = asyncio.create_task(
             ws.subscribe_and_apply(channel, name, self.apply, receiver=self.receiver,
                                    reconnect_delay=0.05))
 
     async def apply(self, version: int, tensors) -> None:
-        await asyncio.sleep(self.delay)
+        self.started.append(version)
+        await self.gate.wait()
         self.state = {n: t.clone() for n, t in tensors}
 
     def matches(self, seed: int) -> bool:
@@ -66,7 +81,7 @@ async def service():
         await server.stop(0)
 
 
-async def wait_for(cond, timeout: float = 10.0) -> None:
+async def wait_for(cond, timeout: float = 60.0) -> None:
     async with asyncio.timeout(timeout):
         while not cond():
             await asyncio.sleep(0.01)
@@ -171,18 +186,21 @@ def test_corruption_on_the_way_to_a_replica_is_rejected_and_old_weights_kept() -
 def test_new_version_while_replica_applies_previous_never_goes_back() -> None:
     async def main() -> None:
         async with service() as (servicer, ch):
-            slow = Replica(ch, "slow", delay=0.3)
+            slow = Replica(ch, "slow", gated=True)
             fast = Replica(ch, "fast")
             await ws.publish(ch, 1, weights(1), BUCKET)
-            await asyncio.sleep(0.1)  # slow is applying 1
+            await wait_for(lambda: slow.started == [1])  # slow is applying 1 (held there)
             for v in (2, 3, 4):
                 await ws.publish(ch, v, weights(v), BUCKET)
+            # Every bucket of 4 has reached slow while it still applies 1: then it lets go.
+            await wait_for(lambda: slow.buckets.get(4) == len(pack(4, weights(4), BUCKET).buckets))
+            slow.gate.set()
             await wait_for(lambda: slow.receiver.applied_policy_version == 4 == fast.receiver.applied_policy_version)
             assert slow.matches(4) and fast.matches(4)
             for rep in (slow, fast):
                 assert rep.receiver.applied == sorted(set(rep.receiver.applied))
                 assert rep.receiver.applied[0] == 1 and rep.receiver.applied[-1] == 4
-            assert len(slow.receiver.applied) < 4  # it skipped superseded versions
+            assert slow.receiver.applied == [1, 4]  # it skipped the superseded 2 and 3
             # Publishing an older or equal version is refused, and nothing moves back.
             with pytest.raises(ws.PublishError) as err:
                 await ws.publish(ch, 3, weights(9), BUCKET)

@@ -44,10 +44,35 @@ def test_round_trip_exact(bucket_bytes: int, algorithm: str) -> None:
     for b in reversed(packed.buckets):  # order of arrival does not matter
         a.add(b)
     back = to_tensors(m, a.finish())
-    assert [n for n, _ in back] == [n for n, _ in src]
-    for (_, x), (_, y) in zip(src, back):
-        assert x.dtype == y.dtype and x.shape == y.shape
-        assert torch.equal(x, y)
+    staged = Assembly(m, stage=True)  # a replica's: bytes copied into place on arrival
+    for b in reversed(packed.buckets):
+        staged.add(b)
+    for out in (back, staged.tensors()):
+        assert [n for n, _ in out] == [n for n, _ in src]
+        for (_, x), (_, y) in zip(src, out):
+            assert x.dtype == y.dtype and x.shape == y.shape
+            assert torch.equal(x, y)
+
+
+def test_deferred_pack_sends_the_same_bytes_and_a_torn_version_is_refused() -> None:
+    # Without a snapshot the bytes are read as each bucket is sent; the digests were taken
+    # before: weights that change in between must fail the checks, never commit a mix.
+    src = [(n, t.clone()) for n, t in _tensors()]
+    snap = pack(4, src, 100)
+    deferred = pack(4, src, 100, snapshot=False)
+    assert deferred.manifest == snap.manifest and len(deferred.buckets) == len(snap.buckets)
+    assert [b.data for b in deferred.buckets] == [b.data for b in snap.buckets]
+    a = Assembly(deferred.manifest)
+    for b in deferred.buckets:
+        a.add(b)
+    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(src, to_tensors(a.manifest, a.finish())))
+    torn = pack(5, src, 100, snapshot=False)
+    src[0][1][3, 2] += 1.0  # the trainer stepped while its weights were being sent
+    a = Assembly(torn.manifest)
+    with pytest.raises(TransferError) as err:
+        for b in torn.buckets:
+            a.add(b)
+    assert err.value.reason == "checksum"
 
 
 def test_corrupt_bucket_is_rejected() -> None:
@@ -113,15 +138,20 @@ def test_inconsistent_manifest_is_rejected() -> None:
 
 
 class Recorder:
-    """An apply target that records calls; optionally slow, to let newer versions arrive."""
+    """An apply target that records calls; with `gated`, each apply waits for `release`, so
+    newer versions can arrive while one is being applied, however slow the machine."""
 
-    def __init__(self, delay: float = 0.0) -> None:
-        self.delay = delay
+    def __init__(self, gated: bool = False) -> None:
+        self.gate = asyncio.Event()
+        if not gated:
+            self.gate.set()
+        self.started: list[int] = []
         self.calls: list[tuple[int, dict[str, torch.Tensor]]] = []
         self.acks: list[tuple[int, bool]] = []
 
     async def apply(self, version: int, tensors) -> None:
-        await asyncio.sleep(self.delay)
+        self.started.append(version)
+        await self.gate.wait()
         self.calls.append((version, dict(tensors)))
 
     async def ack(self, version: int, ok: bool, error: str) -> None:
@@ -141,13 +171,16 @@ def test_receiver_applies_verified_and_rejects_corrupt() -> None:
         task = asyncio.create_task(r.run())
         v1 = pack(1, _tensors(1), 64)
         await _feed(r, v1)
-        await asyncio.wait_for(r.wait_applied(1), 5)
+        await asyncio.wait_for(r.wait_applied(1), 60)
         v2 = pack(2, _tensors(2), 64)
         await _feed(r, v2, [v2.buckets[0], _flip(v2.buckets[1]), *v2.buckets[2:]])
         v3 = pack(3, _tensors(3), 64)
         await _feed(r, v3, v3.buckets[:-1])
         await r.on_streams_ended()
-        await asyncio.sleep(0.05)
+        for _ in range(6000):  # both refused, however slow the machine
+            if len(r.rejected) >= 2:
+                break
+            await asyncio.sleep(0.01)
         task.cancel()
         assert [v for v, _ in rec.calls] == [1]
         assert torch.equal(rec.calls[0][1]["model.embed_tokens.weight"], _tensors(1)[0][1])
@@ -158,13 +191,38 @@ def test_receiver_applies_verified_and_rejects_corrupt() -> None:
     asyncio.run(main())
 
 
+def test_receiver_drops_a_cut_version_and_takes_it_again_whole() -> None:
+    # The service forwards a version while it is published; a publish that fails part-way ends
+    # the streams. Nothing of the part is applied, and the version republished comes exactly.
+    async def main() -> None:
+        rec = Recorder()
+        r = ReplicaReceiver(rec.apply, rec.ack)
+        task = asyncio.create_task(r.run())
+        v1 = pack(1, _tensors(1), 40)
+        await _feed(r, v1, v1.buckets[:-2])
+        await r.on_streams_ended()
+        assert r.rejected == [(1, "truncated")]
+        await _feed(r, v1, [*v1.buckets[2:], *v1.buckets[:2]])
+        await asyncio.wait_for(r.wait_applied(1), 60)
+        task.cancel()
+        assert [v for v, _ in rec.calls] == [1] and rec.acks == [(1, False), (1, True)]
+        got = rec.calls[0][1]
+        assert all(torch.equal(got[n], t) for n, t in _tensors(1))
+
+    asyncio.run(main())
+
+
 def test_receiver_latest_wins_and_never_goes_back() -> None:
     async def main() -> None:
-        rec = Recorder(delay=0.2)
+        rec = Recorder(gated=True)
         r = ReplicaReceiver(rec.apply, rec.ack)
         task = asyncio.create_task(r.run())
         await _feed(r, pack(1, _tensors(1), 64))
-        await asyncio.sleep(0.05)  # version 1 is being applied (slowly)
+        for _ in range(1000):  # version 1 is being applied (held until released)
+            if rec.started:
+                break
+            await asyncio.sleep(0.01)
+        assert rec.started == [1]
         await _feed(r, pack(2, _tensors(2), 64))
         await _feed(r, pack(3, _tensors(3), 64))  # supersedes 2 before it is applied
         p5 = pack(5, _tensors(5), 64)
@@ -173,7 +231,8 @@ def test_receiver_latest_wins_and_never_goes_back() -> None:
         await _feed(r, pack(6, _tensors(6), 64))  # ... abandoned for 6
         for b in p5.buckets[1:]:
             await r.on_chunk(b)  # late buckets of the abandoned 5 are ignored
-        await asyncio.wait_for(r.wait_applied(6), 5)
+        rec.gate.set()
+        await asyncio.wait_for(r.wait_applied(6), 60)
         await _feed(r, pack(2, _tensors(2), 64))  # going backwards is ignored
         await asyncio.sleep(0.3)
         task.cancel()

@@ -34,7 +34,9 @@ class GrpcWeightPublisher:
         delay = 0.5
         while True:
             fut = asyncio.run_coroutine_threadsafe(
-                publish(self.channel, version, tensors, self.bucket_bytes, timeout=self.timeout), self.loop)
+                # No snapshot: this thread waits for the commit, so the weights hold still.
+                publish(self.channel, version, tensors, self.bucket_bytes, timeout=self.timeout,
+                        snapshot=False), self.loop)
             try:
                 fut.result(self.timeout + 30)
                 metrics.POLICY_VERSION.labels("trainer").set(version)

@@ -119,7 +119,36 @@ class Bucket:
 @dataclass(frozen=True)
 class PackedVersion:
     manifest: Manifest
-    buckets: list[Bucket]
+    buckets: Sequence[Bucket]
+
+
+class _DeferredBuckets(Sequence[Bucket]):
+    """Buckets whose digests were taken from the tensors' own memory and whose bytes are cut
+    from it only when each is sent: packing then costs one read, and the copy into a message
+    overlaps the transfer of the buckets before it. The tensors must not change until the
+    version is committed; if they do, the bytes no longer match the digests and the service
+    refuses the version (checksum): a torn version is never committed."""
+
+    def __init__(self, version: int, pieces: list[list[memoryview]], digests: list[bytes]) -> None:
+        self._version, self._pieces, self._digests = version, pieces, digests
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        pieces = self._pieces[index]
+        data = pieces[0].tobytes() if len(pieces) == 1 else b"".join(pieces)
+        return Bucket(self._version, range(len(self))[index], data, self._digests[index])
+
+
+def _hasher(algorithm: str):
+    if algorithm == "xxh3_64":
+        return xxhash.xxh3_64()
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    raise ValueError(f"digest_algorithm={algorithm!r} is not one of {DIGEST_ALGORITHMS}")
 
 
 def _tensor_bytes(tensor: "torch.Tensor") -> memoryview:
@@ -141,10 +170,14 @@ def dtype_name(tensor: "torch.Tensor") -> str:
 
 
 def pack(version: int, named_tensors: Iterable[tuple[str, "torch.Tensor"]], bucket_bytes: int,
-         algorithm: str = "xxh3_64") -> PackedVersion:
-    """Snapshot `named_tensors` as version `version`: one copy of the bytes, cut into buckets."""
+         algorithm: str = "xxh3_64", *, snapshot: bool = True) -> PackedVersion:
+    """Snapshot `named_tensors` as version `version`: one copy of the bytes, cut into buckets.
+    Without `snapshot`, no copy: the digests are taken now and each bucket's bytes when it is
+    sent, for a caller that leaves the tensors alone until the commit (see `_DeferredBuckets`)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
+    if not snapshot:
+        return _pack_deferred(version, named_tensors, bucket_bytes, algorithm)
     metas: list[TensorMeta] = []
     views: list[memoryview] = []
     offset = 0
@@ -180,16 +213,57 @@ def pack(version: int, named_tensors: Iterable[tuple[str, "torch.Tensor"]], buck
     return PackedVersion(manifest, buckets)
 
 
-class Assembly:
-    """Collects the buckets of one version, checking each on arrival."""
+def _pack_deferred(version: int, named_tensors: Iterable[tuple[str, "torch.Tensor"]],
+                   bucket_bytes: int, algorithm: str) -> PackedVersion:
+    metas: list[TensorMeta] = []
+    pieces: list[list[memoryview]] = []
+    digests: list[bytes] = []
+    current: list[memoryview] = []
+    hasher, filled, offset = _hasher(algorithm), 0, 0
+    for name, tensor in named_tensors:
+        view = _tensor_bytes(tensor)
+        metas.append(TensorMeta(name, tuple(tensor.shape), dtype_name(tensor), offset, view.nbytes))
+        offset += view.nbytes
+        pos = 0
+        while pos < view.nbytes:
+            take = min(bucket_bytes - filled, view.nbytes - pos)
+            piece = view[pos:pos + take]
+            current.append(piece)
+            hasher.update(piece)
+            pos += take
+            filled += take
+            if filled == bucket_bytes:
+                pieces.append(current)
+                digests.append(hasher.digest())
+                current, hasher, filled = [], _hasher(algorithm), 0
+    if filled:
+        pieces.append(current)
+        digests.append(hasher.digest())
+    manifest = Manifest(
+        policy_version=version, tensors=tuple(metas), total_bytes=offset, bucket_bytes=bucket_bytes,
+        num_buckets=len(digests), digest_algorithm=algorithm, digest=digest(algorithm, b"".join(digests)),
+    )
+    manifest.validate()
+    return PackedVersion(manifest, _DeferredBuckets(version, pieces, digests))
 
-    def __init__(self, manifest: Manifest) -> None:
+
+class Assembly:
+    """Collects the buckets of one version, checking each on arrival.
+
+    With `stage`, each bucket's bytes are copied on arrival into one buffer laid out as the
+    version (a replica: the copy overlaps the transfer of the next buckets, and `tensors()` then
+    hands out views of that buffer without another copy); the buckets kept hold their digests
+    only. The buffer is allocated when the first bucket has passed its checks."""
+
+    def __init__(self, manifest: Manifest, *, stage: bool = False) -> None:
         manifest.validate()
         self.manifest = manifest
         # Filled as buckets arrive: memory follows the bytes received, not what a manifest claims.
         self.buckets: dict[int, Bucket] = {}
         self.received = 0
         self.received_bytes = 0
+        self.stage = stage
+        self.buffer: bytearray | None = None
 
     @property
     def policy_version(self) -> int:
@@ -213,6 +287,12 @@ class Assembly:
                 "truncated", f"{where}: {len(bucket.data)} bytes, expected {m.bucket_size(bucket.index)}")
         if digest(m.digest_algorithm, bucket.data) != bucket.digest:
             raise TransferError("checksum", f"{where}: data does not match its {m.digest_algorithm} digest")
+        if self.stage:
+            if self.buffer is None:
+                self.buffer = bytearray(m.total_bytes)
+            start = bucket.index * m.bucket_bytes
+            self.buffer[start:start + len(bucket.data)] = bucket.data
+            bucket = Bucket(bucket.policy_version, bucket.index, b"", bucket.digest)
         self.buckets[bucket.index] = bucket
         self.received += 1
         self.received_bytes += len(bucket.data)
@@ -230,16 +310,29 @@ class Assembly:
         return buckets
 
 
+    def tensors(self) -> list[tuple[str, "torch.Tensor"]]:
+        """The named tensors of a staged version, once `finish()` has verified it: views of the
+        staging buffer, no copy."""
+        if not self.stage:
+            raise ValueError("tensors() needs an Assembly made with stage=True; use to_tensors")
+        self.finish()
+        return _views(self.manifest, self.buffer if self.buffer is not None else bytearray())
+
+
 def to_tensors(manifest: Manifest, buckets: Sequence[Bucket]) -> list[tuple[str, "torch.Tensor"]]:
     """The named tensors of a verified version (they share one freshly allocated buffer)."""
-    import torch
-
     buffer = bytearray(manifest.total_bytes)
     view = memoryview(buffer)
     pos = 0
     for b in buckets:
         view[pos:pos + len(b.data)] = b.data
         pos += len(b.data)
+    return _views(manifest, buffer)
+
+
+def _views(manifest: Manifest, buffer: bytearray) -> list[tuple[str, "torch.Tensor"]]:
+    import torch
+
     out = []
     for t in manifest.tensors:
         dtype = getattr(torch, t.dtype)

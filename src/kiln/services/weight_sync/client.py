@@ -61,10 +61,15 @@ class PublishResult:
 async def publish(channel: grpc.aio.Channel, version: int,
                   named_tensors: Iterable[tuple[str, "torch.Tensor"]],
                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, streams: int = 1,
-                  algorithm: str = "xxh3_64", timeout: float | None = None) -> PublishResult:
-    """Publish `named_tensors` (Hugging Face names) as policy version `version`."""
+                  algorithm: str = "xxh3_64", timeout: float | None = None,
+                  snapshot: bool = True) -> PublishResult:
+    """Publish `named_tensors` (Hugging Face names) as policy version `version`. With
+    `snapshot=False` nothing is copied up front (the caller leaves the tensors alone until this
+    returns, as the trainer's publisher does): packing is one read for the digests, and each
+    bucket's bytes are taken as it is sent."""
     t0 = time.perf_counter()
-    packed = await asyncio.to_thread(pack, version, list(named_tensors), bucket_bytes, algorithm)
+    packed = await asyncio.to_thread(pack, version, list(named_tensors), bucket_bytes, algorithm,
+                                     snapshot=snapshot)
     pack_seconds = time.perf_counter() - t0
     return await publish_packed(channel, packed, streams=streams, timeout=timeout,
                                 pack_seconds=pack_seconds)

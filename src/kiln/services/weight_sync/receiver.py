@@ -13,6 +13,10 @@ Verified versions go to an apply loop that calls `apply_fn(version, named_tensor
   manifest arrives;
 - `apply_fn` is only ever called with a fully verified version, one call at a time.
 
+Each bucket is copied into the version's staging buffer as it arrives and passes its checks
+(while the next ones are on the way), so a verified version reaches `apply_fn` as views of that
+buffer, with no copy left to make; a version cut short is dropped whole.
+
 If `apply_fn` raises, the version is acknowledged as failed and the applied version does not
 move; whether the engine still serves the old weights then is the engine's promise (the rollout
 engine applies a version all-or-nothing only as far as vLLM's in-place reload does).
@@ -24,7 +28,7 @@ import logging
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 from kiln.services.common.metrics import POLICY_VERSION, SYNC_FAILURES
-from kiln.services.weight_sync.buckets import Assembly, Bucket, Manifest, TransferError, to_tensors
+from kiln.services.weight_sync.buckets import Assembly, Bucket, Manifest, TransferError
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +57,7 @@ class ReplicaReceiver:
         """(version, reason) of every version rejected."""
         self._partial: dict[int, Assembly] = {}
         self._failed: set[int] = set()
-        self._ready: tuple[Manifest, list[Bucket]] | None = None
+        self._ready: tuple[Manifest, Assembly] | None = None
         self._wake = asyncio.Event()
         self._applied_event = asyncio.Condition()
 
@@ -80,7 +84,9 @@ class ReplicaReceiver:
                     "manifest", f"version {m.policy_version} announced twice with different manifests"))
             return
         try:
-            assembly = Assembly(m)
+            # Staged: each bucket is copied into the version's buffer as it arrives, so the
+            # copy overlaps the transfer and the verified version is handed over without one.
+            assembly = Assembly(m, stage=True)
         except TransferError as exc:
             await self._reject(m.policy_version, exc)
             return
@@ -100,20 +106,24 @@ class ReplicaReceiver:
             assembly.add(b)
             if not assembly.complete:
                 return
-            buckets = assembly.finish()
+            assembly.finish()
         except TransferError as exc:
             await self._reject(b.policy_version, exc)
             return
         del self._partial[b.policy_version]
-        self._ready = (assembly.manifest, buckets)
+        self._ready = (assembly.manifest, assembly)
         self._wake.set()
 
     async def on_streams_ended(self) -> None:
-        """Every subscription stream ended: versions still partial are truncated."""
+        """Every subscription stream ended: versions still partial are truncated. The service
+        forwards a version while it is published, and ends the streams when that publish fails;
+        the same version may then be published again, so a truncated one may come back whole
+        (every bucket received of it is dropped here: nothing of it was applied)."""
         for v, a in list(self._partial.items()):
             await self._reject(v, TransferError(
                 "truncated", f"version {v}: stream ended with "
                 f"{a.manifest.num_buckets - a.received} of {a.manifest.num_buckets} buckets missing"))
+            self._failed.discard(v)
 
     async def _reject(self, version: int, exc: TransferError) -> None:
         log.warning("rejecting version %d (%s): %s; keeping version %d",
@@ -134,11 +144,11 @@ class ReplicaReceiver:
             ready, self._ready = self._ready, None
             if ready is None or ready[0].policy_version <= self.applied_policy_version:
                 continue
-            manifest, buckets = ready
+            manifest, assembly = ready
             version = manifest.policy_version
             try:
-                tensors = await asyncio.to_thread(to_tensors, manifest, buckets)
-                del buckets, ready
+                tensors = assembly.tensors()
+                del assembly, ready
                 await self.apply_fn(version, tensors)
             except asyncio.CancelledError:
                 raise

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from typing import AsyncIterator
 
 import grpc
@@ -18,7 +19,7 @@ from kiln.protos.kiln.v1 import weight_sync_pb2_grpc as pb_grpc
 from kiln.services.common.metrics import SYNC_BYTES
 from kiln.services.common.ratelimit import LogLimiter
 from kiln.services.weight_sync import wire
-from kiln.services.weight_sync.buckets import Manifest, TransferError
+from kiln.services.weight_sync.buckets import Bucket, Manifest, TransferError
 from kiln.services.weight_sync.store import PendingVersion, WeightStore
 
 log = logging.getLogger("kiln.weight_sync")
@@ -55,10 +56,35 @@ def _expected_streams(context: grpc.aio.ServicerContext) -> int:
     return 1
 
 
+SHARED_CHUNKS = 32
+"""Bucket messages kept for the subscribers that follow a version in step (see `_chunk`)."""
+
+
 class WeightSyncServicer(pb_grpc.WeightSyncServicer):
     def __init__(self, store: WeightStore | None = None, *, commit_timeout: float = 120.0) -> None:
         self.store = store or WeightStore()
         self.commit_timeout = commit_timeout
+        self._chunks: OrderedDict[tuple[int, int, bytes], pb.WeightChunk] = OrderedDict()
+
+    def _chunk(self, bucket: Bucket) -> pb.WeightChunk:
+        """The message carrying `bucket`. Replicas fed while a version is published all wait for
+        the same bucket, so the message (one copy of its bytes) is built once for all of them;
+        only the last few are kept, so memory stays bounded whoever lags behind."""
+        msg = self._chunks.get(self._key(bucket))
+        if msg is None:
+            msg = pb.WeightChunk(bucket=wire.bucket_to_pb(bucket))
+            self._keep(bucket, msg)
+        return msg
+
+    @staticmethod
+    def _key(bucket: Bucket) -> tuple[int, int, bytes]:
+        # The digest too: a version whose publish failed may be published again with other bytes.
+        return (bucket.policy_version, bucket.index, bucket.digest)
+
+    def _keep(self, bucket: Bucket, msg: pb.WeightChunk) -> None:
+        self._chunks[self._key(bucket)] = msg
+        if len(self._chunks) > SHARED_CHUNKS:
+            self._chunks.popitem(last=False)
 
     async def Publish(self, request_iterator: AsyncIterator[pb.WeightChunk],
                       context: grpc.aio.ServicerContext) -> pb.PublishReply:
@@ -118,17 +144,27 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         sent = 0
         while True:
-            stored = await self.store.wait_newer(sent)
-            yield pb.WeightChunk(manifest=wire.manifest_to_pb(stored.manifest))
-            for i in wire.stream_indices(len(stored.buckets), request.stream_index, n):
-                if self.store.policy_version > stored.policy_version:
+            source = await self.store.wait_source(sent)
+            version = source.policy_version
+            yield pb.WeightChunk(manifest=wire.manifest_to_pb(source.manifest))
+            for i in wire.stream_indices(source.manifest.num_buckets, request.stream_index, n):
+                if self.store.newest_version > version:
                     log.info("replica %s: abandoning version %d for %d",
-                             replica, stored.policy_version, self.store.policy_version)
+                             replica, version, self.store.newest_version)
                     break
-                bucket = stored.buckets[i]
-                yield pb.WeightChunk(bucket=wire.bucket_to_pb(bucket))
+                if isinstance(source, PendingVersion):
+                    try:
+                        bucket = await source.bucket(i)
+                    except TransferError as exc:
+                        # The replica holds part of a version that will never be complete: end
+                        # the stream so that it drops the part (and takes a republish whole).
+                        await context.abort(grpc.StatusCode.ABORTED,
+                                            f"version {version} was not published: {exc}")
+                else:
+                    bucket = source.buckets[i]
+                yield self._chunk(bucket)
                 SYNC_BYTES.inc(len(bucket.data))
-            sent = stored.policy_version
+            sent = version
 
     async def Ack(self, request: pb.AckRequest, context: grpc.aio.ServicerContext) -> pb.AckReply:
         try:

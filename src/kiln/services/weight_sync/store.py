@@ -7,6 +7,9 @@ the version is committed, replacing the previous one, and every subscriber waiti
 `wait_newer` wakes up. A version not newer than the latest committed one is refused
 (`TransferError("stale")`); a corrupt bucket, or the last stream of a publish closing with
 buckets missing, fails that pending version and leaves the latest committed one untouched.
+Subscribers do not wait for the commit: `wait_source` hands them a version as soon as its publish
+opens, and they forward each bucket once it has passed its checks here (`PendingVersion.bucket`);
+if that publish then fails, they end their streams so that replicas drop what they received.
 
 Only the latest version is kept (a subscriber still sending an older one holds its own
 reference). Everything here runs on one asyncio loop; nothing is thread-safe.
@@ -45,6 +48,34 @@ class PendingVersion:
     started_at: float = field(default_factory=time.monotonic)
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     """Resolves to the StoredVersion when committed, or to a TransferError when it fails."""
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set (and replaced) whenever a verified bucket arrives or the version ends: what
+    subscribers forwarding this version while it is published wait on."""
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.assembly.manifest
+
+    @property
+    def policy_version(self) -> int:
+        return self.assembly.policy_version
+
+    def _wake(self) -> None:
+        event, self.arrived = self.arrived, asyncio.Event()
+        event.set()
+
+    async def bucket(self, index: int) -> Bucket:
+        """Bucket `index` once it has arrived and passed its checks; the version's TransferError
+        if its publish fails first (a subscriber must then drop what it received of it)."""
+        while True:
+            got = self.assembly.buckets.get(index)
+            if got is not None:
+                return got
+            if self.done.done():
+                exc = self.done.exception()
+                raise exc if exc is not None else TransferError(
+                    "truncated", f"version {self.policy_version}: bucket {index} never arrived")
+            await self.arrived.wait()
 
 
 @dataclass
@@ -118,6 +149,10 @@ class WeightStore:
             raise TransferError(
                 "manifest", f"version {manifest.policy_version}: more than {expected_streams} publish streams")
         pending.opened += 1
+        if pending.opened == 1:
+            # Subscribers start forwarding it now: each bucket is verified here on arrival and
+            # again by every replica, which applies nothing before the whole version checks out.
+            asyncio.get_running_loop().create_task(self._notify())
         return pending
 
     def add_bucket(self, pending: PendingVersion, bucket: Bucket) -> None:
@@ -131,6 +166,7 @@ class WeightStore:
         except TransferError as exc:
             self._fail(pending, exc)
             raise
+        pending._wake()
         if pending.assembly.complete:
             self._commit(pending)
 
@@ -151,6 +187,7 @@ class WeightStore:
         pending.done.set_exception(exc)
         pending.done.exception()  # mark retrieved: streams that already left need not see it
         self._pending.pop(pending.assembly.policy_version, None)
+        pending._wake()
 
     def _commit(self, pending: PendingVersion) -> None:
         version = pending.assembly.policy_version
@@ -189,6 +226,27 @@ class WeightStore:
             await self._changed.wait_for(lambda: self.policy_version > than)
             assert self.latest is not None
             return self.latest
+
+    @property
+    def newest_version(self) -> int:
+        """The newest version committed or being published."""
+        return max([self.policy_version, *self._pending])
+
+    def _newest_source(self, than: int) -> StoredVersion | PendingVersion | None:
+        pending = [p for v, p in self._pending.items() if v > max(than, self.policy_version)]
+        if pending:
+            return max(pending, key=lambda p: p.policy_version)
+        return self.latest if self.policy_version > than else None
+
+    async def wait_source(self, than: int) -> StoredVersion | PendingVersion:
+        """The newest version newer than `than`, committed or still being published (cut-through:
+        a subscriber forwards buckets as they arrive instead of after the commit, so the time to
+        reach every replica is one transfer, not two)."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._newest_source(than) is not None)
+            source = self._newest_source(than)
+            assert source is not None
+            return source
 
     def record_ack(self, replica_id: str, version: int, ok: bool, error: str) -> ReplicaState:
         """Record a replica's answer. ValueError for a replica that never subscribed (or beyond
