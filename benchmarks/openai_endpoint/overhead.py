@@ -111,8 +111,8 @@ async def via_http(base: str, episodes: int, tag: str) -> dict:
             for turn in range(TURNS):
                 t = time.perf_counter()
                 async with http.post(f"{base}/chat/completions", json={
-                        "model": "m", "messages": messages, "tools": TOOLS, "max_tokens": 40,
-                        "user": eid}) as resp:
+                        "model": "m", "messages": messages, "tools": TOOLS, "max_tokens": 40},
+                        headers={"X-Kiln-Episode": eid}) as resp:
                     body = await resp.json()
                 lat.append(time.perf_counter() - t)
                 msg = body["choices"][0]["message"]
@@ -141,7 +141,8 @@ async def via_openai(base: str, episodes: int, tag: str) -> dict:
             for turn in range(TURNS):
                 t = time.perf_counter()
                 resp = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS,
-                                                            max_tokens=40, user=eid)
+                                                            max_tokens=40,
+                                                            extra_headers={"X-Kiln-Episode": eid})
                 lat.append(time.perf_counter() - t)
                 msg = resp.choices[0].message
                 messages.append(msg.model_dump(exclude_none=True, exclude={"refusal", "annotations", "audio"}))

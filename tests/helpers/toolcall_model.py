@@ -61,3 +61,14 @@ def make_toolcall_model(out_dir: Path, steps: int = 150) -> Path:
         opt.step()
     model.save_pretrained(str(out_dir))
     return out_dir
+
+
+_SHARED: dict[str, Path] = {}
+
+
+def shared_toolcall_model(tmp_path_factory) -> Path:
+    """One `make_toolcall_model` per test session (training it takes seconds), for the modules
+    that only read it."""
+    if "model" not in _SHARED:
+        _SHARED["model"] = make_toolcall_model(tmp_path_factory.mktemp("toolcall") / "m")
+    return _SHARED["model"]

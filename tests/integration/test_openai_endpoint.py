@@ -28,7 +28,7 @@ from kiln.services.rollout.openai_episodes import ExternalEpisodes
 from kiln.services.rollout.openai_server import OpenAIServer
 from kiln.services.rollout.torch_engine import TorchEngine
 from kiln.trajectory import Trajectory
-from helpers.toolcall_model import PROMPT, SCRIPT, TOOLS, make_toolcall_model
+from helpers.toolcall_model import PROMPT, SCRIPT, TOOLS, shared_toolcall_model
 
 KEY = "test-key-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_toolcall_model(tmp_path_factory.mktemp("openai") / "m")
+    return shared_toolcall_model(tmp_path_factory)
 
 
 async def _serve(model_dir: Path, scenario):
@@ -166,7 +166,7 @@ def test_streaming_gives_the_same_message(model_dir: Path) -> None:
         ep = await open_episode(base)
         stream = await client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": PROMPT}], tools=TOOLS,
-            stream=True, user=ep)
+            stream=True, extra_headers={"X-Kiln-Episode": ep})
         chunks = [c async for c in stream]
         return chunks, await reward(base, ep, 1.0)
 
@@ -181,17 +181,17 @@ def test_bad_requests_name_the_field(model_dir: Path) -> None:
     async def scenario(client, base):
         problems = []
         e = await open_episode(base)
-        for kw in ({}, {"user": e, "n": 2}, {"user": e, "stop": ["\n"]},
-                   {"user": e, "tool_choice": "required"}):
+        for kw in ({"n": 2}, {"stop": ["\n"]}, {"tool_choice": "required"}):
             try:
                 await client.chat.completions.create(
-                    model="tiny", messages=[{"role": "user", "content": PROMPT}], **kw)
+                    model="tiny", messages=[{"role": "user", "content": PROMPT}],
+                    extra_headers={"X-Kiln-Episode": e}, **kw)
             except BadRequestError as exc:
                 problems.append(exc.body["message"])
         return problems, await reward(base, "never-started", 1.0), await reward(base, e, "high")
 
     (problems, unknown, bad), _ = asyncio.run(_serve(model_dir, scenario))
-    assert [p.split(":")[0] for p in problems] == ["name the episode", "n", "stop", "tool_choice"]
+    assert [p.split(":")[0] for p in problems] == ["n", "stop", "tool_choice"]
     assert unknown.status_code == 404 and "never-started" in unknown.json()["error"]["message"]
     assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("reward:")
 
@@ -223,7 +223,7 @@ def test_kiln_serve_episodes_train_in_an_rl_step(model_dir: Path, tmp_path: Path
             kiln_calls[ep] = []
             for turn in range(3):
                 resp = client.chat.completions.create(model="m", messages=messages, tools=TOOLS,
-                                                      user=ids[ep])
+                                                      extra_headers={"X-Kiln-Episode": ids[ep]})
                 kiln_calls[ep].append(resp.model_extra["kiln"])
                 msg = resp.choices[0].message
                 messages.append(msg.model_dump(exclude_none=True, exclude={"refusal", "annotations", "audio"}))

@@ -23,7 +23,7 @@ from kiln.services.rollout.openai_auth import ApiKeys, write_key
 from kiln.services.rollout.openai_episodes import ExternalEpisodes
 from kiln.services.rollout.openai_server import OpenAIServer
 from kiln.services.rollout.torch_engine import TorchEngine
-from helpers.toolcall_model import PROMPT, TOOLS, make_toolcall_model
+from helpers.toolcall_model import PROMPT, TOOLS, shared_toolcall_model
 
 A, B = "key-a-0123456789abcdef", "key-b-0123456789abcdef"
 
@@ -34,7 +34,7 @@ def auth(key: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_toolcall_model(tmp_path_factory.mktemp("probes") / "m")
+    return shared_toolcall_model(tmp_path_factory)
 
 
 def serve(model_dir: Path, scenario, *, stage_group_size=None, **settings):
@@ -173,12 +173,13 @@ def test_a_body_over_the_cap_gets_413(model_dir: Path) -> None:
 
         server.episodes.offload = spy
         ep = await opened(http)
-        body = {"model": "tiny", "user": ep, "max_tokens": 1,
+        body = {"model": "tiny", "max_tokens": 1,
                 "messages": [{"role": "user", "content": "x" * (150 << 10)}]}
-        over = await http.post("/chat/completions", headers=auth(A), json=body)
+        named = {**auth(A), "X-Kiln-Episode": ep}
+        over = await http.post("/chat/completions", headers=named, json=body)
         # Under the cap but over the offload threshold: parsed and rendered off the event loop.
         body["messages"][0]["content"] = "y" * (80 << 10)
-        heavy = await http.post("/chat/completions", headers=auth(A), json=body)
+        heavy = await http.post("/chat/completions", headers=named, json=body)
         return over, heavy, offloaded
 
     over, heavy, offloaded = serve(model_dir, scenario, max_body_bytes=128 << 10)

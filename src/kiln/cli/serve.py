@@ -4,10 +4,10 @@ API, to try an agent scaffold against it.
 The rollout engine (vLLM, or the trainer's model code for DSA checkpoints) serves
 `http://127.0.0.1:PORT/v1` to callers with a key of `--api-key-file FILE` (one per line, sent
 as `Authorization: Bearer KEY`); `POST /v1/kiln/episodes` opens an episode, each request names
-it (`X-Kiln-Episode` header or the `user` field), and `POST /v1/kiln/episodes/ID/reward` ends
-it, appending its
-trajectories to `--trajectories FILE` when given. Stops cleanly on SIGTERM or Ctrl-C. The API is
-described in `kiln.services.rollout.openai_server`.
+it in an `X-Kiln-Episode` header (a request naming none gets one issued, in that response
+header), and `POST /v1/kiln/episodes/ID/reward` ends it, appending its trajectories to
+`--trajectories FILE` when given. Stops cleanly on SIGTERM or Ctrl-C; exits 1 when the engine
+dies or wedges. The API is described in `kiln.services.rollout.openai_server`.
 """
 from __future__ import annotations
 
@@ -62,12 +62,11 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from kiln.services.rollout.standalone import serve
     try:
-        asyncio.run(serve(args.model_dir, port=args.openai_port, api_key_file=args.api_key_file,
-                          host=args.host, engine=kind,
-                          tool_call_format=args.tool_call_format, dtype=args.dtype,
-                          max_tokens_per_turn=args.max_tokens_per_turn,
-                          trajectories=args.trajectories, ready_file=args.ready_file))
+        return asyncio.run(serve(
+            args.model_dir, port=args.openai_port, api_key_file=args.api_key_file,
+            host=args.host, engine=kind, tool_call_format=args.tool_call_format, dtype=args.dtype,
+            max_tokens_per_turn=args.max_tokens_per_turn, trajectories=args.trajectories,
+            ready_file=args.ready_file))
     except (ValueError, OSError) as exc:
         print(f"kiln serve: {exc}", file=sys.stderr)
         return 2
-    return 0

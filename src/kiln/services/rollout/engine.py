@@ -86,7 +86,8 @@ class SamplingOptions:
     """Per-request seed; None draws from the engine's seeded stream. On a CPU, vLLM 0.32 kills
     its engine ("CPU Generator does not use offset") when a seeded request's prefill is split
     over several steps, which happens once many long prompts are in flight: rollout and
-    evaluation therefore leave it unset; short single prompts (tests, `kiln consistency`) are safe."""
+    evaluation therefore leave it unset, and the OpenAI endpoint drops its clients' seeds where
+    the engine's `honours_seeds` is false; short single prompts (tests, `kiln consistency`) are safe."""
     tool_choice_temperature: float | None = None
     """The job's `sampling.toolChoiceTemperature`: the agent loop makes each request's
     `tool_choice` from it and the episode's tools."""
@@ -233,6 +234,13 @@ class EngineBase:
     @property
     def fingerprint(self) -> str:
         return self._fingerprint
+
+    #: Whether a request's `SamplingOptions.seed` is safe to pass (see `SamplingOptions.seed`).
+    honours_seeds = True
+
+    def failure(self) -> str:
+        """Why this engine can no longer generate ("" while it can)."""
+        return ""
 
     def check_new_version(self, version: int) -> None:
         """ValueError unless `version` is newer than the one being served."""

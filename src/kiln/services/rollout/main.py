@@ -261,7 +261,9 @@ async def build(job: RLJob | None, args: argparse.Namespace):
                              max_total_tokens=s.max_total_tokens, settings=spec.rollout.openai,
                              stage_group_size=lambda: producer.mode.group_size),
             model_name=Path(spec.model.path).name, tokenizer=tokenizer, keys=ApiKeys.from_env(),
-            host=os.environ.get(HOST_ENV, "127.0.0.1"), port=spec.rollout.openai_port)
+            host=os.environ.get(HOST_ENV, "127.0.0.1"), port=spec.rollout.openai_port,
+            on_dead=lambda reason: (log.critical("%s; exiting so that this service is restarted",
+                                                 reason), os._exit(1)))
         await openai.start()
 
     async def on_stop() -> None:

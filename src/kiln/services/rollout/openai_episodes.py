@@ -22,6 +22,16 @@ later call on the episode must come from the same caller, and to any other it do
 (`UnknownEpisode`). A caller's groups are its own too: the group id is prefixed with the
 caller id, so no caller can add members to another's group.
 
+A caller that names no episode (a stock client) gets one issued (`Reply.episode_id`), indexed
+by a digest of its conversation up to the last reply; a later call of the same caller whose
+messages start with that conversation continues it. Past `maxOpenEpisodes` an issued episode
+replaces the caller's least recently used issued one (such clients never send rewards).
+
+A call changes its episode only once its generation has succeeded: the segment's tokens, its
+conversation and any new segment are rolled back on any failure (the engine's, a context
+overflow, a cancelled request), so a retry continues the episode as if the failed call had not
+happened.
+
 `finish` (the reward call) checks the reward (finite, within `rewardRange`), its parts and the
 group size (the stage's, where the run has stages) before it touches the episode: a refused
 reward leaves the episode open, to be rewarded again. It then turns the episode into
@@ -32,9 +42,9 @@ closed (`drop_idle`).
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
-import json
-import math
+import logging
 import secrets
 import time
 import uuid
@@ -48,15 +58,15 @@ from kiln.episode import EpisodeInfo
 from kiln.routing import RoutedExperts, merge_routing
 from kiln.services.rollout.engine import Engine, SamplingOptions
 from kiln.services.rollout.formats.chat import ChatConversation, ChatFormat
+from kiln.services.rollout.openai_messages import (ContextOverflow, RequestError, digests,
+                                                   normalized, template_message,
+                                                   tools_from_openai)
 from kiln.trajectory import Trajectory, spans_from_versions
+
+log = logging.getLogger("kiln.rollout.openai")
 
 Sink = Callable[[list[Trajectory], int], Awaitable[None]]
 """Takes an episode's trajectories and the size of the group they belong to."""
-
-
-class RequestError(ValueError):
-    """The request is wrong (HTTP 400); the message names the field. Retrying it unchanged
-    will not help."""
 
 
 class UnknownEpisode(KeyError):
@@ -66,82 +76,6 @@ class UnknownEpisode(KeyError):
 
 class TooManyEpisodes(RuntimeError):
     """The caller holds `maxOpenEpisodes` open episodes (HTTP 429): reward or delete one first."""
-
-
-def tools_from_openai(tools: Any) -> list[ToolSpec]:
-    """The request's `tools` as ToolSpecs."""
-    if tools is None:
-        return []
-    if not isinstance(tools, list):
-        raise RequestError("tools: expected a list of {type: function, function: {...}}")
-    out = []
-    for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise RequestError(f"tools[{i}]: expected {{type: function, function: {{name, "
-                               "description, parameters}}}")
-        out.append(ToolSpec(fn["name"], fn.get("description") or "",
-                            fn.get("parameters") or {"type": "object", "properties": {}}))
-    return out
-
-
-def _text(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # content parts: only text ones carry meaning here
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise RequestError(f"{where}.content: only text parts are supported")
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
-    raise RequestError(f"{where}.content: expected a string or a list of text parts")
-
-
-def _calls(message: dict[str, Any], where: str) -> list[tuple[str, Any]]:
-    """(name, arguments) of an assistant message's tool calls, comparable across requests."""
-    out = []
-    for j, call in enumerate(message.get("tool_calls") or []):
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict):
-            raise RequestError(f"{where}.tool_calls[{j}]: expected {{function: {{name, arguments}}}}")
-        args = fn.get("arguments")
-        try:
-            args = json.loads(args) if isinstance(args, str) else args
-        except json.JSONDecodeError:
-            pass  # compared as the string it is
-        out.append((fn.get("name"), args))
-    return out
-
-
-def normalized(messages: Any) -> list[dict[str, Any]]:
-    """The request's messages in one comparable shape (role, content text, calls, call id)."""
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages: expected a non-empty list")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user",
-                                                            "assistant", "tool"):
-            raise RequestError(f"{where}.role: expected system, user, assistant or tool")
-        role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": _text(m.get("content"), where),
-                    "calls": _calls(m, where) if role == "assistant" else [],
-                    "tool_call_id": m.get("tool_call_id") or "", "name": m.get("name") or ""})
-    return out
-
-
-def _template_message(m: dict[str, Any]) -> dict[str, Any]:
-    """A normalized message as the chat template takes it."""
-    out: dict[str, Any] = {"role": m["role"], "content": m["content"]}
-    if m["calls"]:
-        out["tool_calls"] = [{"type": "function", "function": {"name": n, "arguments": a}}
-                             for n, a in m["calls"]]
-    if m["role"] == "tool":
-        out["tool_call_id"], out["name"] = m["tool_call_id"], m["name"]
-    return out
 
 
 @dataclass
@@ -154,6 +88,7 @@ class Reply:
     versions: list[int]
     finish_reason: str
     prompt_tokens: int
+    episode_id: str = ""
 
 
 @dataclass
@@ -185,6 +120,10 @@ class _Episode:
     calls: int = 0
     last_used: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    issued: bool = False
+    """Issued by the server to a call that named no episode: found again by its conversation."""
+    key: str = ""
+    """Issued episodes: the digest of the conversation its next call is expected to extend."""
 
 
 class ExternalEpisodes:
@@ -208,6 +147,15 @@ class ExternalEpisodes:
         self._open: dict[str, int] = {}
         """Caller -> its open episodes."""
         self.dropped_idle = 0
+        self.evicted = 0
+        self._by_conversation: dict[tuple[str, str], str] = {}
+        """(caller, digest of a conversation up to its last reply) -> the issued episode."""
+        # What `stalled_for` measures: generations in flight, and when one last started after
+        # none was, or ended.
+        self._inflight = 0
+        self._progress = time.monotonic()
+        special = getattr(fmt.tokenizer, "all_special_tokens", None) or []
+        self._special = sorted((t for t in special if t), key=len, reverse=True)
         # Rendering a long history (parse, compare, chat template) one at a time, off the
         # event loop: a tokenizer is not safe to share between threads.
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="openai-render")
@@ -239,53 +187,149 @@ class ExternalEpisodes:
             raise UnknownEpisode(episode_id)
         return ep
 
+    def stalled_for(self) -> float:
+        """Seconds since a generation last ended while some are in flight (0 with none in
+        flight): an engine that takes requests and never answers them (wedged) stalls."""
+        return time.monotonic() - self._progress if self._inflight else 0.0
+
     def _close(self, ep: _Episode) -> None:
+        if ep.key and self._by_conversation.get((ep.caller, ep.key)) == ep.episode_id:
+            del self._by_conversation[(ep.caller, ep.key)]
         if self._episodes.pop(ep.episode_id, None) is not None:
             self._open[ep.caller] -= 1
             if not self._open[ep.caller]:
                 del self._open[ep.caller]
 
-    async def complete(self, caller: str, episode_id: str, messages: Any, tools: Any, *,
-                       sampling: SamplingOptions, offload: bool = False) -> Reply:
-        """Sample the next assistant reply of `episode_id` (opened by `open`). `offload`: render
-        the history on the rendering thread (a long one)."""
-        if not episode_id:
-            raise RequestError("name the episode: open one with POST /v1/kiln/episodes and send "
-                               "its id in an X-Kiln-Episode header or the `user` field")
-        ep = self._get(caller, episode_id)
+    async def complete(self, caller: str, episode_id: str | None, messages: Any, tools: Any, *,
+                       sampling: SamplingOptions, offload: bool = False,
+                       exact_max_tokens: bool = False) -> Reply:
+        """Sample the next assistant reply of `episode_id` (opened by `open`); with none, of the
+        episode issued earlier whose conversation this one extends, else of a new one issued
+        now (`Reply.episode_id`). `offload`: render the history on the rendering thread (a
+        long one). `exact_max_tokens`: the caller named `sampling.max_tokens`, so a reply that
+        cannot have that many tokens is refused (ContextOverflow) rather than cut.
+
+        A call joins its episode only if its generation succeeds: on any failure the episode is
+        left as it was, so the caller's retry (SDKs retry on their own) continues it."""
+        if episode_id:
+            ep = self._get(caller, episode_id)
+        else:
+            found = (await self.offload(self._find, caller, messages) if offload
+                     else self._find(caller, messages))
+            ep = found or self._issue(caller)
+        episode_id = ep.episode_id
         async with ep.lock:
             if self._episodes.get(episode_id) is not ep:
                 raise UnknownEpisode(episode_id)  # finished while this call waited
             ep.last_used = time.monotonic()
-            prepare = self._prepare
-            seg, history = (await self.offload(prepare, ep, messages, tools) if offload
-                            else prepare(ep, messages, tools))
-            budget = min(sampling.max_tokens, self.max_tokens_per_turn,
-                         self.max_total_tokens - len(seg.tokens))
-            if budget <= 0:
-                raise RequestError(f"episode {episode_id!r} has used its {self.max_total_tokens} "
-                                   "tokens (rollout.sampling.maxTotalTokens); send its reward")
-            prompt_tokens = len(seg.tokens)
+            undo = self._savepoint(ep)
+            try:
+                return await self._complete(ep, messages, tools, sampling, offload, exact_max_tokens)
+            except BaseException:
+                self._rollback(ep, undo)
+                if ep.issued and not ep.segments:
+                    self._close(ep)  # issued for this call alone: nothing of it to keep
+                raise
+
+    async def _complete(self, ep: _Episode, messages: Any, tools: Any, sampling: SamplingOptions,
+                        offload: bool, exact_max_tokens: bool) -> Reply:
+        prepare = self._prepare
+        seg, history = (await self.offload(prepare, ep, messages, tools) if offload
+                        else prepare(ep, messages, tools))
+        prompt_tokens = len(seg.tokens)
+        room = self.max_total_tokens - prompt_tokens
+        if room <= 0 or (exact_max_tokens and sampling.max_tokens > room):
+            raise ContextOverflow(self.max_total_tokens, prompt_tokens,
+                                  sampling.max_tokens if exact_max_tokens else 1)
+        budget = min(sampling.max_tokens, self.max_tokens_per_turn, room)
+        if not self._inflight:
+            self._progress = time.monotonic()
+        self._inflight += 1
+        try:
             gen = await self.engine.generate(seg.tokens, dataclasses.replace(
                 sampling, max_tokens=budget, stop_token_ids=tuple(self.fmt.stop_token_ids)))
-            seg.tokens += gen.token_ids
-            seg.mask += [1] * len(gen.token_ids)
-            seg.logp += gen.logprobs
-            seg.versions += gen.versions
-            seg.routed = merge_routing(seg.routed, gen.routed_experts)
-            action = seg.conv.read_reply(gen.token_ids)
-            ep.calls += 1
-            calls = [{"id": f"call_{ep.calls}_{i}", "type": "function",
-                      "function": {"name": c.name, "arguments": c.arguments_json()}}
-                     for i, c in enumerate(action.tool_calls)] if not action.unparseable else []
-            message: dict[str, Any] = {"role": "assistant",
-                                       "content": action.content if action.content or not calls else None}
-            if calls:
-                message["tool_calls"] = calls
-            seg.seen = history + normalized([message])
-            finish = "tool_calls" if calls else gen.finish_reason
-            return Reply(message, list(gen.token_ids), list(gen.logprobs), list(gen.versions),
-                         finish, prompt_tokens)
+        finally:
+            self._inflight -= 1
+            self._progress = time.monotonic()
+        seg.tokens += gen.token_ids
+        seg.mask += [1] * len(gen.token_ids)
+        seg.logp += gen.logprobs
+        seg.versions += gen.versions
+        seg.routed = merge_routing(seg.routed, gen.routed_experts)
+        action = seg.conv.read_reply(gen.token_ids)
+        ep.calls += 1
+        calls = [{"id": f"call_{ep.calls}_{i}", "type": "function",
+                  "function": {"name": c.name, "arguments": c.arguments_json()}}
+                 for i, c in enumerate(action.tool_calls)] if not action.unparseable else []
+        content = self._strip_special(action.content)
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": content if content or not calls else None}
+        if calls:
+            message["tool_calls"] = calls
+        seg.seen = history + normalized([message])
+        if ep.issued:
+            self._index(ep, seg.seen)
+        finish = "tool_calls" if calls else gen.finish_reason
+        return Reply(message, list(gen.token_ids), list(gen.logprobs), list(gen.versions),
+                     finish, prompt_tokens, ep.episode_id)
+
+    def _strip_special(self, text: str) -> str:
+        """`text` without the tokenizer's special tokens (an end-of-turn token the model wrote
+        mid-reply, a pad): they are markup, not content. The trained tokens keep them."""
+        for t in self._special:
+            text = text.replace(t, "")
+        return text
+
+    @staticmethod
+    def _savepoint(ep: _Episode) -> tuple:
+        """What `_rollback` needs to put `ep` back as it is now: a call only ever appends to
+        its last segment (tokens, conversation) or adds segments."""
+        seg = ep.segments[-1] if ep.segments else None
+        if seg is None:
+            return len(ep.segments), ep.tools, None
+        conv = copy.copy(seg.conv)
+        conv.messages = list(seg.conv.messages)
+        return len(ep.segments), ep.tools, (seg, len(seg.tokens), conv, seg.seen, seg.routed)
+
+    @staticmethod
+    def _rollback(ep: _Episode, undo: tuple) -> None:
+        n, ep.tools, last = undo
+        del ep.segments[n:]
+        if last is not None:
+            seg, length, conv, seen, routed = last
+            for name in ("tokens", "mask", "logp", "versions"):
+                del getattr(seg, name)[length:]
+            seg.conv, seg.seen, seg.routed = conv, seen, routed
+
+    def _index(self, ep: _Episode, seen: list[dict[str, Any]]) -> None:
+        if ep.key and self._by_conversation.get((ep.caller, ep.key)) == ep.episode_id:
+            del self._by_conversation[(ep.caller, ep.key)]
+        ep.key = digests(seen)[-1][1]
+        self._by_conversation[(ep.caller, ep.key)] = ep.episode_id
+
+    def _find(self, caller: str, messages: Any) -> _Episode | None:
+        """The issued episode of `caller` whose conversation `messages` extends (the longest
+        such), if any."""
+        history = normalized(messages)
+        for _, digest in reversed(digests(history)):
+            ep = self._episodes.get(self._by_conversation.get((caller, digest), ""))
+            if ep is not None and ep.caller == caller:
+                return ep
+        return None
+
+    def _issue(self, caller: str) -> _Episode:
+        """A new episode for a call that named none. Past `maxOpenEpisodes` the caller's least
+        recently used issued episode is closed for it (a stock client never rewards, so its
+        episodes would otherwise only free their slots after `idleSeconds`)."""
+        if self._open.get(caller, 0) >= self.settings.max_open_episodes:
+            idle = [e for e in self._episodes.values()
+                    if e.caller == caller and e.issued and not e.lock.locked()]
+            if idle:
+                self._close(min(idle, key=lambda e: e.last_used))
+                self.evicted += 1
+        ep = self._episodes[self.open(caller)]
+        ep.issued = True
+        return ep
 
     def _prepare(self, ep: _Episode, messages: Any,
                  tools: Any) -> tuple[_Segment, list[dict[str, Any]]]:
@@ -300,48 +344,23 @@ class ExternalEpisodes:
         if (seg is not None and tools == ep.tools and history[:len(seg.seen)] == seg.seen
                 and len(history) > len(seg.seen)
                 and all(m["role"] != "assistant" for m in history[len(seg.seen):])):
-            seg.context(seg.conv.append([_template_message(m) for m in history[len(seg.seen):]]))
+            seg.context(seg.conv.append([template_message(m) for m in history[len(seg.seen):]]))
             return seg
         ep.tools = tools
         # A history with earlier turns in it is rendered as the template writes it; those turns
         # are context (mask 0), whoever wrote them.
         info = EpisodeInfo(ep.episode_id, "", "openai", [], tools)
-        conv = self.fmt.conversation(info, [_template_message(m) for m in history])
+        conv = self.fmt.conversation(info, [template_message(m) for m in history])
         seg = _Segment(conv, history)
         seg.context(conv.prompt())
         seg.prompt_len = len(seg.tokens)
         ep.segments.append(seg)
         return seg
 
-    def check_reward(self, reward: Any, parts: Any, group_size: Any,
-                     group_id: str) -> tuple[float, dict[str, float], int]:
-        """The reward call's (reward, reward parts, group size), or RequestError naming the field."""
-        low, high = self.settings.reward_range
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
-            raise RequestError("reward: expected a number")
-        if not (math.isfinite(reward) and low <= reward <= high):
-            raise RequestError(f"reward: {reward!r} is outside this job's reward range [{low:g}, "
-                               f"{high:g}] (rollout.openai.rewardRange)")
-        parts = parts or {}
-        if not isinstance(parts, dict) or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                for v in parts.values()):
-            raise RequestError("reward_parts: expected an object of finite numbers")
-        stage = self.stage_group_size() if self.stage_group_size is not None else None
-        size = (stage or 1) if group_size is None else group_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise RequestError("group_size: expected a positive integer")
-        if stage is not None and size != stage:
-            raise RequestError(f"group_size: {size} is not the group size of the stage being "
-                               f"trained ({stage}); send whole groups of {stage}")
-        if size > 1 and not group_id:
-            raise RequestError(f"group_id: a group of {size} needs an id its members share")
-        return float(reward), {str(k): float(v) for k, v in parts.items()}, size
-
     async def finish(self, caller: str, episode_id: str, reward: float, *, task_id: str = "",
                      group_id: str = "", group_size: int = 1,
                      reward_parts: dict[str, float] | None = None) -> list[Trajectory]:
-        """End the episode with its reward (checked by `check_reward`): its trajectories, also
+        """End the episode with its reward (checked by `openai_params.check_reward`): its trajectories, also
         handed to the sink. If the sink fails the episode stays open."""
         ep = self._get(caller, episode_id)
         async with ep.lock:

@@ -6,26 +6,38 @@ can act as the policy.
     POST /v1/kiln/episodes/{id}/reward     {"reward": 1.0, "task_id": ..., "group_id": ...,
                                             "group_size": 8, "reward_parts": {...}}
     DELETE /v1/kiln/episodes/{id}          drop an episode without training on it
-    GET  /v1/models                        the one model served
-    GET  /healthz                          liveness, the only route without a key
+    GET  /v1/models, /v1/models/{id}       the one model served (another id: 404)
+    GET  /healthz                          liveness, the only route without a key: 503 once
+                                           the engine is dead or wedged
 
 Every request but /healthz carries `Authorization: Bearer <key>` (`openai_auth.py`); without a
-known key: 401. Episodes are issued by the server and bound to the key that opened them
-(`openai_episodes.py`): another key gets a 404 for them. Every completion request names its
-episode: an `X-Kiln-Episode` header, else the `user` field. Limits (`spec.rollout.openai`): a
-body over `maxBodyBytes` gets a 413, an episode past `maxOpenEpisodes` per key a 429, a reward
-outside `rewardRange` or not finite a 400 (the episode stays open); a body over 64 KiB is
-parsed and rendered off the event loop.
+known key: 401. Episodes are bound to the key that opened them (`openai_episodes.py`): another
+key gets a 404 for them. A completion request names its episode in an `X-Kiln-Episode` header
+(`user` is the API's end-user id and is never taken for one); a request that names none gets
+one issued by the server, returned in the `X-Kiln-Episode` response header and in
+`kiln.episode_id`, and a later request that sends that conversation back (the reply included)
+continues it, so a stock client's episodes need no Kiln code. Limits (`spec.rollout.openai`):
+a body over `maxBodyBytes` gets a 413, an episode past `maxOpenEpisodes` per key a 429 (an
+issued one closes the key's least recently used issued episode instead), a reward outside
+`rewardRange` or not finite a 400 (the episode stays open); a body over 64 KiB is parsed and
+rendered off the event loop.
 `openai_episodes.ExternalEpisodes` keeps each episode's exact tokens; the reward call turns it
-into trajectories. Besides the standard fields a response carries `kiln`: the sampled token ids,
-their log-probs (of the raw model distribution; when the job samples at a temperature other
-than 0 or 1, of the request's tempered one, and the trainer uses the job's temperature: send
-that one) and policy versions. `logprobs: true` also fills the standard `choices[0].logprobs`.
+into trajectories. Besides the standard fields a response carries `kiln`: the episode id, the
+sampled token ids, their log-probs (of the raw model distribution; when the job samples at a
+temperature other than 0 or 1, of the request's tempered one, and the trainer uses the job's
+temperature: send that one) and policy versions. `logprobs: true` also fills the standard
+`choices[0].logprobs`.
 
-Supported request fields: messages, tools, tool_choice (`auto` only: the model decides),
-temperature, top_p, max_tokens / max_completion_tokens, seed, stream, logprobs, user. Refused
-with a 400 naming the field: `n` > 1 (send n requests with their own episode ids), `stop`
-strings (a reply ends at the model's end-of-turn token), other tool_choice values.
+Errors come in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`. Every
+sampling field is checked before the engine sees it (`openai_params.py`): a wrong type or range,
+or a value asking for what is not done here (`n` > 1, stop strings, penalties, `top_k`,
+`top_logprobs`, a forced `tool_choice`, a JSON `response_format`), gets a 400 naming the field;
+another model's name a 404; a conversation or `max_tokens` past the context a 400 worded as
+vLLM's (`context_length_exceeded`). A failed call leaves its episode as it was, so a retry
+continues it. An engine that dies or stops answering makes /healthz fail and calls `on_dead`
+(`kiln serve` and the rollout service exit, to be restarted). `stream: true` sends the reply as
+server-sent events in one delta (generation is not incremental here). `/v1/completions`,
+`/v1/responses` and `/v1/embeddings` get a 404 that says so.
 """
 from __future__ import annotations
 
@@ -34,14 +46,15 @@ import json
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 
-from kiln.services.rollout.engine import SamplingOptions
 from kiln.services.rollout.openai_auth import ApiKeys
-from kiln.services.rollout.openai_episodes import (ExternalEpisodes, Reply, RequestError,
-                                                   TooManyEpisodes, UnknownEpisode)
+from kiln.services.rollout.openai_episodes import (ExternalEpisodes, Reply, TooManyEpisodes,
+                                                   UnknownEpisode)
+from kiln.services.rollout.openai_messages import RequestError
+from kiln.services.rollout.openai_params import check_reward, sampling_options
 
 log = logging.getLogger("kiln.rollout.openai")
 EPISODE_HEADER = "X-Kiln-Episode"
@@ -50,39 +63,29 @@ OFFLOAD_BYTES = 64 << 10
 CALLER = web.RequestKey("caller", str)
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind}}, status=status)
+def _error(status: int, message: str, kind: str = "invalid_request_error", *,
+           param: str | None = None, code: str | None = None) -> web.Response:
+    """OpenAI's error shape, which its clients map to their exception classes by status."""
+    return web.json_response({"error": {"message": message, "type": kind, "param": param,
+                                        "code": code}}, status=status)
 
 
-def _sampling(body: dict[str, Any], default_max_tokens: int) -> SamplingOptions:
-    for name in ("temperature", "top_p"):
-        if name in body and body[name] is not None and not isinstance(body[name], (int, float)):
-            raise RequestError(f"{name}: expected a number")
-    if body.get("n") not in (None, 1):
-        raise RequestError("n: only 1 is supported (send one request per episode)")
-    if body.get("tool_choice") not in (None, "auto"):
-        raise RequestError("tool_choice: only 'auto' is supported (the model decides whether to "
-                           "call a tool; its reply is trained on as sampled)")
-    if body.get("stop"):
-        raise RequestError("stop: stop sequences are not supported; a reply ends at the model's "
-                           "end-of-turn token, so the tokens trained on are the tokens sampled")
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or default_max_tokens
-    if not isinstance(max_tokens, int) or max_tokens < 1:
-        raise RequestError("max_tokens: expected a positive integer")
-    temperature = body.get("temperature")
-    try:
-        return SamplingOptions(temperature=1.0 if temperature is None else float(temperature),
-                               top_p=float(body.get("top_p") or 1.0), max_tokens=max_tokens,
-                               seed=body.get("seed"))
-    except ValueError as exc:
-        raise RequestError(str(exc)) from None
+def _refused(exc: RequestError) -> web.Response:
+    return _error(400, str(exc), param=exc.param, code=exc.code)
 
 
 class OpenAIServer:
     def __init__(self, episodes: ExternalEpisodes, *, model_name: str, tokenizer: Any,
-                 keys: ApiKeys, host: str = "127.0.0.1", port: int = 0) -> None:
+                 keys: ApiKeys, host: str = "127.0.0.1", port: int = 0,
+                 stall_seconds: float = 900.0,
+                 on_dead: Callable[[str], None] | None = None) -> None:
+        """`stall_seconds`: an engine with requests in flight that answers none for this long
+        is taken as wedged. `on_dead(reason)`: called once when the engine is found dead or
+        wedged (the process should exit, to be restarted); /healthz fails from then on."""
         self.episodes, self.model_name, self.tokenizer = episodes, model_name, tokenizer
         self.keys, self.host, self.port = keys, host, port
+        self.stall_seconds, self.on_dead = stall_seconds, on_dead
+        self.dead = ""
         self.requests = 0
         self._runner: web.AppRunner | None = None
         self._sweeper: asyncio.Task | None = None
@@ -96,6 +99,10 @@ class OpenAIServer:
             web.post("/v1/kiln/episodes/{episode_id}/reward", self.reward),
             web.delete("/v1/kiln/episodes/{episode_id}", self.abandon),
             web.get("/v1/models", self.models),
+            web.get("/v1/models/{model}", self.model),
+            web.post("/v1/completions", self.not_served),
+            web.post("/v1/embeddings", self.not_served),
+            web.post("/v1/responses", self.not_served),
             web.get("/healthz", self.healthz),
         ])
         return app
@@ -120,7 +127,9 @@ class OpenAIServer:
 
     async def _sweep(self) -> None:
         while True:
-            await asyncio.sleep(min(60.0, self.episodes.idle_seconds / 4))
+            await asyncio.sleep(min(5.0, self.episodes.idle_seconds / 4, self.stall_seconds / 4))
+            if self.check_engine():
+                continue
             if n := self.episodes.drop_idle():
                 log.warning("closed %d episodes idle for over %.0f s without a reward", n,
                             self.episodes.idle_seconds)
@@ -133,7 +142,7 @@ class OpenAIServer:
         if caller is None:
             return web.json_response(
                 {"error": {"message": "an API key is required: Authorization: Bearer <key>",
-                           "type": "authentication_error"}},
+                           "type": "authentication_error", "param": None, "code": "invalid_api_key"}},
                 status=401, headers={"WWW-Authenticate": "Bearer"})
         request[CALLER] = caller
         try:
@@ -141,6 +150,26 @@ class OpenAIServer:
         except web.HTTPRequestEntityTooLarge:
             return _error(413, f"the request body is larger than {self.episodes.settings.max_body_bytes} "
                           "bytes (rollout.openai.maxBodyBytes)", "request_too_large")
+        except web.HTTPNotFound:
+            return _error(404, f"no route {request.path}: this server has /v1/chat/completions, "
+                          "/v1/models and /v1/kiln/episodes", "not_found_error")
+        except web.HTTPMethodNotAllowed as exc:
+            return _error(405, f"{request.method} {request.path}: allowed {sorted(exc.allowed_methods)}",
+                          "invalid_request_error")
+
+    def check_engine(self) -> str:
+        """Why the engine cannot serve (dead, or wedged past `stall_seconds`), "" when it can;
+        the first time it cannot, `on_dead` is called."""
+        if not self.dead:
+            stalled = self.episodes.stalled_for()
+            self.dead = self.episodes.engine.failure() or (
+                f"the engine has answered no request for {stalled:.0f} s with some in flight "
+                "(wedged)" if stalled > self.stall_seconds else "")
+            if self.dead:
+                log.critical("%s; the endpoint reports unhealthy", self.dead)
+                if self.on_dead is not None:
+                    self.on_dead(self.dead)
+        return self.dead
 
     async def _json(self, request: web.Request) -> tuple[dict[str, Any], bool]:
         """The body as a JSON object, and whether it is large (parsed off the event loop)."""
@@ -149,9 +178,9 @@ class OpenAIServer:
         try:
             body = await self.episodes.offload(json.loads, raw) if heavy else json.loads(raw or b"{}")
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise RequestError(f"the request body is not JSON: {exc}") from None
+            raise RequestError(f"the request body is not JSON: {exc}", param=None) from None
         if not isinstance(body, dict):
-            raise RequestError("the request body must be a JSON object")
+            raise RequestError("the request body must be a JSON object", param=None)
         return body, heavy
 
     async def open_episode(self, request: web.Request) -> web.Response:
@@ -162,19 +191,34 @@ class OpenAIServer:
         return web.json_response({"episode_id": episode_id}, status=201)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        episode_id = request.headers.get(EPISODE_HEADER) or None
         try:
             body, heavy = await self._json(request)
-            episode_id = request.headers.get(EPISODE_HEADER) or body.get("user") or ""
-            sampling = _sampling(body, self.episodes.max_tokens_per_turn)
-            reply = await self.episodes.complete(request[CALLER], str(episode_id),
+            if (missing := self._unknown_model(body)) is not None:
+                return missing
+            sampling, exact = sampling_options(
+                body, self.episodes.max_tokens_per_turn,
+                honours_seeds=getattr(self.episodes.engine, "honours_seeds", True))
+            reply = await self.episodes.complete(request[CALLER], episode_id,
                                                  body.get("messages"), body.get("tools"),
-                                                 sampling=sampling, offload=heavy)
+                                                 sampling=sampling, offload=heavy,
+                                                 exact_max_tokens=exact)
         except RequestError as exc:
-            return _error(400, str(exc))
+            return _refused(exc)
         except UnknownEpisode:
-            return _not_open(episode_id)
+            return _not_open(str(episode_id))
+        except TooManyEpisodes as exc:
+            return _error(429, str(exc), "rate_limit_error")
         except ValueError as exc:  # the template cannot keep this conversation token-exact
             return _error(422, str(exc))
+        except web.HTTPException:
+            raise
+        except Exception as exc:  # the engine failed; the episode is as it was before the call
+            log.warning("a completion failed in the engine: %r", exc)
+            dead = self.check_engine()
+            return _error(503 if dead else 500, f"the engine failed ({type(exc).__name__}: "
+                          f"{exc}){'; ' + dead if dead else ''}", "server_error")
+        episode_id = reply.episode_id
         self.requests += 1
         created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         choice: dict[str, Any] = {"index": 0, "message": reply.message,
@@ -188,8 +232,20 @@ class OpenAIServer:
         if not body.get("stream"):
             return web.json_response({"id": cid, "object": "chat.completion", "created": created,
                                       "model": self.model_name, "choices": [choice],
-                                      "usage": usage, "kiln": kiln})
+                                      "usage": usage, "kiln": kiln},
+                                     headers={EPISODE_HEADER: episode_id})
         return await self._stream(request, cid, created, choice, usage, kiln)
+
+    def _unknown_model(self, body: dict[str, Any]) -> web.Response | None:
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            return _error(400, "model: expected the served model's name, "
+                          f"{self.model_name!r}", param="model")
+        if model != self.model_name:
+            return _error(404, f"The model `{model}` does not exist. This server serves "
+                          f"`{self.model_name}`.", "NotFoundError", param="model",
+                          code="model_not_found")
+        return None
 
     def _logprobs(self, reply: Reply) -> list[dict[str, Any]]:
         out = []
@@ -204,7 +260,8 @@ class OpenAIServer:
         """The reply as server-sent events: generation is not incremental here, so the whole
         message comes in one delta, then the finish reason."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
+                                           "Cache-Control": "no-cache",
+                                           EPISODE_HEADER: kiln["episode_id"]})
         await resp.prepare(request)
         message = choice["message"]
         delta: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
@@ -227,13 +284,16 @@ class OpenAIServer:
         try:
             body, _ = await self._json(request)
             group_id = str(body.get("group_id") or "")
-            reward, parts, size = self.episodes.check_reward(
-                body.get("reward"), body.get("reward_parts"), body.get("group_size"), group_id)
+            stage = self.episodes.stage_group_size
+            reward, parts, size = check_reward(
+                body.get("reward"), body.get("reward_parts"), body.get("group_size"), group_id,
+                reward_range=self.episodes.settings.reward_range,
+                stage=stage() if stage is not None else None)
             trajs = await self.episodes.finish(
                 request[CALLER], episode_id, reward, task_id=str(body.get("task_id") or ""),
                 group_id=group_id, group_size=size, reward_parts=parts)
         except RequestError as exc:
-            return _error(400, str(exc))
+            return _refused(exc)
         except UnknownEpisode:
             return _not_open(episode_id)
         except ValueError as exc:  # the buffer refused the trajectories; the episode stays open
@@ -256,10 +316,28 @@ class OpenAIServer:
         return web.json_response({"episode_id": episode_id, "dropped": True})
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "kiln"}]})
+        return web.json_response({"object": "list", "data": [self._card()]})
+
+    def _card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "kiln",
+                "max_model_len": self.episodes.max_total_tokens}
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.model_name:
+            return _error(404, f"The model `{name}` does not exist. This server serves "
+                          f"`{self.model_name}`.", "NotFoundError", param="model",
+                          code="model_not_found")
+        return web.json_response(self._card())
+
+    async def not_served(self, request: web.Request) -> web.Response:
+        return _error(404, f"{request.path} is not served here: this endpoint serves chat "
+                      "completions (/v1/chat/completions), whose episodes it can train on",
+                      "not_found_error")
 
     async def healthz(self, request: web.Request) -> web.Response:
+        if dead := self.check_engine():
+            return web.json_response({"ok": False, "reason": dead}, status=503)
         return web.json_response({"ok": True})
 
 

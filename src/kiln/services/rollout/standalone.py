@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import signal
+import sys
 from pathlib import Path
 
 from kiln.trajectory import Trajectory
@@ -18,13 +19,26 @@ from kiln.trajectory import Trajectory
 log = logging.getLogger("kiln.serve")
 
 
+def renders_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template writes a request's tools into the prompt."""
+    probe = {"type": "function", "function": {"name": "kiln_probe_tool", "description": "probe",
+                                              "parameters": {"type": "object", "properties": {}}}}
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[probe],
+                                             tokenize=False, add_generation_prompt=True)
+    except Exception:  # no template, or one that fails on tools: it does not render them
+        return False
+    return "kiln_probe_tool" in text
+
+
 async def serve(model_dir: Path, *, port: int, api_key_file: Path, host: str = "127.0.0.1",
                 engine: str = "auto",
                 tool_call_format: str = "auto", dtype: str = "float32",
                 kv_cache_bytes: int = 256 << 20, max_tokens_per_turn: int = 512,
                 max_total_tokens: int = 0, trajectories: Path | None = None,
-                ready_file: Path | None = None) -> None:
-    """Serve until SIGTERM or SIGINT, then stop the engine and return."""
+                ready_file: Path | None = None) -> int:
+    """Serve until SIGTERM or SIGINT, then stop the engine and return 0; or until the engine
+    dies or wedges, then return 1 (a supervisor restarts the process)."""
     from transformers import AutoTokenizer
 
     from kiln.services.rollout.engine import EngineSettings, engine_kind, start_engine
@@ -37,10 +51,12 @@ async def serve(model_dir: Path, *, port: int, api_key_file: Path, host: str = "
     config = json.loads((model_dir / "config.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     name = choose_format(tool_call_format, tokenizer, config.get("model_type", ""))
-    if name == "tags":
-        raise ValueError(f"{model_dir}: the tokenizer has no chat template that renders tools; the "
-                         "OpenAI endpoint needs one (pass --tool-call-format hermes or llama3 "
-                         "for a template that does)")
+    if name == "tags" or not renders_tools(tokenizer):
+        # A template that ignores `tools` would drop every request's tools from the prompt
+        # without a word; the model would never be told what it may call.
+        raise ValueError(f"{model_dir}: its chat template does not render tools, so a request's "
+                         "`tools` would never reach the model; the OpenAI endpoint needs a "
+                         "checkpoint whose template renders them (as Qwen's and Llama 3.1's do)")
     fmt = make_format(name, tokenizer)
     max_len = config.get("max_position_embeddings") or 4096
     eng = await start_engine(engine_kind(engine, model_dir), EngineSettings(
@@ -55,9 +71,9 @@ async def serve(model_dir: Path, *, port: int, api_key_file: Path, host: str = "
 
     episodes = ExternalEpisodes(eng, fmt, sink, max_tokens_per_turn=max_tokens_per_turn,
                                 max_total_tokens=max_total_tokens or max_len)
-    server = OpenAIServer(episodes, model_name=model_dir.name, tokenizer=tokenizer, keys=keys,
-                          host=host, port=port)
     stop = asyncio.Event()
+    server = OpenAIServer(episodes, model_name=model_dir.name, tokenizer=tokenizer, keys=keys,
+                          host=host, port=port, on_dead=lambda _reason: stop.set())
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -71,3 +87,7 @@ async def serve(model_dir: Path, *, port: int, api_key_file: Path, host: str = "
         await server.stop()
         await eng.close()
         log.info("stopped; %d episodes were open", len(episodes))
+    if server.dead:
+        print(f"kiln serve: exiting: {server.dead}", file=sys.stderr, flush=True)
+        return 1
+    return 0

@@ -141,6 +141,19 @@ class VllmEngine(EngineBase):
         self._broken = ""  # why the engine must not generate again (see EngineBroken)
         self._shapes = checkpoint_shapes(settings.model)
         self._vocab: int | None = None
+        from vllm.platforms import current_platform
+
+        # On a CPU a seeded request whose prefill is split over steps kills the engine ("CPU
+        # Generator does not use offset": vLLM rewinds the request's generator, which only a
+        # CUDA generator can do); concurrent long prompts split prefills.
+        self.honours_seeds = not current_platform.is_cpu()
+
+    def failure(self) -> str:
+        if self._broken:
+            return self._broken
+        if self._llm is not None and self._llm.errored:
+            return f"the vLLM engine died ({self._llm.dead_error!r})"
+        return ""
 
     @classmethod
     async def start(cls, settings: EngineSettings) -> "VllmEngine":
