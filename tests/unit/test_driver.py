@@ -214,3 +214,29 @@ def test_a_stage_the_trainer_failed_ends_the_run_with_the_reason(tmp_path: Path)
         # A driver deaf to the failure would poll forever: stop it after a while.
         _driver(tmp_path, trainer, FakeRollout(trainer), should_stop=lambda: next(calls) > 500).run()
     assert RunState.load(FileStore(tmp_path / "state.json")).finished_stages == ["sft"]
+
+
+def test_stage_evaluations_keep_and_track_pass_at_k(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from kiln.api.status import EvaluationResult
+    from kiln.evaluation import TaskCount
+
+    class CountingRollout(FakeRollout):
+        def evaluate(self, task_set: str, *, samples: int, greedy: bool) -> Evaluation:
+            # Two tasks of eval.samples (4) attempts: one solved once, one never.
+            counts = [TaskCount("a", samples, 1, True), TaskCount("b", samples, 0, False)]
+            return Evaluation(self.trainer.version, 2, 0.5, 1 / 8, 0.1, task_counts=counts)
+
+    job = JOB.model_copy(deep=True)
+    job.spec.stages[1].eval.samples = 4
+    logged: dict[str, float] = {}
+    trainer = FakeTrainer()
+    state = _driver(tmp_path, trainer, CountingRollout(trainer), job=job,
+                    tracker=SimpleNamespace(log=lambda step, values: logged.update(values))).run()
+    after = state.evaluations["rl/after/h"]
+    assert "task_counts" not in after
+    assert after["pass_at_k"] == {"1": 1 / 8, "2": 0.25, "4": 0.5}
+    assert logged["eval/h/pass_at_k/4"] == 0.5 and logged["eval/h/sampled_success"] == 1 / 8
+    # What the operator writes into the RLJob's status.evaluations.
+    assert EvaluationResult.model_validate(after).model_dump(by_alias=True)["passAtK"]["2"] == 0.25

@@ -30,7 +30,7 @@ def test_the_answered_only_critical_path_leaves_unanswered_episodes_out() -> Non
         config=SimpleNamespace(max_concurrent=4, sampling=SamplingOptions(), limits=None),
         extensions={"swarm": ext}, engine=SimpleNamespace(policy_version=3), _episode=episode,
         samples=SimpleNamespace(keep_evaluation=lambda *args: None))
-    n, greedy, sampled, path, answered = asyncio.run(
+    n, greedy, sampled, path, answered, _ = asyncio.run(
         Producer.evaluate(producer, "heldout", 4, max_tasks=0, samples=0, greedy=True))
     assert (n, greedy, sampled) == (4, 0.25, 0.0)
     assert path == 13.0 and answered == 17.0

@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sandbox": ("kiln.cli.sandbox", "run commands and verifiers in sandboxes"),
     "consistency": ("kiln.cli.consistency", "compare rollout and trainer log-probs"),
     "serve": ("kiln.cli.serve", "serve a checkpoint behind the OpenAI chat-completions API"),
+    "eval": ("kiln.cli.evaluate", "evaluate a checkpoint on a job's task set (pass@k)"),
     "prepare-model": ("kiln.cli.prepare_model", "create the job's model (spec.model.init) if missing"),
     "buffer": ("kiln.cli.buffer", "check or repair a buffer directory"),
     "simulate": ("kiln.cli.simulate", "simulate an RL stage's throughput and staleness"),

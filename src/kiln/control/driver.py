@@ -40,7 +40,7 @@ from kiln.control.autoscale import Autoscaler, StepSignals
 from kiln.control.guard import Guard, Selection
 from kiln.control.records import (BufferControl, ModeRequest, RolloutControl, RolloutMode,
                                   RolloutScaler, RolloutStatus, TrainerControl, TrainerStatus)
-from kiln.metrics import STATUS, StepMetrics
+from kiln.metrics import PASS_AT_K, STATUS, StepMetrics
 
 
 class StateStore(Protocol):
@@ -216,17 +216,20 @@ class Driver:
             self.say(f"stage {stage.name}: evaluating {task_set} ({when})")
             ev = self._call(lambda: self.rollout.evaluate(task_set, samples=stage.eval.samples,
                                                           greedy=True))
-            result = out[task_set] = dataclasses.asdict(ev)
+            result = out[task_set] = ev.recorded()
             self.state.evaluations[key] = result
             self.state.save()
+            passes = "".join(f", pass@{k} {v:.3f}" for k, v in result["pass_at_k"].items() if k != "1")
             self.say(f"  {task_set} {when} {stage.name}: greedy {ev.greedy_success:.3f}, "
-                     f"sampled {ev.sampled_success:.3f} (version {ev.policy_version}, "
+                     f"sampled {ev.sampled_success:.3f}{passes} (version {ev.policy_version}, "
                      f"{ev.tasks} tasks, {ev.seconds:.1f} s)")
             self.on_event({"event": "eval", "stage": stage.name, "when": when,
                            "task_set": task_set, **result})
             if self.tracker is not None:
                 self.tracker.log(self._global_step, {
-                    f"eval/{task_set}/{k}": getattr(ev, k) for k in STATUS["eval"]})
+                    **{f"eval/{task_set}/{k}": getattr(ev, k) for k in STATUS["eval"]},
+                    **{f"eval/{task_set}/{PASS_AT_K.name}/{k}": v
+                       for k, v in result["pass_at_k"].items()}})
         return out
 
     def _mode(self, stage: SFTStage | RLStage) -> ModeRequest:

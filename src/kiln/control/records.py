@@ -7,9 +7,10 @@ carry them are `kiln.control.clients`.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
+from kiln.evaluation import TaskCount, pass_at_ks
 from kiln.metrics import StepMetrics
 
 
@@ -105,6 +106,14 @@ class Evaluation:
     critical_path_steps_answered: float = 0.0
     """The same over the episodes that answered only: one that ran out of turns or budget
     unanswered has a short path, so a collapse must not read as a speed-up."""
+    task_counts: list[TaskCount] = field(default_factory=list)
+    """Each task's attempts and successes, in task order (pass@k is computed from them)."""
+
+    def recorded(self) -> dict[str, Any]:
+        """As run state, summary.json and the RLJob's status keep it: the figures, with the
+        per-task counts folded into `pass_at_k` ({str(k): pass@k}, `kiln.evaluation`)."""
+        kept = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "task_counts"}
+        return {**kept, "pass_at_k": pass_at_ks(self.task_counts)}
 
 
 @dataclass

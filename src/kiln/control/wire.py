@@ -7,6 +7,7 @@ import dataclasses
 
 from kiln.control.records import (BufferStatus, Evaluation, ModeRequest, RolloutMode, RolloutStatus,
                                   TrainerStatus)
+from kiln.evaluation import TaskCount
 from kiln.metrics import StepMetrics
 from kiln.protos.kiln.v1 import buffer_pb2 as bpb
 from kiln.protos.kiln.v1 import rollout_pb2 as rpb
@@ -49,12 +50,18 @@ def evaluation_to_proto(e: Evaluation) -> rpb.EvaluateResponse:
                                greedy_success=e.greedy_success,
                                sampled_success=e.sampled_success, seconds=e.seconds,
                                critical_path_steps=e.critical_path_steps,
-                               critical_path_steps_answered=e.critical_path_steps_answered)
+                               critical_path_steps_answered=e.critical_path_steps_answered,
+                               task_counts=[rpb.TaskCount(task_id=t.id, samples=t.samples,
+                                                          successes=t.successes, greedy=t.greedy)
+                                            for t in e.task_counts])
 
 
 def evaluation_from_proto(msg: rpb.EvaluateResponse) -> Evaluation:
+    counts = [TaskCount(t.task_id, t.samples, t.successes,
+                        t.greedy if t.HasField("greedy") else None) for t in msg.task_counts]
     return Evaluation(msg.policy_version, msg.tasks, msg.greedy_success, msg.sampled_success,
-                      msg.seconds, msg.critical_path_steps, msg.critical_path_steps_answered)
+                      msg.seconds, msg.critical_path_steps, msg.critical_path_steps_answered,
+                      counts)
 
 
 def step_metrics_to_proto(m: StepMetrics) -> tpb.StepMetrics:

@@ -2,7 +2,8 @@
 
 The summary holds the figures a user asks first: wall time, steps, final policy version, and
 for each evaluation the held-out success rate (greedy and sampled); for a job with one SFT and
-one RL stage also `heldout_success_before_rl` / `heldout_success_after_rl` (greedy); for an
+one RL stage also `heldout_success_before_rl` / `heldout_success_after_rl` (greedy) and, with
+`eval.samples` > 1, `heldout_pass_at_k_before_rl` / `..._after_rl` (pass@k by k); for an
 agent swarm's stage the held-out critical path before and after it, over every episode and over
 the episodes that answered (`..._answered`: one that ran out of turns unanswered has the shortest
 path, so a collapse must not read as a speed-up); for a guarded RL stage (`eval.select`,
@@ -66,6 +67,10 @@ def write_summary(job: RLJob, run_dir: Path, state, *, wall_seconds: float) -> d
                 summary.setdefault("heldout_success_after_rl", after["greedy_success"])
                 summary.setdefault("heldout_sampled_success_before_rl", before["sampled_success"])
                 summary.setdefault("heldout_sampled_success_after_rl", after["sampled_success"])
+                if len(after.get("pass_at_k", {})) > 1:
+                    # eval.samples > 1: held-out pass@k ({k: value}) before and after too.
+                    summary.setdefault("heldout_pass_at_k_before_rl", before.get("pass_at_k", {}))
+                    summary.setdefault("heldout_pass_at_k_after_rl", after["pass_at_k"])
                 if getattr(stage, "swarm", None) is not None:
                     # Agent swarms: mean critical-path steps of the held-out episodes.
                     summary.setdefault("critical_path_steps_before_rl",

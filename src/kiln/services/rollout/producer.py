@@ -41,6 +41,7 @@ from typing import Mapping
 
 from kiln.freshness import is_stale
 from kiln.episode import Demonstration
+from kiln.evaluation import TaskCount
 from kiln.services.buffer.client import BufferClient
 from kiln.services.common import metrics
 from kiln.services.rollout.agent import EpisodeStale, Limits, demonstration_trajectory, run_episode
@@ -350,16 +351,17 @@ class Producer:
 
     # ---------------------------------------------------------------- evaluation
     async def evaluate(self, task_set: str, size: int, *, max_tasks: int, samples: int,
-                       greedy: bool) -> tuple[int, float, float, float, float]:
+                       greedy: bool) -> tuple[int, float, float, float, float, list[TaskCount]]:
         """(tasks, greedy success, sampled success, mean critical-path steps of the episodes as
-        their extension measures them or 0, the same over the episodes that answered) at the
-        current policy version."""
+        their extension measures them or 0, the same over the episodes that answered, each
+        task's attempts and successes) at the current policy version."""
         n = min(size, max_tasks) if max_tasks else size
         sem = asyncio.Semaphore(self.config.max_concurrent)
         # A task set a stage's extension trains or evaluates on is played by that extension.
         stage = next((name for name, ext in self.extensions.items() if task_set in ext.task_sets), "")
         outcome = self.extensions[stage].outcome if stage else plain_outcome
         version = self.engine.policy_version  # the version the evaluation reports
+        task_ids: dict[int, str] = {}
 
         async def one(index: int, temperature: float) -> Outcome:
             async with sem:
@@ -369,6 +371,7 @@ class Producer:
                                                  seed=None),
                     limits=self.config.limits)
                 self.samples.keep_evaluation(task_set, temperature, version, trajs[0])
+                task_ids[index] = trajs[0].task_id
                 return outcome(trajs[0])
 
         greedy_runs = await asyncio.gather(*[one(i, 0.0) for i in range(n)]) if greedy else []
@@ -378,5 +381,11 @@ class Producer:
         s = sum(o.reward >= 1.0 for o in sampled) / len(sampled) if sampled else 0.0
         runs = greedy_runs or sampled
         answered = [o for o in runs if o.answered]
+        # `sampled` is task-major: task i's attempts are sampled[i * samples:(i + 1) * samples].
+        counts = [TaskCount(task_ids[i], samples,
+                            sum(o.reward >= 1.0 for o in sampled[i * samples:(i + 1) * samples]),
+                            greedy_runs[i].reward >= 1.0 if greedy_runs else None)
+                  for i in range(n) if i in task_ids]  # none ran: no samples, no greedy
         return (n, g, s, sum(o.critical_path_steps for o in runs) / len(runs) if runs else 0.0,
-                sum(o.critical_path_steps for o in answered) / len(answered) if answered else 0.0)
+                sum(o.critical_path_steps for o in answered) / len(answered) if answered else 0.0,
+                counts)

@@ -56,11 +56,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                                 f"task_set: {request.task_set!r} not served (known: {sorted(self.task_sets)})")
         start = time.monotonic()
         version = self.producer.engine.policy_version
-        n, greedy, sampled, path, answered = await self.producer.evaluate(
+        n, greedy, sampled, path, answered, counts = await self.producer.evaluate(
             request.task_set, self.task_sets[request.task_set][1], max_tasks=request.max_tasks,
             samples=request.samples, greedy=request.greedy)
         return control_wire.evaluation_to_proto(Evaluation(version, n, greedy, sampled,
-                                                        time.monotonic() - start, path, answered))
+                                                        time.monotonic() - start, path, answered,
+                                                        counts))
 
 
 class TeacherServicer(rollout_pb2_grpc.RolloutServicer):

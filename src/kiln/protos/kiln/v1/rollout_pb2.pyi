@@ -145,7 +145,7 @@ class EvaluateRequest(_message.Message):
     def __init__(self, task_set: _Optional[str] = ..., max_tasks: _Optional[int] = ..., samples: _Optional[int] = ..., greedy: _Optional[bool] = ...) -> None: ...
 
 class EvaluateResponse(_message.Message):
-    __slots__ = ("policy_version", "tasks", "greedy_success", "sampled_success", "seconds", "critical_path_steps", "critical_path_steps_answered")
+    __slots__ = ("policy_version", "tasks", "greedy_success", "sampled_success", "seconds", "critical_path_steps", "critical_path_steps_answered", "task_counts")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     GREEDY_SUCCESS_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,7 @@ class EvaluateResponse(_message.Message):
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     CRITICAL_PATH_STEPS_FIELD_NUMBER: _ClassVar[int]
     CRITICAL_PATH_STEPS_ANSWERED_FIELD_NUMBER: _ClassVar[int]
+    TASK_COUNTS_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     tasks: int
     greedy_success: float
@@ -160,4 +161,17 @@ class EvaluateResponse(_message.Message):
     seconds: float
     critical_path_steps: float
     critical_path_steps_answered: float
-    def __init__(self, policy_version: _Optional[int] = ..., tasks: _Optional[int] = ..., greedy_success: _Optional[float] = ..., sampled_success: _Optional[float] = ..., seconds: _Optional[float] = ..., critical_path_steps: _Optional[float] = ..., critical_path_steps_answered: _Optional[float] = ...) -> None: ...
+    task_counts: _containers.RepeatedCompositeFieldContainer[TaskCount]
+    def __init__(self, policy_version: _Optional[int] = ..., tasks: _Optional[int] = ..., greedy_success: _Optional[float] = ..., sampled_success: _Optional[float] = ..., seconds: _Optional[float] = ..., critical_path_steps: _Optional[float] = ..., critical_path_steps_answered: _Optional[float] = ..., task_counts: _Optional[_Iterable[_Union[TaskCount, _Mapping]]] = ...) -> None: ...
+
+class TaskCount(_message.Message):
+    __slots__ = ("task_id", "samples", "successes", "greedy")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SUCCESSES_FIELD_NUMBER: _ClassVar[int]
+    GREEDY_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    samples: int
+    successes: int
+    greedy: bool
+    def __init__(self, task_id: _Optional[str] = ..., samples: _Optional[int] = ..., successes: _Optional[int] = ..., greedy: _Optional[bool] = ...) -> None: ...
