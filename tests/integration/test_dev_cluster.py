@@ -126,6 +126,7 @@ def test_applied_job_trains_to_the_end_through_operator_restart_and_child_deleti
                 == evaluations["rl/before/chain-heldout"]["policyVersion"] + 4)
         assert {"Driving": "Completed", "Valid": "Accepted"}.items() <= {
             c["type"]: c["reason"] for c in status["conditions"]}.items()
+        assert status["startTime"] <= status["completionTime"]  # RFC 3339, both in UTC
         pids |= {int((cluster / f"{n}.pid").read_text()) for n in ("cluster", "operator")}
 
         # The teacher pod fetched the SFT stage's weights from the trainer, byte for byte, and

@@ -37,18 +37,20 @@ def test_run_state_round_trips_through_the_status_in_camel_case() -> None:
     state = RunState.load(store)
     assert state.finished_stages == [] and state.evaluations == {}
     state.finished_stages.append("sft")
-    # What the stage driver stores: the control plane's record as a dict, every field of it
-    # (a field the status model lacks would fail the save and stall the job).
-    import dataclasses
-
+    # What the stage driver stores: the control plane's record as it records it, every field of
+    # it (a field the status model lacks would fail the save and stall the job).
     from kiln.control import Evaluation
+    from kiln.evaluation import TaskCount
 
-    state.evaluations["rl/before/h"] = dataclasses.asdict(Evaluation(3, 8, 0.25, 0.5, 1.5, 17.0))
+    counts = [TaskCount("a", 2, 1, True), TaskCount("b", 2, 0, False)]
+    state.evaluations["rl/before/h"] = Evaluation(3, 8, 0.25, 0.5, 1.5, 17.0,
+                                                  task_counts=counts).recorded()
     state.save()
     assert kube.status["finishedStages"] == ["sft"]
     assert kube.status["evaluations"]["rl/before/h"] == {
         "policyVersion": 3, "tasks": 8, "greedySuccess": 0.25, "sampledSuccess": 0.5,
-        "seconds": 1.5, "criticalPathSteps": 17.0, "criticalPathStepsAnswered": 0.0}
+        "seconds": 1.5, "criticalPathSteps": 17.0, "criticalPathStepsAnswered": 0.0,
+        "passAtK": {"1": 0.25, "2": 0.5}}
     # A guarded stage's selected checkpoint, and why, goes to status.selections.
     state.selections["rl"] = {"step": 10, "reason": "stopped on regression", "stopped": True}
     state.save()

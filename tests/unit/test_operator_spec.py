@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from kiln.api.base import quantity_value
-from kiln.api.scheduling import PodSettings
+from kiln.api.scheduling import EnginePodSettings
 from kiln.api.spec import RLJobSpec
 from kiln.api.validate import load_job
 from kiln.operator import children
@@ -35,7 +35,7 @@ def test_job_file_round_trips_through_the_services_loader(tmp_path: Path) -> Non
     # Everything but the pod settings, which only the operator reads.
     assert job.spec == RLJobSpec.model_validate(
         children.without_pod_settings(children.resolved_spec(s)))
-    assert job.spec.trainer.pod == PodSettings() != s.trainer.pod
+    assert job.spec.trainer.pod == EnginePodSettings() != s.trainer.pod
     assert job.spec.stages[0].rl.loss.icepop_beta is None  # an explicit null is not lost to the default
 
 

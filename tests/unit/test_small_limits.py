@@ -15,7 +15,7 @@ from kiln.cli import export
 
 
 def _args(run: Path, out: Path, force: bool = False) -> argparse.Namespace:
-    return argparse.Namespace(run_dir=run, out=out, step=None, force=force)
+    return argparse.Namespace(run_dir=run, out=out, step=None, stage=None, force=force)
 
 
 def test_export_refuses_a_folder_with_files_unless_forced(tmp_path, capsys) -> None:

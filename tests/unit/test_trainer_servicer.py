@@ -4,6 +4,7 @@ process), steps the engine, acks and publishes; GetTrainerStatus follows it."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import threading
 import time
@@ -13,6 +14,7 @@ import grpc
 import pytest
 
 from kiln.api.validate import load_job
+from kiln.cli.main import main
 from kiln.models.tiny import make_tiny_checkpoint
 from kiln.protos.kiln.v1 import trainer_pb2, trainer_pb2_grpc
 from kiln.services.buffer.buffer import TrajectoryBuffer
@@ -67,7 +69,8 @@ def test_run_stage_trains_through_the_buffer_and_reports(model_dir: Path, tmp_pa
     buffer = InProcessBufferClient(TrajectoryBuffer.open(tmp_path / "buffer", BufferConfig(tau=3)))
     publisher = InMemoryPublisher()
     lock = threading.Lock()
-    stages = StageRunner(job, engine, lock, buffer, publisher, tmp_path)
+    # The job's output folder (spec.output): each stage's model goes there too.
+    stages = StageRunner(job, engine, lock, buffer, publisher, tmp_path, output_dir=tmp_path / "out")
     servicer = TrainerServicer(engine, lock, stages)
 
     async def scenario() -> None:
@@ -124,6 +127,18 @@ def test_run_stage_trains_through_the_buffer_and_reports(model_dir: Path, tmp_pa
             assert all((export / f).read_bytes() == (tmp_path / "fetched" / f).read_bytes() for f in files)
             assert got.bytes == sum((export / f).stat().st_size for f in files)
             assert not (tmp_path / "x").exists()
+            # The output folder got the same model before the stage was reported done, and
+            # `kiln export` reads it from there.
+            output = tmp_path / "out"
+            for folder in (output / "stages" / "warmup", output / "final-hf"):
+                assert all((export / f).read_bytes() == (folder / f).read_bytes() for f in files)
+            summary = json.loads((output / "summary.json").read_text())
+            assert summary["stages"]["warmup"] == {"steps": 3, "selected_step": None,
+                                                   "policy_version": 1}
+            assert summary["final_stage"] == "warmup" and (output / "job.yaml").exists()
+            assert main(["export", str(output), "--out", str(tmp_path / "hf")]) == 0
+            assert (tmp_path / "hf" / "model.safetensors").read_bytes() == (
+                export / "model.safetensors").read_bytes()
         finally:
             await channel.close()
             await server.stop(0)

@@ -148,7 +148,7 @@ CASES = {
     "bad-quantity": (_mutate(lambda d: d["spec"].setdefault("sandbox", {}).update(memory="lots")),
                      "spec.sandbox.memory", "pattern"),
     "source-both": (_mutate(lambda d: d["spec"]["tasks"][0].update(path="x.jsonl")),
-                    "spec.tasks[0]", "exactly one of path or generate"),
+                    "spec.tasks[0]", "exactly one of path, source or generate"),
     "not-a-mapping": ("- just\n- a list\n", "", "expected a mapping"),
     "temperature-above-vllms-bound": (_mutate(lambda d: d["spec"].setdefault("rollout", {}).update(
         sampling={"temperature": 3.0})), "spec.rollout", "vLLM samples at most at 2"),

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import re
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 
@@ -19,6 +20,12 @@ class Model(BaseModel):
         validate_default=True,
     )
 
+
+Quantity = Annotated[
+    str,
+    Field(pattern=r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$", examples=["500m", "4Gi"]),
+]
+"""A Kubernetes quantity as the RLJob's fields take it ("500m", "4Gi")."""
 
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|Ki|M|Mi|G|Gi|T|Ti)?$")
 _FACTORS = {None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,

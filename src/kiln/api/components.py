@@ -5,22 +5,15 @@ Part of the RLJob API; `kiln.api.spec` assembles the job from these and is the m
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from kiln.api.base import Model
+from kiln.api.base import Model, Quantity
 from kiln.api.openai_endpoint import OpenAIEndpointSpec
 from kiln.api.ports import RESERVED as RESERVED_PORTS
 from kiln.api.sampling import VLLM_MAX_TEMPERATURE, SamplingSpec
-from kiln.api.scheduling import PodSettings
-
-
-
-Quantity = Annotated[
-    str,
-    Field(pattern=r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$", examples=["500m", "4Gi"]),
-]
+from kiln.api.scheduling import EnginePodSettings, PodSettings, shm_fits
 
 
 class Resources(Model):
@@ -31,7 +24,12 @@ class Resources(Model):
     memory: Quantity = "4Gi"
     """Memory, as a Kubernetes quantity (e.g. `512Mi`, `16Gi`)."""
     gpu: int = Field(0, ge=0)
-    """GPUs (`nvidia.com/gpu`) per pod."""
+    """Accelerators per pod, of the kind `gpuResource` names."""
+    gpu_resource: str = Field("nvidia.com/gpu", max_length=253,
+                              pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+    """The extended resource `gpu` counts, as the node's device plugin advertises it:
+    `nvidia.com/gpu`, `amd.com/gpu`, `gpu.intel.com/i915`, a MIG profile such as
+    `nvidia.com/mig-1g.10gb`, ..."""
     ephemeral_storage: Quantity = "8Gi"
     """Local disk the pod's containers may fill (their own layer, logs, caches, scratch
     folders); the kubelet evicts a pod that passes it rather than let the node's disk fill up.
@@ -132,8 +130,8 @@ class RolloutSpec(Model):
     """Sampling settings of training episodes (evaluation adds one greedy attempt)."""
     resources: Resources = Field(default_factory=Resources)
     """Resources of each rollout pod."""
-    pod: PodSettings = Field(default_factory=PodSettings)
-    """Scheduling, identity and extra environment of these pods."""
+    pod: EnginePodSettings = Field(default_factory=EnginePodSettings)
+    """Scheduling, identity, extra environment and volumes of these pods, and /dev/shm."""
 
     @field_validator("openai_port")
     @classmethod
@@ -173,6 +171,11 @@ class RolloutSpec(Model):
         return self
 
     @model_validator(mode="after")
+    def _shm(self) -> "RolloutSpec":
+        shm_fits(self.resources.memory, self.pod)
+        return self
+
+    @model_validator(mode="after")
     def _autoscale_bounds(self) -> "RolloutSpec":
         a = self.autoscale
         if a is not None and not a.min_replicas <= self.replicas <= a.max_replicas:
@@ -208,10 +211,20 @@ class TrainerSpec(Model):
     """AdamW's second-moment decay. 0.95 rather than PyTorch's 0.999: the second moment then
     follows the fast-changing gradients of a small model at a high learning rate (SFT of the
     quickstart model reached a loss several times lower in the same number of steps)."""
+    max_tokens_per_micro_batch: int | None = Field(None, ge=16)
+    """Packed sequences: each forward/backward pass takes up to this many tokens, the
+    sequences concatenated with no padding (attention and positions kept per sequence), in
+    place of a stage's `microBatchSize` padded rows; data-parallel replicas share a batch by
+    tokens. Unset: padded micro-batches. Not for DSA models."""
     resources: Resources = Field(default_factory=Resources)
     """Resources of the trainer pod."""
-    pod: PodSettings = Field(default_factory=PodSettings)
-    """Scheduling, identity and extra environment of these pods."""
+    pod: EnginePodSettings = Field(default_factory=EnginePodSettings)
+    """Scheduling, identity, extra environment and volumes of these pods, and /dev/shm."""
+
+    @model_validator(mode="after")
+    def _shm(self) -> "TrainerSpec":
+        shm_fits(self.resources.memory, self.pod)
+        return self
 
 
 # --------------------------------------------------------------------------------------- sandbox
@@ -258,7 +271,7 @@ class SandboxSpec(Model):
     resources: Resources = Field(default_factory=Resources)
     """Resources of each sandbox service pod."""
     pod: PodSettings = Field(default_factory=PodSettings)
-    """Scheduling, identity and extra environment of these pods."""
+    """Scheduling, identity, extra environment and volumes of these pods."""
 
     @model_validator(mode="after")
     def _docker_image(self) -> SandboxSpec:
@@ -306,7 +319,7 @@ class WeightSyncSpec(Model):
     resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="2Gi"))
     """Resources of the weight-sync pod."""
     pod: PodSettings = Field(default_factory=PodSettings)
-    """Scheduling, identity and extra environment of these pods."""
+    """Scheduling, identity, extra environment and volumes of these pods."""
 
 
 class StorageSpec(Model):
@@ -333,7 +346,7 @@ class BufferSpec(Model):
     resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="2Gi"))
     """Resources of the buffer pod."""
     pod: PodSettings = Field(default_factory=PodSettings)
-    """Scheduling, identity and extra environment of these pods."""
+    """Scheduling, identity, extra environment and volumes of these pods."""
 
 
 class CheckpointSpec(Model):

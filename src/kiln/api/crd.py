@@ -5,7 +5,8 @@ introduces properties. pydantic's JSON schema is close; this module rewrites it:
 inlined, `X | None` becomes `nullable: true`, and a tagged union (the stages on `type`, a stage's
 `rl.loss` on `mode`) becomes one object with every variant's fields, whose tag is an enum (the
 per-variant rules, such as a field of the other variant, are enforced by `kiln validate` and by
-the operator, which run the same pydantic models). The checked-in copy lives at
+the operator, which run the same pydantic models). The CEL rules, immutable fields and keyed
+lists the API server checks at admission are added from `kiln.api.rules`. The checked-in copy lives at
 `charts/kiln/crds/rljobs.kiln.dev.yaml`; a test regenerates it and compares.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from kiln.api.rules import add_rules
 from kiln.api.spec import API_GROUP, API_VERSION, KIND, PLURAL, RLJobSpec, RLJobStatus
 
 _DROP = {"title", "examples", "discriminator"}
@@ -176,7 +178,7 @@ def build_crd() -> dict[str, Any]:
                         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                     ],
                     "schema": {
-                        "openAPIV3Schema": {
+                        "openAPIV3Schema": add_rules({
                             "type": "object",
                             "description": "A reinforcement-learning job for an LLM agent.",
                             "required": ["spec"],
@@ -192,7 +194,7 @@ def build_crd() -> dict[str, Any]:
                                 "spec": spec_schema,
                                 "status": status_schema,
                             },
-                        }
+                        })
                     },
                 }
             ],

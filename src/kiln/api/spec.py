@@ -20,9 +20,11 @@ from kiln.api.components import (BufferSpec, CheckpointSpec, Model, Quantity, Re
 from kiln.api.distillation import teacher_problems
 from kiln.api.guard import RegressionSpec, SelectSpec, guard_problems
 from kiln.api.model import HubModel, ModelInit, ModelSpec
+from kiln.api.outputs import OutputSpec
 from kiln.api.rewards import RewardRules
 from kiln.api.rl import RLSettings
 from kiln.api.swarm import SwarmSettings, swarm_problems
+from kiln.api.task_sources import TaskSource
 from kiln.api.status import Condition, Phase, RLJobStatus
 
 __all__ = [
@@ -38,6 +40,8 @@ API_GROUP = "kiln.dev"
 API_VERSION = "v1alpha1"
 KIND = "RLJob"
 PLURAL = "rljobs"
+MANAGED_BY = f"{API_GROUP}/operator"
+"""`spec.managedBy` of the jobs Kiln's operator runs (also when unset)."""
 
 _Model = Model
 
@@ -93,6 +97,10 @@ class TaskSetSpec(_Model):
     path: str | None = None
     """JSONL file of task records (format per environment, see the README); locally, a
     relative path is relative to the job file's folder."""
+    source: TaskSource | None = None
+    """Where a cluster keeps the task file instead: a ConfigMap key, a file on a PVC or in an
+    OCI image, which the operator brings into the pods that read task sets
+    (`kiln.api.task_sources`)."""
     generate: TaskGenerator | None = None
     """Generate tasks instead of reading `path` (built-in `chain` and `lookup` only)."""
     reward: PluginRef | None = None
@@ -105,10 +113,22 @@ class TaskSetSpec(_Model):
     """Rule-based components added to the reward (answer regex, answer length, well-formed
     replies), each weighted, each score kept on the trajectory."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _source_path(cls, data):  # type: ignore[no-untyped-def]
+        # `source: {path: F}` is the simple case spelled the long way: the same as `path: F`.
+        source = data.get("source") if isinstance(data, dict) else None
+        if isinstance(source, dict) and set(source) == {"path"} and data.get("path") is None:
+            return {**{k: v for k, v in data.items() if k != "source"}, "path": source["path"]}
+        return data
+
     @model_validator(mode="after")
     def _source(self) -> TaskSetSpec:
-        if (self.path is None) == (self.generate is None):
-            raise ValueError("exactly one of path or generate must be set")
+        given = [name for name, value in (("path", self.path), ("source", self.source),
+                                          ("generate", self.generate)) if value is not None]
+        if len(given) != 1:
+            raise ValueError("exactly one of path, source or generate must be set"
+                             + (f" (found {', '.join(given)})" if given else ""))
         if self.generate is not None and self.env not in GENERATED_ENVS:
             raise ValueError(f"generate is only available for env {' or '.join(GENERATED_ENVS)}, "
                              f"not {self.env_name!r}")
@@ -251,10 +271,27 @@ class RLJobSpec(_Model):
     """The trainer's checkpoint volume."""
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
     """Experiment tracking (TensorBoard, Weights & Biases)."""
+    output: OutputSpec | None = None
+    """Where each stage's model (a Hugging Face checkpoint), the summary and the job file go
+    (`kiln.api.outputs`); `kiln export` reads the model from there."""
     image: str = "ghcr.io/kiln-dev/kiln:0.1.0"
     """Image the services run from (cluster only)."""
     suspend: bool = False
-    """Scale every component to zero, keeping checkpoints and buffer."""
+    """Scale every component to zero, keeping checkpoints and buffer. A job created suspended
+    starts no pod until this is false: the admission gate a queue such as Kueue opens (with
+    the `kueue.x-k8s.io/queue-name` label on the RLJob)."""
+    active_deadline_seconds: int | None = Field(None, ge=1)
+    """Wall-clock seconds the job may run, counted from `status.startTime` (set again on each
+    resume): past it the job fails with reason DeadlineExceeded and its pods are stopped.
+    Cluster only."""
+    ttl_seconds_after_finished: int | None = Field(None, ge=0)
+    """Delete the RLJob this many seconds after it finished (`status.completionTime`),
+    Succeeded or Failed; its PVCs follow their `retain` settings. Unset: kept. Cluster only."""
+    managed_by: str | None = Field(None, max_length=63,
+                                   pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-A-Za-z0-9_.]+$")
+    """The controller that runs this job, as a domain-prefixed name; unset or
+    `kiln.dev/operator`: Kiln's operator. Any other (e.g. `kueue.x-k8s.io/multikueue`, which
+    runs it on a worker cluster) and Kiln's operator leaves the job alone. Cannot change."""
     seed: int = 0
     """Seed of the task streams, sampling and initialisation."""
 

@@ -12,19 +12,21 @@ Phase = Literal["Pending", "Running", "Succeeded", "Failed", "Suspended"]
 
 
 class Condition(Model):
-    """One observation of the job's state, Kubernetes-style."""
+    """One observation of the job's state, as a Kubernetes `metav1.Condition`."""
 
-    type: str
-    """What the condition is about: `Valid` (the spec was accepted) or `Ready` (the trainer
-    and buffer serve)."""
+    type: str = Field(max_length=316)
+    """What the condition is about: `Valid` (the spec was accepted), `Ready` (the trainer and
+    buffer serve) or `Driving` (the stages are being run; False once they ended, and why)."""
     status: Literal["True", "False", "Unknown"]
     """Whether the condition holds."""
-    reason: str = ""
-    """One CamelCase word saying why."""
-    message: str = ""
+    reason: str = Field(max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
+    """One CamelCase word saying why (`DeadlineExceeded`, `Suspended`, `Completed`, ...)."""
+    message: str = Field(max_length=32768)
     """Details for a human."""
-    last_transition_time: str | None = None
+    last_transition_time: str
     """RFC 3339 time the status last changed."""
+    observed_generation: int | None = Field(None, ge=0)
+    """The metadata.generation of the spec the condition was set from."""
 
 
 class EvaluationResult(Model):
@@ -44,6 +46,9 @@ class EvaluationResult(Model):
     """Agent swarm task sets: mean critical-path steps per episode (0 for others)."""
     critical_path_steps_answered: float = 0.0
     """The same over the episodes that answered only (0 if none did)."""
+    pass_at_k: dict[str, float] = Field(default_factory=dict)
+    """pass@k by k (1, 2, 4, ... up to eval.samples): the chance that one of k sampled attempts
+    at a task succeeds, estimated without bias from the attempts and averaged over tasks."""
 
 
 class CheckpointSelection(Model):
@@ -80,6 +85,13 @@ class RLJobStatus(Model):
     """Why the job is in its phase, when that needs saying."""
     observed_generation: int | None = None
     """The metadata.generation of the spec the status describes."""
+    start_time: str | None = None
+    """RFC 3339 time the job's pods were first asked for; set again when a suspended job
+    resumes (`spec.activeDeadlineSeconds` counts from it). Unset while suspended from the
+    start."""
+    completion_time: str | None = None
+    """RFC 3339 time the job finished, Succeeded or Failed (`spec.ttlSecondsAfterFinished`
+    counts from it)."""
     finished_stages: list[str] = Field(default_factory=list)
     """Stages the driver completed, in order (a restarted operator resumes after them)."""
     evaluations: dict[str, EvaluationResult] = Field(default_factory=dict)

@@ -6,6 +6,11 @@ generation_config.json and the tokenizer with its chat template, which `transfor
 load directly. `kiln run` leaves the same for the last stage in `RUN_DIR/final-hf/`, and every
 finished stage's weights in `RUN_DIR/trainer/stages/<stage>/`.
 
+RUN_DIR may also be a cluster job's output (`spec.output`, `kiln.api.outputs`), a folder or an
+`s3://bucket/prefix` location (credentials and `AWS_ENDPOINT_URL_S3` from the environment): it
+holds each finished stage's Hugging Face checkpoint already, and the newest (or `--stage
+NAME`'s) is copied to --out; it keeps no trainer checkpoints, so `--step` does not apply there.
+
 Not covered: checkpoints of tensorParallel > 1 (each rank holds a shard; the trainer's own
 stage exports gather them).
 """
@@ -24,13 +29,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Write the policy of a run's trainer checkpoint (the newest, or --step N) as a "
                     "Hugging Face checkpoint directory (safetensors, config, generation config, "
                     "tokenizer and chat template) that transformers and vLLM load.")
-    p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="run directory of `kiln run`")
+    p.add_argument("run_dir", metavar="RUN_DIR",
+                   help="run directory of `kiln run`, or a cluster job's output (a folder or "
+                        "s3://bucket/prefix)")
     p.add_argument("--out", type=Path, required=True,
                    help="directory to write: new or empty (a non-empty one needs --force)")
     p.add_argument("--force", action="store_true",
                    help="replace --out even when it holds files")
     p.add_argument("--step", type=int, default=None,
                    help="optimizer step of the checkpoint to export (default: the newest)")
+    p.add_argument("--stage", default=None,
+                   help="from a cluster job's output folder: the stage whose model to copy "
+                        "(default: the newest finished)")
     p.set_defaults(func=run)
 
 
@@ -90,6 +100,53 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, *, force: bool
         return engine.export_hf(out)
 
 
+def is_output_dir(path: Path) -> bool:
+    """Whether `path` is a cluster job's output folder rather than a run directory."""
+    return (path / "summary.json").exists() and (path / "stages").is_dir() \
+        and not (path / "trainer").exists()
+
+
+def export_output(output: Path | str, out: Path, stage: str | None, *,
+                  force: bool = False) -> Path:
+    """Copy a stage's model (default the newest finished: `final-hf/`) from a job's output
+    (a folder or an s3:// location) to `out`; ValueError saying what is there."""
+    check_out(out, force)
+    if "://" in str(output):
+        return _download_output(str(output).rstrip("/"), out, stage)
+    src = output / "final-hf" if stage is None else output / "stages" / stage
+    if not (src / "config.json").exists():
+        have = sorted(p.name for p in (output / "stages").iterdir() if (p / "config.json").exists())
+        raise ValueError(f"{src} holds no Hugging Face checkpoint (finished stages there: "
+                         f"{', '.join(have) or 'none yet'})")
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.replace(out)
+    return out
+
+
+def _download_output(uri: str, out: Path, stage: str | None) -> Path:
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(uri)
+    src = f"{root}/final-hf" if stage is None else f"{root}/stages/{stage}"
+    if not fs.exists(f"{src}/config.json"):
+        have = sorted(p.rsplit("/", 1)[-1] for p in (fs.ls(f"{root}/stages", detail=False)
+                                                     if fs.exists(f"{root}/stages") else []))
+        raise ValueError(f"{uri}: no Hugging Face checkpoint at {src} (finished stages there: "
+                         f"{', '.join(have) or 'none yet'})")
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for key in fs.find(src):
+        target = tmp / key.removeprefix(f"{src}/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(key, str(target))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.replace(out)
+    return out
+
+
 def final_hf(run_dir: Path, job) -> Path | None:
     """`RUN_DIR/final-hf/`: the last stage's exported weights (hard links where possible)."""
     from kiln.services.trainer.stages import stage_export_dir
@@ -116,9 +173,21 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    remote = "://" in str(args.run_dir)
+    args.run_dir = str(args.run_dir) if remote else Path(args.run_dir)
     try:
-        out = export_run(args.run_dir.resolve(), args.out.absolute(), args.step,
-                         force=args.force)
+        if remote or is_output_dir(args.run_dir):
+            if args.step is not None:
+                raise ValueError(f"--step: {args.run_dir} is a job's output folder, which keeps "
+                                 "each stage's final model, not the trainer's steps; use --stage")
+            out = export_output(args.run_dir if remote else args.run_dir.resolve(),
+                                args.out.absolute(), args.stage, force=args.force)
+        elif args.stage is not None:
+            raise ValueError(f"--stage: {args.run_dir} is a run directory; its stages' models are "
+                             "in RUN_DIR/trainer/stages/ (export a step with --step)")
+        else:
+            out = export_run(args.run_dir.resolve(), args.out.absolute(), args.step,
+                             force=args.force)
     except ValueError as exc:
         print(f"kiln export: {exc}", file=sys.stderr)
         return 2

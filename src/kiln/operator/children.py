@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from kiln.api import rules
 from kiln.api.spec import API_GROUP, API_VERSION, KIND, RLJobSpec, StorageSpec
 from kiln.api.openai_endpoint import CLIENT_LABEL
 from kiln.operator import frozen, naming
@@ -43,16 +44,8 @@ LIVE_FIELDS: dict[str, tuple[str, str]] = {
     "sandbox": ("sandbox", "replicas"),
 }
 
-# Fields a running job cannot change: the checkpoints and the model layout depend on them.
-IMMUTABLE_FIELDS: tuple[tuple[str, ...], ...] = (
-    ("model", "path"),
-    ("model", "pvc"),
-    ("trainer", "tensorParallel"),
-    ("trainer", "dataParallel"),
-    ("trainer", "pipelineParallel"),
-    ("buffer", "storage", "storageClass"),
-    ("checkpoints", "storage", "storageClass"),
-)
+# Fields a running job cannot change (the CRD's transition rules say the same).
+IMMUTABLE_FIELDS = rules.IMMUTABLE_FIELDS
 
 # Services with one address per pod: weight-sync must reach every rollout replica, and gRPC's
 # long-lived connections are only balanced when the client sees every pod.
@@ -130,7 +123,9 @@ def pvc(job: JobRef, component: str, storage: StorageSpec, image: str) -> dict[s
     return {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
-        "metadata": naming.metadata(job, component, image),
+        # The creating job's uid: a later job of the same name does not adopt it (adoption.py).
+        "metadata": {**naming.metadata(job, component, image),
+                     "annotations": {naming.JOB_UID: job.uid}},
         "spec": spec,
     }
 
@@ -163,8 +158,8 @@ def service(job: JobRef, component: str, image: str, openai_port: int | None = N
 # kiln.services.common.tls.CALLERS, checks each RPC on top; a test keeps the two in step).
 # "operator" is the Kiln operator's pod, in whatever namespace the chart put it.
 GRPC_CLIENTS: dict[str, tuple[str, ...]] = {
-    # rollout: a frozen deployment (its certificate is a rollout's) fetching a stage's weights.
-    "trainer": ("operator", "rollout"),
+    # teacher: a frozen deployment fetching a stage's weights.
+    "trainer": ("operator", "teacher"),
     "rollout": ("operator", "rollout"),  # rollout: a teacher's Score
     "sandbox": ("rollout",),
     "weight-sync": ("trainer", "rollout", "operator"),
@@ -205,8 +200,8 @@ def network_policy(job: JobRef, spec: RLJobSpec, component: str) -> dict[str, An
     clients = frozen.CLIENTS if component in frozen.components(spec) else GRPC_CLIENTS[component]
     pods = [c for c in clients if c != "operator"]
     if component == "trainer":
-        # Its rollout callers are the frozen deployments' pods (`frozen.py`), if any.
-        pods = [c for c in pods if c != "rollout"] + frozen.fetching(spec)
+        # Its teacher callers are the frozen deployments' pods (`frozen.py`), if any.
+        pods = [c for c in pods if c != "teacher"] + frozen.fetching(spec)
     peers: list[dict[str, Any]] = []
     if "operator" in clients:
         peers.append({"namespaceSelector": {}, "podSelector": {"matchLabels": OPERATOR_PODS}})

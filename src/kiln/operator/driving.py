@@ -26,6 +26,7 @@ from kiln.api.spec import API_GROUP, API_VERSION, KIND, RLJob
 from kiln.api.status import CheckpointSelection, EvaluationResult
 from kiln.control.driver import (ControlPlane, Driver, DriverHooks, DriverOptions, Progress,
                                  RunState, Stopped)
+from kiln.operator import lifecycle
 from kiln.operator.replicas import TRANSIENT, Controls
 from kiln.operator.kube import Kube
 from kiln.operator.naming import JobRef
@@ -143,19 +144,22 @@ def drive(job: RLJob, ref: JobRef, kube: Kube, address: Callable[[str], str],
     except Stopped:
         return "stopped"
     except RuntimeError as exc:
-        now = rfc3339()
-        conditions = set_condition(list(current_status().get("conditions") or []), "Driving",
-                                   "False", "StageFailed", str(exc), now)
-        store.patch({"phase": "Failed", "message": f"driver: {exc}", "conditions": conditions})
+        now, status = rfc3339(), current_status()
+        conditions = set_condition(list(status.get("conditions") or []), "Driving",
+                                   "False", "StageFailed", str(exc), now,
+                                   status.get("observedGeneration"))
+        store.patch({"phase": "Failed", "message": f"driver: {exc}", "conditions": conditions,
+                     **lifecycle.times(status, "Failed", now)})
         return "failed"
     finally:
         controls.close()
-    now = rfc3339()
-    conditions = set_condition(list(current_status().get("conditions") or []), "Driving",
-                               "False", "Completed", "every stage finished", now)
+    now, status = rfc3339(), current_status()
+    generation = status.get("observedGeneration")
+    conditions = set_condition(list(status.get("conditions") or []), "Driving",
+                               "False", "Completed", "every stage finished", now, generation)
     # The services scale to zero next; nothing serves any more.
     conditions = set_condition(conditions, "Ready", "False", "Completed",
-                               "every stage completed", now)
+                               "every stage completed", now, generation)
     store.patch({"phase": "Succeeded", "message": "every stage completed",
-                 "conditions": conditions})
+                 "conditions": conditions, **lifecycle.times(status, "Succeeded", now)})
     return "succeeded"

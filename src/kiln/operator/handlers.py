@@ -8,7 +8,10 @@ Each handler turns the event into calls of the pure functions and the reconciler
   evaluation go to status, and the final phase (Succeeded, or Failed with the reason);
 - the timer reads each job's trainer and buffer (gRPC) and keeps status current (a phase change
   posts an event), and re-applies the children every `repair_interval` (a deleted or hand-edited
-  child comes back; fields others added are left alone);
+  child comes back; fields others added are left alone); it also fails a job past
+  `spec.activeDeadlineSeconds` and deletes one `spec.ttlSecondsAfterFinished` after it ended
+  (`kiln.operator.deadlines`);
+- a job whose `spec.managedBy` names another controller matches no handler;
 - delete runs under the finalizer `kiln.dev/pvc-retention` and applies the PVC retention policy;
   every other child goes with its owner reference.
 
@@ -30,7 +33,7 @@ from typing import Any
 import kopf
 
 from kiln.api.spec import API_GROUP, API_VERSION, KIND, PLURAL, RLJob
-from kiln.operator import driving, frozen, metrics
+from kiln.operator import deadlines, driving, frozen, lifecycle, metrics, tls
 from kiln.operator.config import OperatorConfig
 from kiln.operator.kube import Kube, load_credentials
 from kiln.operator.naming import FINALIZER, JobRef, selector_labels
@@ -62,6 +65,11 @@ def _track(namespace: str, name: str, phase: str | None) -> None:
         metrics.JOBS.labels(p).set(counts.get(p, 0))
 
 
+def _ours(spec: kopf.Spec, **_: Any) -> bool:
+    """Jobs whose `spec.managedBy` names another controller get no handler (and no finalizer)."""
+    return lifecycle.ours(dict(spec))
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Logger,
               **_: Any) -> None:
@@ -80,6 +88,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Log
     settings.watching.client_timeout = 330
     settings.execution.max_workers = 8
     load_credentials()
+    tls.set_lifetimes(config.lifetimes)
     memo.config = config
     memo.kube = Kube()
     memo.addresses = Addresses(config.address_template, config.address_map)
@@ -121,7 +130,7 @@ def _refuse(body: kopf.Body, patch: kopf.Patch, status: dict[str, Any], reason: 
     now = rfc3339()
     message = "; ".join(problems)
     conditions = set_condition(list(status.get("conditions") or []), "Valid", "False", reason,
-                               message, now)
+                               message, now, body.meta.get("generation"))
     patch.status["conditions"] = conditions
     patch.status["message"] = f"spec refused ({reason}): {message}"
     patch.status["observedGeneration"] = body.meta.get("generation")
@@ -132,9 +141,9 @@ def _refuse(body: kopf.Body, patch: kopf.Patch, status: dict[str, Any], reason: 
     metrics.RECONCILES.labels("refused").inc()
 
 
-@kopf.on.resume(*RESOURCE)
-@kopf.on.create(*RESOURCE)
-@kopf.on.update(*RESOURCE, field="spec")
+@kopf.on.resume(*RESOURCE, when=_ours)
+@kopf.on.create(*RESOURCE, when=_ours)
+@kopf.on.update(*RESOURCE, field="spec", when=_ours)
 def reconcile_job(body: kopf.Body, name: str, namespace: str, uid: str, patch: kopf.Patch,
                   memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     status = dict(body.get("status") or {})
@@ -151,33 +160,47 @@ def reconcile_job(body: kopf.Body, name: str, namespace: str, uid: str, patch: k
         _track(namespace, name, "Failed")
         return
     job = JobRef(name=name, namespace=namespace, uid=uid)
+    old_phase = status.get("phase")
+    generation = body.meta.get("generation")
+    if spec.suspend:
+        phase, message = "Suspended", "scaled to zero (spec.suspend)"
+    elif old_phase in (None, "Suspended") or (
+            # An edited spec restarts a failed job, and so does an operator restarted with
+            # settings that may now allow a refused one; one that failed running stays failed.
+            old_phase == "Failed" and (status.get("observedGeneration") != generation
+                                       or _refused(status))):
+        phase, message = "Pending", "children applied; waiting for the trainer and buffer"
+    else:
+        phase, message = old_phase, "" if _refused(status) else status.get("message", "")
     result = reconcile(memo.kube, job, spec, hosting=memo.config.hosting,
-                       active=_active(spec, status),
+                       active=_active(spec, {**status, "phase": phase}),
                        finished_stages=list(status.get("finishedStages") or []))
     if result.refused:
         # The job keeps running on the spec it was accepted with.
         _refuse(body, patch, status, "ImmutableFieldChanged", result.refused, None)
         return
+    if result.not_adopted:
+        # Another job's volume under this job's name: deleting or relabelling it is the fix.
+        _refuse(body, patch, status, "PVCNotAdopted", result.not_adopted, "Failed")
+        _track(namespace, name, "Failed")
+        return
     changed = {k: v for k, v in result.actions.items() if v != "unchanged"}
     logger.info("applied %d children (%s)", len(result.actions),
                 ", ".join(f"{k} {v}" for k, v in changed.items()) or "all unchanged")
     now = rfc3339()
-    old_phase = status.get("phase")
     conditions = set_condition(list(status.get("conditions") or []), "Valid", "True",
-                               "Accepted", "spec accepted", now)
+                               "Accepted", "spec accepted", now, generation)
     if spec.suspend:
-        phase, message = "Suspended", "scaled to zero (spec.suspend)"
-        conditions = set_condition(conditions, "Ready", "False", "Suspended", message, now)
-    elif old_phase in (None, "Suspended", "Failed"):
-        phase, message = "Pending", "children applied; waiting for the trainer and buffer"
-    else:
-        phase, message = old_phase, "" if _refused(status) else status.get("message", "")
+        conditions = set_condition(conditions, "Ready", "False", "Suspended", message, now,
+                                   generation)
+    patch.status.update(lifecycle.times(status, phase, now))
     patch.status["phase"] = phase
     patch.status["conditions"] = conditions
     patch.status["message"] = message
-    patch.status["observedGeneration"] = body.meta.get("generation")
+    patch.status["observedGeneration"] = generation
     # What the scale subresource reads back (kubectl scale, an HPA, KEDA).
-    patch.status["rolloutReplicas"] = spec.rollout.replicas if _active(spec, status) else 0
+    patch.status["rolloutReplicas"] = (spec.rollout.replicas
+                                       if _active(spec, {**status, "phase": phase}) else 0)
     patch.status["rolloutSelector"] = ",".join(
         f"{k}={v}" for k, v in selector_labels(job, "rollout").items())
     _event_phase(body, old_phase, phase, message)
@@ -186,9 +209,9 @@ def reconcile_job(body: kopf.Body, name: str, namespace: str, uid: str, patch: k
 
 
 def _active(spec: Any, status: dict[str, Any]) -> bool:
-    """Whether the job's services should run: not suspended and not finished (a finished job
-    gives its nodes back; its checkpoints and buffer stay in their PVCs)."""
-    return not spec.suspend and status.get("phase") != "Succeeded"
+    """Whether the job's services should run: not suspended and not finished (a finished job,
+    Succeeded or Failed, gives its nodes back; its checkpoints and buffer stay in their PVCs)."""
+    return not spec.suspend and status.get("phase") not in lifecycle.FINISHED
 
 
 def _done(status: dict[str, Any]) -> bool:
@@ -206,7 +229,7 @@ def _refused(status: dict[str, Any]) -> bool:
                for c in status.get("conditions") or [])
 
 
-@kopf.timer(*RESOURCE, interval=_TICK)
+@kopf.timer(*RESOURCE, interval=_TICK, when=_ours)
 def refresh_status(body: kopf.Body, name: str, namespace: str, uid: str, memo: kopf.Memo,
                    **_: Any) -> None:
     status = dict(body.get("status") or {})
@@ -219,6 +242,11 @@ def refresh_status(body: kopf.Body, name: str, namespace: str, uid: str, memo: k
     # `memo` here is this object's own copy of the operator's memo.
     now = time.monotonic()
     job = JobRef(name=name, namespace=namespace, uid=uid)
+    ended = deadlines.enforce(memo.kube, body, status, stop=lambda: _repair(
+        body, name, job, {**status, "phase": "Failed"}, memo))
+    if ended:
+        _track(namespace, name, "Failed" if ended == "failed" else None)
+        return
     if now - memo.get("last_repair", now) >= memo.config.repair_interval:
         _repair(body, name, job, status, memo)
     memo.setdefault("last_repair", now)
@@ -238,9 +266,8 @@ def refresh_status(body: kopf.Body, name: str, namespace: str, uid: str, memo: k
     # Optimistic concurrency: a handler may have written status since this body was read
     # (kopf's merge patches would let a stale conditions list win). On a conflict the next
     # tick reads again.
-    ref = {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
-           "metadata": {"name": name, "namespace": namespace}}
-    if not memo.kube.patch_status_if_unchanged(ref, body.meta["resourceVersion"], changed):
+    if not memo.kube.patch_status_if_unchanged(deadlines.ref(name, namespace),
+                                               body.meta["resourceVersion"], changed):
         memo.last_read = -1e9
         return
     _event_phase(body, status.get("phase"), new["phase"], new.get("message", ""))
@@ -270,7 +297,7 @@ def _repair(body: kopf.Body, name: str, job: JobRef, status: dict[str, Any],
 _DRIVE_POLL = 2.0
 
 
-@kopf.daemon(*RESOURCE, initial_delay=1.0, cancellation_timeout=30.0)
+@kopf.daemon(*RESOURCE, initial_delay=1.0, cancellation_timeout=30.0, when=_ours)
 async def drive_job(stopped: kopf.DaemonStopped, body: kopf.Body, name: str, namespace: str,
                     uid: str, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     """Drive the job's stages (in a thread of its own: the driver blocks for a job's whole life,
@@ -328,7 +355,8 @@ def _drive_until_stopped(stopped: kopf.DaemonStopped, body: kopf.Body, job: JobR
             outcome = driving.drive(
                 rljob, job, memo.kube, lambda component: memo.addresses(job, component),
                 current, stopped,
-                lambda: bool(body.spec.get("suspend")) or bool(body.meta.get("deletionTimestamp")),
+                lambda: (bool(body.spec.get("suspend")) or bool(body.meta.get("deletionTimestamp"))
+                         or current().get("phase") not in lifecycle.ACTIVE),
                 poll_seconds=_DRIVE_POLL, unavailable_seconds=memo.config.unavailable_seconds,
                 credentials=lambda: memo.credentials(job),
                 rollout_replicas=lambda: int((body.spec.get("rollout") or {}).get("replicas", 1)),
@@ -348,11 +376,13 @@ def _drive_until_stopped(stopped: kopf.DaemonStopped, body: kopf.Body, job: JobR
         elif outcome == "failed":
             kopf.event(body, type="Warning", reason="Failed",
                        message=str(current().get("message", ""))[:1000])
+            # A failed job gives its nodes back too; editing its spec starts it again.
+            reconcile(memo.kube, job, spec, hosting=memo.config.hosting, active=False)
             _track(job.namespace, job.name, "Failed")
         _pause(stopped, _DRIVE_POLL)
 
 
-@kopf.on.delete(*RESOURCE)
+@kopf.on.delete(*RESOURCE, when=_ours)
 def delete_job(body: kopf.Body, name: str, namespace: str, uid: str, memo: kopf.Memo,
                logger: kopf.Logger, **_: Any) -> None:
     job = JobRef(name=name, namespace=namespace, uid=uid)

@@ -28,6 +28,8 @@ MANAGER = "kiln-operator"
 JOB_LABEL = f"{API_GROUP}/job"
 CONFIG_HASH = f"{API_GROUP}/config-hash"
 RETAINED_FROM = f"{API_GROUP}/retained-from"
+JOB_UID = f"{API_GROUP}/job-uid"
+"""Annotation of a job's PVCs: the uid of the RLJob that created them (`adoption.py`)."""
 FINALIZER = f"{API_GROUP}/pvc-retention"
 
 

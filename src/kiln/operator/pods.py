@@ -10,7 +10,7 @@ from typing import Any
 
 from kiln.api.base import quantity_value
 from kiln.api.ports import HEALTH_PORT
-from kiln.api.scheduling import PodSettings
+from kiln.api.scheduling import EnginePodSettings, PodSettings
 from kiln.api.spec import Resources, RLJobSpec
 from kiln.operator import naming
 from kiln.operator.naming import (CONFIG_HASH, GRPC_PORT, JOB_FILE, METRICS_PORT, MODEL_ROOT,
@@ -18,6 +18,7 @@ from kiln.operator.naming import (CONFIG_HASH, GRPC_PORT, JOB_FILE, METRICS_PORT
 from kiln.operator.tls import tls_secret_name
 
 TLS_DIR = "/etc/kiln/tls"
+SHM_DIR = "/dev/shm"
 SERVICE_UID = 1000
 
 
@@ -32,7 +33,8 @@ def resources(res: Resources, extra_storage_bytes: int = 0) -> dict[str, Any]:
     amounts: dict[str, Any] = {"cpu": res.cpu, "memory": res.memory, "ephemeral-storage": storage}
     limits = dict(amounts)
     if res.gpu:
-        limits["nvidia.com/gpu"] = res.gpu
+        # An extended resource: set as a limit, the request follows it.
+        limits[res.gpu_resource] = res.gpu
     return {"requests": amounts, "limits": limits}
 
 
@@ -103,12 +105,23 @@ def service_container(job: JobRef, spec: RLJobSpec, component: str, res: Resourc
             {"name": "run", "mountPath": RUN_DIR},
             {"name": "tls", "mountPath": TLS_DIR, "readOnly": True},
             *extra_mounts,
+            *shm(settings)[1],
+            *(m.model_dump(by_alias=True, exclude_none=True) for m in settings.volume_mounts),
         ],
         "securityContext": service_security(),
     }
     if settings.env_from:
         container["envFrom"] = list(settings.env_from)
     return container
+
+
+def shm(settings: PodSettings) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts) of a memory-backed /dev/shm for the pods that run a model (vLLM's
+    workers and NCCL pass tensors through it; a container's own is 64Mi); none for others."""
+    if not isinstance(settings, EnginePodSettings):
+        return [], []
+    return ([{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": settings.shm_size}}],
+            [{"name": "dshm", "mountPath": SHM_DIR}])
 
 
 def job_volume(job: JobRef) -> dict[str, Any]:
@@ -172,6 +185,7 @@ def model_init_container(spec: RLJobSpec, res: Resources) -> list[dict[str, Any]
 def pod_template(job: JobRef, spec: RLJobSpec, component: str, config_hash: str,
                  containers: list[dict[str, Any]], volumes: list[dict[str, Any]],
                  init_containers: list[dict[str, Any]] = (), grace_seconds: int = 30) -> dict[str, Any]:
+    settings = pod_settings(spec, component)
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,  # services never call the Kubernetes API
         "enableServiceLinks": False,
@@ -180,11 +194,12 @@ def pod_template(job: JobRef, spec: RLJobSpec, component: str, config_hash: str,
         "containers": containers,
         # Group-readable: the files belong to root and the services run as SERVICE_UID, in fsGroup.
         "volumes": [*volumes, {"name": "tls", "secret": {"secretName": tls_secret_name(job, component),
-                                                          "defaultMode": 0o440}}],
+                                                          "defaultMode": 0o440}},
+                    *shm(settings)[0],
+                    *(v.model_dump(by_alias=True, exclude_none=True) for v in settings.volumes)],
     }
     if init_containers:
         pod_spec["initContainers"] = list(init_containers)
-    settings = pod_settings(spec, component)
     scheduling = {"nodeSelector": settings.node_selector, "tolerations": settings.tolerations,
                   "affinity": settings.affinity,
                   "imagePullSecrets": [{"name": n} for n in settings.image_pull_secrets],

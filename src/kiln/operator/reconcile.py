@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from kiln.api.spec import API_GROUP, API_VERSION, KIND, RLJobSpec
 from kiln.api.validate import validate_document
-from kiln.operator import children, frozen
+from kiln.operator import adoption, children, frozen
 from kiln.operator.kube import Kube
 from kiln.operator.naming import RETAINED_FROM, JobRef
 from kiln.operator.tls import ensure_certificates
@@ -44,6 +44,8 @@ class Result:
     """"Kind/name" -> created, updated or unchanged."""
     refused: list[str] = field(default_factory=list)
     """Why nothing was applied (immutable fields changed)."""
+    not_adopted: list[str] = field(default_factory=list)
+    """Why nothing was applied (existing PVCs another job created, `adoption.py`)."""
 
 
 def accepted_spec(kube: Kube, job: JobRef) -> RLJobSpec | None:
@@ -74,6 +76,9 @@ def reconcile(kube: Kube, job: JobRef, spec: RLJobSpec, *,
         result.refused = children.immutable_changes(previous, spec)
         if result.refused:
             return result
+    result.not_adopted = adoption.refusals(kube, job, spec)
+    if result.not_adopted:
+        return result
     # Certificates first: the pods mount them, and the CA is part of their config hash.
     ca = ensure_certificates(kube, job, spec.image)
     for manifest in children.desired_children(job, spec, active=not spec.suspend if active is None else active,

@@ -26,6 +26,7 @@ import grpc
 
 from kiln.control.clients import (BufferStatusClient, ServiceClient, TrainerControlClient,
                                   WeightSyncStatusClient)
+from kiln.operator import lifecycle
 from kiln.operator.naming import GRPC_PORT, JobRef
 from kiln.tls import Bundle
 
@@ -229,39 +230,52 @@ def rfc3339(unix: float | None = None) -> str:
 # ---------------------------------------------------------------------------------- status rule
 
 
+CONDITION_MESSAGE_LIMIT = 32768
+"""metav1.Condition's longest message."""
+
+
 def set_condition(conditions: list[dict[str, Any]], type_: str, status: str, reason: str,
-                  message: str, now: str) -> list[dict[str, Any]]:
-    """The conditions with one replaced; lastTransitionTime moves only when status changes."""
+                  message: str, now: str, generation: int | None = None) -> list[dict[str, Any]]:
+    """The conditions with one replaced, as metav1.Condition: lastTransitionTime moves only when
+    status changes; observedGeneration is the spec generation it was set from (when known)."""
     out = [dict(c) for c in conditions if c.get("type") != type_]
     old = next((c for c in conditions if c.get("type") == type_), None)
     since = old.get("lastTransitionTime") if old and old.get("status") == status else now
-    out.append({"type": type_, "status": status, "reason": reason, "message": message,
-                "lastTransitionTime": since})
+    new = {"type": type_, "status": status, "reason": reason,
+           "message": message[:CONDITION_MESSAGE_LIMIT], "lastTransitionTime": since or now}
+    if generation is not None:
+        new["observedGeneration"] = generation
+    out.append(new)
     return sorted(out, key=lambda c: c["type"])
 
 
-def derive_status(previous: dict[str, Any], obs: Observation, *, now: str) -> dict[str, Any]:
+def derive_status(previous: dict[str, Any], obs: Observation, *, now: str,
+                  generation: int | None = None) -> dict[str, Any]:
     """The new status of a valid, unsuspended job after one observation (a full replacement
-    of the fields the timer owns: phase, progress, the Ready condition, message)."""
+    of the fields the timer owns: phase, progress, the Ready condition, message, start and
+    completion times). `generation`: the spec's, for the conditions' observedGeneration."""
+    generation = previous.get("observedGeneration") if generation is None else generation
     prev_phase = previous.get("phase") or "Pending"
     conditions = list(previous.get("conditions") or [])
     down = [c for c in WATCHED if not obs.serving.get(c)]
     if obs.failure:
         phase, message = "Failed", f"trainer failed: {obs.failure}"
-        conditions = set_condition(conditions, "Ready", "False", "TrainerFailed", message, now)
+        conditions = set_condition(conditions, "Ready", "False", "TrainerFailed", message, now,
+                                   generation)
     elif obs.finished or prev_phase == "Succeeded":
         phase, message = "Succeeded", "every stage completed"
-        conditions = set_condition(conditions, "Ready", "False", "Completed", message, now)
+        conditions = set_condition(conditions, "Ready", "False", "Completed", message, now,
+                                   generation)
     elif down:
         # A job that ran keeps its phase while a component restarts; Ready says what is down.
         phase = "Running" if prev_phase == "Running" else "Pending"
         message = "waiting for " + "; ".join(obs.errors.get(c, c) for c in down)
         conditions = set_condition(conditions, "Ready", "False", "ComponentsNotServing",
-                                   message, now)
+                                   message, now, generation)
     else:
         phase, message = "Running", ""
         conditions = set_condition(conditions, "Ready", "True", "Serving",
-                                   "trainer and buffer are serving", now)
+                                   "trainer and buffer are serving", now, generation)
     status = {
         "phase": phase,
         "conditions": conditions,
@@ -272,6 +286,7 @@ def derive_status(previous: dict[str, Any], obs: Observation, *, now: str) -> di
         "reward": _pick(obs.reward, previous.get("reward")),
         "observedStaleness": _pick(obs.observed_staleness, previous.get("observedStaleness")),
         "lastWeightSync": _pick(obs.last_weight_sync, previous.get("lastWeightSync")),
+        **lifecycle.times(previous, phase, now),
     }
     return status
 

@@ -25,6 +25,7 @@ from kiln.operator import naming
 from kiln.operator.naming import JobRef
 from kiln.operator.pods import (SERVICE_UID, deployment, job_volume, model_init_container,
                                 model_volume, pod_template, scratch, service_container)
+from kiln.operator.sources import mount_output, mount_task_sources
 
 DIND_IMAGE = "docker:27-dind"
 
@@ -60,6 +61,7 @@ def _trainer_statefulset(job: JobRef, spec: RLJobSpec, component: str, config_ha
                             [job_volume(job), {"name": "run", **run_volume}, *volumes],
                             model_init_container(spec, spec.trainer.resources),
                             grace_seconds=120)  # room to write a checkpoint on SIGTERM
+    mount_task_sources(template, spec)
     # Replica pods carry their own component label: the trainer Service (the Trainer RPCs,
     # which replica 0 alone serves) must not select them.
     template["metadata"]["labels"].update(naming.selector_labels(job, component))
@@ -82,9 +84,11 @@ def trainer(job: JobRef, spec: RLJobSpec, config_hash: str, active: bool) -> dic
     volume (a restarted trainer resumes from its last checkpoint)."""
     dp = spec.trainer.data_parallel
     rendezvous = _rendezvousservice_env(job, {"name": "KILN_TRAINER_REPLICA", "value": "0"}) if dp > 1 else []
-    return _trainer_statefulset(job, spec, "trainer", config_hash, 1 if active else 0,
-                                {"persistentVolumeClaim": {"claimName": job.child("checkpoints")}},
-                                rendezvous)
+    sts = _trainer_statefulset(job, spec, "trainer", config_hash, 1 if active else 0,
+                               {"persistentVolumeClaim": {"claimName": job.child("checkpoints")}},
+                               rendezvous)
+    mount_output(sts["spec"]["template"], spec)  # replica 0 writes each stage's model out
+    return sts
 
 
 def trainer_replicas(job: JobRef, spec: RLJobSpec, config_hash: str, active: bool) -> dict[str, Any] | None:
@@ -118,6 +122,7 @@ def rollout(job: JobRef, spec: RLJobSpec, config_hash: str, active: bool,
             "secretName": spec.rollout.openai.api_key_secret or "", "defaultMode": 0o440}})
     template = pod_template(job, spec, "rollout", config_hash, [container], volumes,
                             model_init_container(spec, spec.rollout.resources), grace_seconds=60)
+    mount_task_sources(template, spec)
     return deployment(job, spec, "rollout", spec.rollout.replicas if active else 0, template)
 
 
@@ -185,6 +190,7 @@ def sandbox(job: JobRef, spec: RLJobSpec, config_hash: str, active: bool,
         container["securityContext"] = {"privileged": True, "runAsUser": 0, "runAsGroup": 0,
                                         "runAsNonRoot": False}
     template = pod_template(job, spec, "sandbox", config_hash, [container], volumes, sidecars)
+    mount_task_sources(template, spec)
     if hosting.runtime_class:
         template["spec"]["runtimeClassName"] = hosting.runtime_class
     return deployment(job, spec, "sandbox", spec.sandbox.replicas if active else 0, template)

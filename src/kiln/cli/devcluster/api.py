@@ -12,6 +12,8 @@ serves kmock's in-memory emulator over real HTTP. kmock 0.8 needs a few fixes to
 - list responses carry `kind` and `apiVersion`;
 - `metadata.generateName` is honoured (kopf posts events that way);
 - `GET /api/v1/namespaces` is served (kmock's path parser fails on it);
+- the core group's resource list says `groupVersion: v1` (kmock: `/v1`, which hides every core
+  kind from kubectl's `apply`);
 - a watch misses no event that happens while it starts, and does not announce again what the
   client listed at the `resourceVersion` it passes;
 - only the newest `HISTORY` requests are kept: kmock keeps every request for test assertions
@@ -110,6 +112,15 @@ class KubeApiFake(kmock.KubernetesEmulator):
             return await super().__call__(raw_request)
         finally:
             self._forget_old_requests()
+
+    async def _serve_version(self, request):  # type: ignore[no-untyped-def]
+        # kmock names the core group's version "/v1"; kubectl's REST mapper keys the core
+        # resources by "v1" and, not finding them, maps no core kind (`kubectl apply -f` of a
+        # ConfigMap or a PVC: "no matches for kind").
+        doc = await super()._serve_version(request)
+        if doc.get("groupVersion", "").startswith("/"):
+            doc["groupVersion"] = doc["groupVersion"][1:]
+        return doc
 
     def _forget_old_requests(self) -> None:
         if len(self._requests) > 2 * HISTORY:

@@ -17,9 +17,11 @@ and brings the processes to them:
   addresses the operator wires in) point at 127.0.0.1. Only the first replica of a workload
   backs its Service;
 - volumes are folders: a ConfigMap's or Secret's keys are written as files (again when they
-  change; Secret files readable by the owner only), a PVC
+  change; Secret files readable by the owner only; a ConfigMap volume's `items` each at its
+  path), a PVC
   is `pvc/<claim>` (kept across pods, deleted with its object), an emptyDir is per pod; paths
-  under a mount in args and env are rewritten to the folder;
+  under a mount in args and env are rewritten to the folder, and a path above mounts (such
+  as the task sources' root) to a folder of links to them;
 - a container that exits is restarted (restartPolicy Always) with backoff, its restart count
   reported; a changed pod template (such as the operator's config hash) replaces the pod;
 - status goes back to the API: a Pod object per pod (phase, ready, restart counts), the
@@ -109,8 +111,13 @@ class Node:
                 path = self.root / "pods" / namespace / pod / "volumes" / name
                 path.mkdir(parents=True, exist_ok=True)
                 cm = configmaps.get(vol["configMap"]["name"]) or {}
-                for key, text in (cm.get("data") or {}).items():
+                data = cm.get("data") or {}
+                # `items`: only the keys named, each at its path (as the kubelet projects them).
+                files = ({i["path"]: data[i["key"]] for i in vol["configMap"]["items"]
+                          if i["key"] in data} if vol["configMap"].get("items") else data)
+                for key, text in files.items():
                     if not (path / key).exists() or (path / key).read_text() != text:
+                        (path / key).parent.mkdir(parents=True, exist_ok=True)
                         (path / key).write_text(text)
             elif "secret" in vol:
                 path = self.root / "pods" / namespace / pod / "volumes" / name
@@ -139,16 +146,33 @@ class Node:
         return sorted(out, key=lambda pair: -len(pair[0]))
 
     @staticmethod
-    def _remap(value: str, mounts: list[tuple[str, str]]) -> str:
+    def _mount_tree(tree: Path, mounts: list[tuple[str, str]]) -> None:
+        """The container's mounts as links under `tree` (`tree/<mountPath>` -> its folder), so
+        a path above several mounts (a root holding one mount per task set) means a folder too."""
+        outer = [(m, h) for m, h in mounts
+                 if not any(m != o and m.startswith(o + "/") for o, _ in mounts)]
+        for mount, host in outer:
+            link = tree / mount.lstrip("/")
+            link.parent.mkdir(parents=True, exist_ok=True)
+            if not link.is_symlink():
+                link.symlink_to(host)
+
+    @staticmethod
+    def _remap(value: str, mounts: list[tuple[str, str]], tree: Path | None = None) -> str:
         for mount, host in mounts:
             if value == mount or value.startswith(mount + "/"):
                 return host + value[len(mount):]
+        if tree is not None and value.startswith("/") and len(value) > 1 and any(
+                mount.startswith(value.rstrip("/") + "/") for mount, _ in mounts):
+            return str(tree) + value
         return value
 
     # ------------------------------------------------------------------ pods
     def _container(self, namespace: str, pod: str, index: int, spec: dict[str, Any],
                    volumes: dict[str, Path], ports: dict[int, int], services: set[str]) -> Container:
         mounts = self._mounts(spec, volumes)
+        tree = self.root / "pods" / namespace / pod / "volumes" / ".fs" / spec["name"]
+        self._mount_tree(tree, mounts)
         command = list(spec.get("command") or [])
         if command and command[0].startswith("kiln") and (BIN / command[0]).exists():
             command[0] = str(BIN / command[0])
@@ -157,7 +181,7 @@ class Node:
             m = re.fullmatch(r"0\.0\.0\.0:(\d+)", arg)
             if m:
                 arg = f"127.0.0.1:{ports.get(int(m.group(1))) or free_port()}"
-            argv.append(self._remap(arg, mounts))
+            argv.append(self._remap(arg, mounts, tree))
         # Other listening ports (metrics) get free ones: two pods cannot share a port here.
         for i, arg in enumerate(argv[:-1]):
             if arg == "--metrics-port":
@@ -168,7 +192,7 @@ class Node:
         for e in spec.get("env", []):
             if "value" in e:
                 env[e["name"]] = self._remap(self._env_value(namespace, str(e["value"]), services),
-                                             mounts)
+                                             mounts, tree)
             elif "fieldRef" in (e.get("valueFrom") or {}):
                 env[e["name"]] = field_values.get(e["valueFrom"]["fieldRef"]["fieldPath"], "")
         env.setdefault("KILN_LOG_FORMAT", "json")

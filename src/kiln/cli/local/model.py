@@ -12,6 +12,7 @@ terminal quickstart's numbers) are tokens too.
 """
 from __future__ import annotations
 
+import os
 import random
 import re
 import sys
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 from kiln.api.spec import RLJob
+from kiln.api.task_sources import TASKS_ROOT_ENV
 
 #: Scripted episodes rendered per environment for the tokenizer's corpus.
 RENDERED_EPISODES = 500
@@ -31,7 +33,8 @@ def _environments(job: RLJob) -> list[tuple[object, list]]:
 
     by_env: dict[type, tuple[object, list]] = {}
     for ts in job.spec.tasks:
-        loaded = load_task_set(ts, Path.cwd())
+        # In a pod, the task sets a cluster keeps are mounted where the operator says.
+        loaded = load_task_set(ts, Path.cwd(), os.environ.get(TASKS_ROOT_ENV))
         env, tasks = by_env.setdefault(type(loaded.environment), (loaded.environment, []))
         tasks += loaded.tasks
     return list(by_env.values())

@@ -27,6 +27,8 @@ import yaml
 
 from kiln.api.paths import resolve
 from kiln.api.spec import RLJob
+from kiln.api.outputs import local_refusals as output_refusals
+from kiln.api.task_sources import local_refusals
 from kiln.api.validate import ManifestError, load_job
 
 
@@ -70,10 +72,14 @@ def _dig(data: Any, path: tuple[str, ...]) -> Any:
 
 def _load(path: Path, err: TextIO) -> RLJob | None:
     try:
-        return resolve(load_job(path, local=True), path)
+        job = resolve(load_job(path, local=True), path)
     except ManifestError as exc:
         print(f"kiln run: invalid job:\n{exc}", file=err)
         return None
+    if refused := local_refusals(job.spec) + output_refusals(job.spec.output):
+        print(f"kiln run: {path}: " + "\n".join(refused), file=err)
+        return None
+    return job
 
 
 def prepare(args: argparse.Namespace, out: TextIO = sys.stdout,

@@ -23,6 +23,7 @@ from typing import Sequence
 
 from kiln.control import channels
 from kiln.api.capabilities import job_model_refusals
+from kiln.api.outputs import OUTPUT_DIR_ENV
 from kiln.api.spec import RLJob
 from kiln.services.common.server import Registration, run_service, service_argparser
 from kiln.services.trainer import ranks
@@ -177,8 +178,10 @@ async def _stage_runner(job: RLJob, engine, engine_lock: threading.Lock, args: a
     await _agree_with_weight_sync(engine, channel, ws.bucket_bytes)
     tracker = Tracker(args.run_dir / "tensorboard", run_name="trainer", group=job.metadata.name,
                       spec=job.spec.tracking, config=job.spec.model_dump(mode="json", by_alias=True))
+    # Where the operator mounted the job's output volume (spec.output), if it has one.
+    output = os.environ.get(OUTPUT_DIR_ENV)
     return StageRunner(job, engine, engine_lock, GrpcBufferClient(buffer_addr), publisher,
-                       args.run_dir, tracker)
+                       args.run_dir, tracker, output or None)
 
 
 async def _agree_with_weight_sync(engine, channel, bucket_bytes: int) -> None:

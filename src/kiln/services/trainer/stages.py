@@ -6,7 +6,8 @@ batches from the buffer and publishing weights through weight-sync. Steps alread
 stage (recorded in the engine's checkpoints) are not repeated after a restart.
 
 A finished stage's final weights are also written as a Hugging Face checkpoint,
-`<run dir>/stages/<stage>/`.
+`<run dir>/stages/<stage>/`, and copied to the job's output folder when it has one
+(`spec.output`, `output.py`) before the stage is reported done.
 
 SFT stages publish only at their end: their demonstrations are stamped with the rollout's
 current version, and publishing every step would make them look stale. RL stages publish every
@@ -36,6 +37,7 @@ from kiln.services.common.tracking import Tracker
 from kiln.services.trainer.config import config_from_job, stage_by_name
 from kiln.services.trainer.engine import TrainerEngine
 from kiln.services.trainer.loop import StageSettings, StepBatch, WeightPublisher, publish, run_stage
+from kiln.services.trainer.output import write_stage_output
 from kiln.services.trainer.selection import StageGuard, restore_weights
 
 log = logging.getLogger(__name__)
@@ -88,8 +90,9 @@ class StageStatus:
 class StageRunner:
     def __init__(self, job: RLJob, engine: TrainerEngine, engine_lock: threading.Lock,
                  buffer: BufferClient, publisher: WeightPublisher, run_dir: Path,
-                 tracker: Tracker | None = None) -> None:
+                 tracker: Tracker | None = None, output_dir: str | Path | None = None) -> None:
         self.job, self.engine, self.lock = job, engine, engine_lock
+        self.output_dir = output_dir
         self.buffer, self.publisher, self.run_dir = buffer, publisher, run_dir
         self.tracker = tracker
         self.status = StageStatus()
@@ -171,6 +174,7 @@ class StageRunner:
                 # (a later stage or `kiln run`'s final-hf starts from it).
                 with self.lock:
                     path = self.engine.export_hf(stage_export_dir(self.run_dir, stage.name))
+                self._write_output(stage.name, path, None)
                 self.status.done = True
                 log.info("stage %s done at step %d, policy version %d; weights in %s", stage.name,
                          self.status.step, self.engine.policy_version, path)
@@ -260,12 +264,22 @@ class StageRunner:
             self.engine.save_checkpoint()
             out = self.engine.export_hf(stage_export_dir(self.run_dir, name))
         guard.select(step, reason)
+        self._write_output(name, out, step)
         done = self.engine.stage_steps.get(name, 0)
         self.status = StageStatus(stage=name, step=done, max_steps=stage.max_steps, done=True,
                                   selected_step=step, selected_reason=reason)
         log.info("stage %s ends with the weights of its step %d (%s), policy version %d; "
                  "weights in %s", name, step, reason, self.engine.policy_version, out)
         return self.status
+
+
+    def _write_output(self, name: str, export: Path, selected_step: int | None) -> None:
+        if self.output_dir is None:
+            return
+        write_stage_output(self.output_dir, self.job, name, Path(export), {
+            "steps": self.engine.stage_steps.get(name, 0), "selected_step": selected_step,
+            "policy_version": self.engine.policy_version})
+        log.info("stage %s: its model and summary written to %s", name, self.output_dir)
 
 
 def stage_export_dir(run_dir: Path, stage: str) -> Path:
