@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kiln.services.sandbox.environments.tasks import load_taskset
 
 from helpers.fake_openai import ScriptedModel, json_message
@@ -101,6 +103,7 @@ def test_terminal_pipeline(tmp_path):
     assert json.loads((back / "report.json").read_text())["funnel"]["kept"] == 1
 
 
+@pytest.mark.slow  # about 17 s on the 2-core machine
 def test_terminal_pages_and_model_down(tmp_path):
     pages = tmp_path / "pages"
     pages.mkdir()

@@ -145,10 +145,12 @@ def test_unconsumed_bytes_is_kept_as_entries_come_and_go(tmp_path: Path) -> None
 
 def test_get_batch_waits_for_a_put_in_another_thread(tmp_path: Path) -> None:
     buf = _open(tmp_path, group_size=2)
-    threading.Timer(0.2, lambda: buf.put(synthetic_group("late", 2))).start()
-    start = time.monotonic()
-    batch = buf.get_batch(2, 0, timeout=10)
-    assert 0.15 < time.monotonic() - start < 5
+    start = time.monotonic()  # before the timer: the put comes no sooner than 0.2 s after
+    late = threading.Timer(0.2, lambda: buf.put(synthetic_group("late", 2)))
+    late.start()
+    batch = buf.get_batch(2, 0, timeout=120)
+    assert 0.19 <= time.monotonic() - start < 60  # woken by the put, not by its timeout
+    late.join()
     assert len(batch.trajectories) == 2 and batch.batch_id == 1
     buf.close()
 

@@ -11,18 +11,34 @@ import pytest
 from kiln.cli.local.processes import ServiceProcess, kill_leftovers
 
 
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            pass  # gone meanwhile, or not a process
+    return out
+
+
 def test_a_killed_service_leaves_nothing_behind(tmp_path: Path) -> None:
     """A service killed with SIGKILL leaves its children (vLLM's engine core) running in its
     session; `kill_leftovers`, which the launcher calls before a restart and after a stop,
     ends them."""
     proc = subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300"], start_new_session=True)
     svc = ServiceProcess("rollout", proc, tmp_path, tmp_path / "log")
-    time.sleep(0.3)
+    deadline = time.monotonic() + 60
+    while not _children(proc.pid):  # the background sleep started, however loaded the machine
+        assert time.monotonic() < deadline, "the service's children never started"
+        time.sleep(0.02)
     proc.kill()
     proc.wait()
     os.killpg(proc.pid, 0)  # the child is still there, in the dead leader's group
     kill_leftovers(svc)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while True:
         try:
             os.killpg(proc.pid, 0)
