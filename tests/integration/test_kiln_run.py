@@ -62,9 +62,9 @@ def test_kiln_run_end_to_end_with_a_buffer_kill(tmp_path):
     check = subprocess.run([sys.executable, "-m", "kiln.cli", "buffer", "check", str(run / "buffer")],
                            capture_output=True, text=True, timeout=120)
     assert check.returncode == 0, check.stderr
-    # mTLS: every service had its own certificate of the run's CA.
+    # mTLS: every service had its own certificate of the run's CA (frozen models: `teacher`).
     assert {p.name for p in (run / "tls").iterdir()} == {"trainer", "rollout", "sandbox", "weight-sync",
-                                                          "buffer", "operator"}
+                                                          "buffer", "operator", "teacher"}
     assert (run / "trainer-replica-1" / "ports.json").exists()
     assert not (run / "trainer-replica-1" / "checkpoints").exists()  # replica 0 keeps them
     summary = json.loads((run / "summary.json").read_text())

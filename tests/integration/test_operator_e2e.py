@@ -14,7 +14,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
@@ -30,6 +29,8 @@ from kiln.protos.kiln.v1 import trainer_pb2, trainer_pb2_grpc
 from kiln.services.common.tls import server_credentials
 from kiln.control.channels import channel as tls_channel
 from kiln.tls import read_bundle
+
+from helpers.operator_runner import wait_for
 
 NS = "kiln-e2e"
 GROUP, VERSION, PLURAL = "kiln.dev", "v1alpha1", "rljobs"
@@ -49,17 +50,6 @@ def manifest(name: str, **spec_changes: Any) -> dict[str, Any]:
     spec.update(spec_changes)
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "RLJob", "metadata": {"name": name},
             "spec": spec}
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 15.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.1)
 
 
 class Cluster:
