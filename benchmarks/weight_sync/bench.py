@@ -63,18 +63,22 @@ def model_tensors(params: int, dtype: torch.dtype = torch.bfloat16, hidden: int 
 # --- raw TCP ceiling ---------------------------------------------------------------------------
 
 
-def _tcp_receiver(port_q, total: int) -> None:
-    srv = socket.create_server(("127.0.0.1", 0))
-    port_q.put(srv.getsockname()[1])
-    conn, _ = srv.accept()
-    buf = bytearray(total)
-    view = memoryview(buf)
+def receive_exactly(conn: socket.socket, total: int) -> None:
+    """Read `total` bytes from `conn` into one buffer, as a receiver that keeps them would."""
+    view = memoryview(bytearray(total))
     got = 0
     while got < total:
         n = conn.recv_into(view[got:], min(total - got, 4 << 20))
         if n == 0:
             raise RuntimeError("sender closed early")
         got += n
+
+
+def _tcp_receiver(port_q, total: int) -> None:
+    srv = socket.create_server(("127.0.0.1", 0))
+    port_q.put(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    receive_exactly(conn, total)
     conn.sendall(b"k")
     conn.close()
     srv.close()

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import make_model_dir, start_service  # noqa: E402  (the sibling benchmark's helpers)
+from bench import make_model_dir, receive_exactly, start_service  # noqa: E402  (the sibling benchmark's helpers)
 
 from kiln.services.weight_sync import client as ws  # noqa: E402
 from kiln.services.weight_sync.buckets import DEFAULT_BUCKET_BYTES, pack  # noqa: E402
@@ -61,14 +61,7 @@ def _raw_receiver(port_q, total: int) -> None:
         conn, _ = srv.accept()
         if conn.recv(1) == b"q":
             break
-        buf = bytearray(total)
-        view = memoryview(buf)
-        got = 0
-        while got < total:
-            n = conn.recv_into(view[got:], min(total - got, 4 << 20))
-            if n == 0:
-                raise RuntimeError("sender closed early")
-            got += n
+        receive_exactly(conn, total)
         conn.sendall(b"k")
         conn.close()
     srv.close()

@@ -17,10 +17,8 @@ from kiln.services.trainer.config import OptimizerConfig, TrainerConfig
 from kiln.services.trainer.engine import TrainerEngine
 from kiln.trajectory import Trajectory, VersionSpan
 
-# Head size 32: vLLM's CPU attention has kernels for it (the interface's checkpoints have it too).
-TINY_MOE = dict(arch="qwen2_moe", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
-                intermediate_size=128, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                shared_expert_intermediate_size=64)
+from helpers.moe import TINY_MOE
+
 PROMPTS = [[1, 40, 41, 42, 43], [1, 7, 300, 12], [1, 99] * 5]
 
 

@@ -27,9 +27,7 @@ from kiln.services.trainer.loss import loss_normalizer, policy_loss
 from kiln.services.trainer.replay import batch_logprobs, packed_batch_logprobs
 from kiln.trajectory import Trajectory, VersionSpan
 
-TINY_MOE = dict(arch="qwen2_moe", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
-                intermediate_size=128, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                shared_expert_intermediate_size=64)
+from helpers.moe import TINY_MOE
 
 
 @pytest.fixture(scope="module", autouse=True)

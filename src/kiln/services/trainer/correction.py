@@ -14,9 +14,15 @@ from kiln.api.loss import Correction
 LOG_RATIO_CLAMP = 20.0
 
 
-def _in_log_bounds(log_x: torch.Tensor, low: float, high: float) -> torch.Tensor:
-    # Python-float bounds compare in log_x's own dtype, as loss.py's ratio masks do.
-    return (log_x >= math.log(low)) & (log_x <= math.log(high))
+def in_log_bounds(log_x: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """`low <= exp(log_x) <= high`, decided in log space in log_x's dtype (the window a ratio
+    of that dtype is checked against, without overflowing exp). `loss.py`'s masks use it too."""
+    lo = torch.tensor(math.log(low), dtype=log_x.dtype)
+    hi = torch.tensor(math.log(high), dtype=log_x.dtype) if math.isfinite(high) else None
+    ok = log_x >= lo
+    if hi is not None:
+        ok = ok & (log_x <= hi)
+    return ok
 
 
 def correction_weights(logp_train_old: torch.Tensor, logp_infer: torch.Tensor, on: torch.Tensor,
@@ -44,5 +50,5 @@ def correction_weights(logp_train_old: torch.Tensor, logp_infer: torch.Tensor, o
         dropped = torch.zeros_like(on)
     else:
         weight = torch.ones_like(lr)
-        dropped = on & ~_in_log_bounds(log_w, correction.low, correction.upper)
+        dropped = on & ~in_log_bounds(log_w, correction.low, correction.upper)
     return torch.where(on, weight, zero), dropped

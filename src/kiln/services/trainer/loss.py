@@ -50,7 +50,6 @@ Not covered: entropy bonuses, value functions.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -58,7 +57,7 @@ import torch
 from kiln.api.loss import Aggregation, Correction, Loss
 # LOG_RATIO_CLAMP: log-ratios beyond it are clamped in the mismatch metrics, the KL estimate
 # and the correction (its home).
-from kiln.services.trainer.correction import LOG_RATIO_CLAMP, correction_weights
+from kiln.services.trainer.correction import LOG_RATIO_CLAMP, correction_weights, in_log_bounds
 from kiln.services.trainer.distill import dense_kl
 
 
@@ -157,24 +156,14 @@ class LossStats:
         }
 
 
-def _in_log_bounds(log_x: torch.Tensor, low: float, high: float) -> torch.Tensor:
-    """`low <= exp(log_x) <= high`, decided in log space in log_x's dtype (see module doc)."""
-    lo = torch.tensor(math.log(low), dtype=log_x.dtype)
-    hi = torch.tensor(math.log(high), dtype=log_x.dtype) if math.isfinite(high) else None
-    ok = log_x >= lo
-    if hi is not None:
-        ok = ok & (log_x <= hi)
-    return ok
-
-
 def ratio_keep_mask(logp: torch.Tensor, logp_infer: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
     """True where `exp(logp - logp_infer)` lies in `[1 - eps_low, 1 + eps_high]`."""
-    return _in_log_bounds((logp - logp_infer).detach(), 1.0 - eps_low, 1.0 + eps_high)
+    return in_log_bounds((logp - logp_infer).detach(), 1.0 - eps_low, 1.0 + eps_high)
 
 
 def icepop_keep_mask(logp_train_old: torch.Tensor, logp_infer: torch.Tensor, beta: float) -> torch.Tensor:
     """True where `exp(logp_train_old - logp_infer)` lies in `[1/beta, beta]`."""
-    return _in_log_bounds((logp_train_old - logp_infer).detach(), 1.0 / beta, beta)
+    return in_log_bounds((logp_train_old - logp_infer).detach(), 1.0 / beta, beta)
 
 
 def _check_shapes(name_to_tensor: dict[str, torch.Tensor], shape: torch.Size) -> None:
