@@ -25,6 +25,13 @@ DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 
                "qk_nope_head_dim": 128, "v_head_dim": 128, "q_lora_rank": None, "head_dim": 64}
 
 
+# The tool-call part of GLM-4.5's chat template (its hub tokenizer's), reduced.
+GLM45_TOOLS_TEMPLATE = ("{%- if tools -%}{%- for tool in tools -%}{{ tool | tojson }}{%- endfor -%}{%- endif -%}"
+                        "{%- for m in messages -%}{%- for tc in m.tool_calls or [] -%}<tool_call>{{ tc.name }}"
+                        "{%- for k, v in tc.arguments.items() -%}<arg_key>{{ k }}</arg_key><arg_value>{{ v }}"
+                        "</arg_value>{%- endfor -%}</tool_call>{%- endfor -%}{%- endfor -%}")
+
+
 # One job per capability that the runtime refuses: (spec changes, model config changes).
 VIOLATIONS: dict[str, tuple[dict, dict]] = {
     "pipeline-parallel": ({"trainer": {"pipelineParallel": 2}}, {}),
@@ -37,6 +44,9 @@ VIOLATIONS: dict[str, tuple[dict, dict]] = {
     "tensor-parallel-split": ({"trainer": {"tensorParallel": 2}},
                               {"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 192}),
     "moe-tensor-parallel": ({"trainer": {"tensorParallel": 2}}, MOE),
+    "expert-parallel": ({"trainer": {"dataParallel": 3, "expertParallel": 3}}, MOE),
+    "expert-parallel-layout": ({"trainer": {"dataParallel": 3, "expertParallel": 2}}, MOE),
+    "chat-tool-format": ({"rollout": {"toolCallFormat": "hermes"}}, {}),
     "vllm-cpu-mla": ({"rollout": {"engine": "vllm"}}, DEEPSEEK_V3),
 }
 
@@ -45,6 +55,8 @@ def violating_job(tmp_path: Path, name: str) -> tuple[dict, Path]:
     """An RLJob (as a mapping) and its checkpoint, failing capability `name` alone."""
     spec_changes, config_changes = VIOLATIONS[name]
     d = checkpoint_config(tmp_path, **config_changes)
+    if name == "chat-tool-format":
+        (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": GLM45_TOOLS_TEMPLATE}))
     if name == "tokenizer-vocab":
         (d / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 1}},
                                                       "added_tokens": [{"id": 7}]}))

@@ -84,5 +84,5 @@ def test_deepseek_v3_torch_rollout_and_trainer_agree(deepseek_v3: Path) -> None:
 def test_deepseek_v3_on_vllm_on_a_cpu_is_refused_with_the_measured_reason(deepseek_v3: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "kiln.cli", "consistency", "--model", str(deepseek_v3),
                            "--engine", "vllm"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stdout + proc.stderr[-2000:]
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-2000:]
     assert "multi-latent attention on vLLM's CPU" in proc.stderr and "max |log-prob diff|" in proc.stderr

@@ -71,7 +71,7 @@ def test_consistency_refuses_an_unsupported_model_in_one_line(tmp_path):
     d = checkpoint_config(tmp_path, hidden_size=64)
     proc = subprocess.run([sys.executable, "-m", "kiln.cli", "consistency", "--model", str(d)],
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "head size 16" in lines[0] and lines[0].startswith("kiln consistency:")
 
@@ -86,7 +86,7 @@ def test_kiln_run_refuses_an_unsupported_model_before_starting_anything(tmp_path
                  "stages": [{"name": "s", "type": "sft", "tasks": ["t"]}]}}))
     proc = subprocess.run([sys.executable, "-m", "kiln.cli", "run", str(job), "--run-dir",
                            str(tmp_path / "run")], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == (f"kiln run: invalid job:\n{job}:1: spec.model.path: {d}: architecture "
                                    "MistralForCausalLM is not supported; the trainer builds "
                                    + ", ".join(sorted(SUPPORTED_ARCHS)))

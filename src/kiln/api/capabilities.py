@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kiln.api.chat_templates import chat_template, foreign_tool_format
 # SUPPORTED_ARCHS (Hugging Face architectures the Megatron model code builds) and the config
 # checks of each family come from the family registry.
-from kiln.api.model_families import SUPPORTED_ARCHS, config_problems, family_of
+from kiln.api.model_families import SUPPORTED_ARCHS, config_problems, family_of, is_dsa_config
 
 #: Head sizes vLLM 0.32's CPU attention backend has kernels for (its
 #: `CPUAttentionBackend.get_supported_head_sizes()`; a test keeps the two equal).
@@ -48,6 +49,9 @@ class ModelFacts:
     path: Path
     config: dict[str, Any]
     tokenizer_size: int | None
+    chat_template: str = ""
+    """The tokenizer's chat template(s) as text (tokenizer_config.json or chat_template.jinja);
+    empty when it has none."""
 
     @property
     def heads(self) -> int:
@@ -67,6 +71,10 @@ class Target:
     cuda: bool = False
     tensor_parallel: int = 1
     """The trainer's `spec.trainer.tensorParallel`."""
+    expert_parallel: int = 1
+    """The trainer's `spec.trainer.expertParallel`."""
+    tool_call_format: str = "auto"
+    """Rollout's `spec.rollout.toolCallFormat`."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +119,16 @@ def _trainer_gpus(spec) -> str | None:
             f"one GPU of its pod; set gpu to {tp} (or 0 to train on CPUs)")
 
 
+def _expert_layout(spec) -> str | None:
+    t = spec.trainer
+    if t.data_parallel % t.expert_parallel:  # Megatron carves EP groups out of the DP replicas
+        return (f"expertParallel {t.expert_parallel} must divide dataParallel {t.data_parallel}: "
+                "experts are split over data-parallel replicas")
+    if t.expert_parallel > 1 and t.tensor_parallel > 1:
+        return f"expertParallel {t.expert_parallel} needs tensorParallel 1 (MoE layers train unsplit by TP)"
+    return None
+
+
 def _rollout_gpus(spec) -> str | None:
     gpu = spec.rollout.resources.gpu
     return None if gpu <= 1 else (
@@ -128,6 +146,8 @@ SPEC_CAPABILITIES: tuple[Capability, ...] = (
                _trainer_gpus),
     Capability("rollout-gpus", ("spec", "rollout", "resources", "gpu"),
                "0 or 1 per rollout pod (scale out with replicas)", ("rollout", "operator"), _rollout_gpus),
+    Capability("expert-parallel-layout", ("spec", "trainer", "expertParallel"),
+               "a divisor of dataParallel, with tensorParallel 1", ("trainer",), _expert_layout),
 )
 
 
@@ -146,7 +166,7 @@ def _is_mla(config: dict[str, Any]) -> bool:
 
 
 def _head_size(m: ModelFacts, t: Target) -> str | None:
-    if (t.engine != "vllm" or t.cuda or "kiln_dsa" in m.config or _is_mla(m.config)
+    if (t.engine != "vllm" or t.cuda or is_dsa_config(m.config) or _is_mla(m.config)
             or m.head_dim in VLLM_CPU_HEAD_SIZES):
         return None
     return (f"head size {m.head_dim} (hidden_size {m.config.get('hidden_size')} / "
@@ -155,6 +175,11 @@ def _head_size(m: ModelFacts, t: Target) -> str | None:
 
 
 def _vllm_cpu_mla(m: ModelFacts, t: Target) -> str | None:
+    if t.engine == "vllm" and _is_mla(m.config) and is_dsa_config(m.config):
+        # On GPUs vLLM would run DeepSeek's own indexer, whose weights Kiln's checkpoints lack.
+        return (f"{family_of(m.config).title} selects keys with Kiln's DeepSeek sparse attention (config.json "
+                "index_topk), which vLLM has no CPU path for and runs with another indexer on GPUs; "
+                "use rollout engine megatron")
     if t.engine != "vllm" or t.cuda or not _is_mla(m.config):
         return None
     kv, rope = m.config.get("kv_lora_rank"), m.config.get("qk_rope_head_dim")
@@ -198,6 +223,20 @@ def _moe_tp(m: ModelFacts, t: Target) -> str | None:
     return f"tensorParallel {t.tensor_parallel}: {what} train with tensorParallel {limit} only"
 
 
+def _expert_parallel(m: ModelFacts, t: Target) -> str | None:
+    ep = t.expert_parallel
+    if ep == 1:
+        return None
+    family = family_of(m.config)
+    if family is None or family.moe is None:
+        return f"expertParallel {ep}: the model has no experts to split (expert parallelism is for MoE models)"
+    experts = family.moe.experts(m.config)
+    if experts and experts % ep:
+        return (f"expertParallel {ep} does not divide the {experts} experts of each MoE layer "
+                f"(config.json {' or '.join(family.moe.num_experts)})")
+    return None
+
+
 MODEL_CAPABILITIES: tuple[Capability, ...] = (
     Capability("architecture", ("spec", "model", "path"),
                f"{', '.join(sorted(SUPPORTED_ARCHS))}, with the config.json fields their family builds",
@@ -206,7 +245,8 @@ MODEL_CAPABILITIES: tuple[Capability, ...] = (
                f"head sizes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))} for vLLM on a CPU",
                ("rollout",), _head_size, needs_model=True),
     Capability("vllm-cpu-mla", ("spec", "rollout", "engine"),
-               "no multi-latent attention (DeepSeek-V3) on vLLM on a CPU", ("rollout",), _vllm_cpu_mla,
+               "no multi-latent attention (DeepSeek-V3) on vLLM on a CPU, no DeepSeek-V3.2 on vLLM",
+               ("rollout",), _vllm_cpu_mla,
                needs_model=True),
     Capability("tokenizer-vocab", ("spec", "model", "path"),
                "a tokenizer no larger than the model's vocab_size", ("trainer", "rollout"), _vocab,
@@ -217,6 +257,13 @@ MODEL_CAPABILITIES: tuple[Capability, ...] = (
     Capability("moe-tensor-parallel", ("spec", "trainer", "tensorParallel"),
                "tensorParallel up to the family's limit (1 for MoE models)", ("trainer",), _moe_tp,
                needs_model=True),
+    Capability("chat-tool-format", ("spec", "rollout", "toolCallFormat"),
+               "a chat template whose tool calls are hermes or llama3 (or toolCallFormat tags)",
+               ("rollout",), lambda m, t: foreign_tool_format(m.chat_template, t.tool_call_format),
+               needs_model=True),
+    Capability("expert-parallel", ("spec", "trainer", "expertParallel"),
+               "expertParallel 1, or for a MoE model one that divides its expert count",
+               ("trainer",), _expert_parallel, needs_model=True),
 )
 
 CAPABILITIES = SPEC_CAPABILITIES + MODEL_CAPABILITIES
@@ -259,7 +306,7 @@ def read_model(model_dir: str | Path) -> ModelFacts:
         raise ValueError(f"{model_dir} holds no config.json (not a Hugging Face checkpoint)")
     try:
         config = json.loads(config_path.read_text())
-        return ModelFacts(model_dir, config, _tokenizer_size(model_dir))
+        return ModelFacts(model_dir, config, _tokenizer_size(model_dir), chat_template(model_dir))
     except json.JSONDecodeError as exc:
         raise ValueError(f"{config_path} is not JSON: {exc}") from None
 
@@ -303,7 +350,8 @@ def job_model_refusals(spec, component: str | None = None, *, model_dir: str | P
     facts = read_model(model_dir)
     cuda = has_cuda() if cuda is None else cuda
     target = Target(engine=rollout_engine(spec.rollout.engine, facts.config, cuda), cuda=cuda,
-                    tensor_parallel=spec.trainer.tensor_parallel)
+                    tensor_parallel=spec.trainer.tensor_parallel, expert_parallel=spec.trainer.expert_parallel,
+                    tool_call_format=spec.rollout.tool_call_format)
     return [Refusal(c, msg) for c in MODEL_CAPABILITIES
             if (component is None or component in c.enforced_by)
             and (msg := c.check(facts, target)) is not None]

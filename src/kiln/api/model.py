@@ -23,9 +23,10 @@ MODEL_ROOT_ENV = "KILN_MODEL_ROOT"
 class ModelInit(Model):
     """Create a small random-initialised model locally (tests, quickstart). Nothing is downloaded."""
 
-    arch: Literal["qwen2", "llama", "qwen2_moe", "qwen3", "qwen3_moe"] = "qwen2"
-    """Architecture of the checkpoint written (Hugging Face Qwen2, Llama, Qwen2-MoE, Qwen3 or
-    Qwen3-MoE)."""
+    arch: Literal["qwen2", "llama", "qwen2_moe", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3"] = "qwen2"
+    """Architecture of the checkpoint written (Hugging Face Qwen2, Llama, Qwen2-MoE, Qwen3,
+    Qwen3-MoE, GLM-4.5 MoE or DeepSeek-V3; the last two with one dense first layer, one shared
+    expert and sigmoid routing, DeepSeek-V3 with multi-latent attention of fixed small ranks)."""
     hidden_size: int = Field(128, ge=8)
     """Width of the residual stream."""
     num_layers: int = Field(2, ge=1)
@@ -47,11 +48,11 @@ class ModelInit(Model):
     seed: int = 0
     """Seed of the random initialisation (the same seed gives the same weights)."""
     num_experts: int = Field(8, ge=1, le=4096)
-    """qwen2_moe, qwen3_moe: routed experts per layer."""
+    """MoE archs: routed experts per layer."""
     num_experts_per_tok: int = Field(2, ge=1)
-    """qwen2_moe, qwen3_moe: experts each token is routed to (top-k)."""
+    """MoE archs: experts each token is routed to (top-k)."""
     moe_intermediate_size: int = Field(64, ge=8)
-    """qwen2_moe, qwen3_moe: width of each expert's hidden layer."""
+    """MoE archs: width of each expert's hidden layer."""
     shared_expert_intermediate_size: int = Field(128, ge=8)
     """qwen2_moe: width of the shared expert's hidden layer (Qwen3-MoE has none)."""
 
@@ -93,6 +94,66 @@ class HubModel(Model):
         return value
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The linear layers a LoRA adapter may go on, named as PEFT users name them."""
+
+
+class LoraSpec(Model):
+    """Train a low-rank adapter (LoRA) instead of the model's weights: each targeted linear
+    layer W gets W + (alpha / rank) * B @ A, with A [rank, in] and B [out, rank] trained and W
+    frozen. Weight sync ships only A and B; `kiln export` writes a PEFT adapter (or, with
+    `--merge`, the merged checkpoint). The trainer fuses q/k/v into one layer and gate/up into
+    another: a subset of a fused layer's projections shares one A there, and the rows of the
+    projections not targeted stay zero in its B (each targeted projection is a PEFT adapter of
+    its own, the shared A repeated)."""
+
+    rank: int = Field(8, ge=1, le=1024)
+    """r: the adapter's inner width."""
+    alpha: float = Field(16.0, gt=0)
+    """The adapter's output is scaled by alpha / rank (PEFT's `lora_alpha`)."""
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
+    """Projections that get an adapter, among q_proj, k_proj, v_proj, o_proj, gate_proj,
+    up_proj, down_proj (attention and dense MLPs; MoE experts are not covered)."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter's input while training (PEFT's `lora_dropout`)."""
+    stages: list[str] | None = None
+    """The stages that train the adapter; unset: all. The others, which must come first, train
+    every weight, and the adapter then goes on the weights they ended with (e.g. full SFT of a
+    small model, then LoRA RL)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, value: list[str]) -> list[str]:
+        unknown = [t for t in value if t not in LORA_TARGETS]
+        if unknown:
+            raise ValueError(f"targetModules: {unknown} are not among {list(LORA_TARGETS)}")
+        if len(set(value)) != len(value):
+            raise ValueError(f"targetModules: {value} names a module twice")
+        return value
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def trains(self, stage: str) -> bool:
+        """Whether stage `stage` trains the adapter."""
+        return self.stages is None or stage in self.stages
+
+
+def lora_problems(lora: LoraSpec | None, stage_names: list[str]) -> list[str]:
+    """What is wrong with `spec.model.lora` for a job of these stages (empty: nothing)."""
+    if lora is None or lora.stages is None:
+        return []
+    unknown = [s for s in lora.stages if s not in stage_names]
+    if unknown:
+        return [f"model.lora.stages: {unknown} are not stages of the job ({stage_names})"]
+    flags = [lora.trains(s) for s in stage_names]
+    if True in flags and not all(flags[flags.index(True):]):
+        return [f"model.lora.stages {lora.stages}: the LoRA stages must be the last ones "
+                f"(stages in order: {stage_names}); an adapter, once on, stays on"]
+    return []
+
+
 class ModelSpec(Model):
     """The policy model the job starts from."""
 
@@ -111,6 +172,9 @@ class ModelSpec(Model):
     hub: HubModel | None = None
     """If set, Kiln downloads this Hub checkpoint to `path` first (on a cluster `path` is then on
     `pvc`, which the download writes to, or, without one, in each pod's own run volume)."""
+    lora: LoraSpec | None = None
+    """If set, train a low-rank adapter (rank, alpha, targetModules, dropout, stages) on the frozen
+    model instead of all its weights."""
     routing_replay: Literal["off", "record", "replay"] = "replay"
     """Mixture-of-experts models: `record` has rollout record the experts it chose for every
     token and the trainer count the tokens whose own routing differs (metric

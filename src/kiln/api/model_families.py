@@ -15,8 +15,9 @@ An entry (`Family`) says everything the rest of Kiln needs to know about a famil
 
 Torch-free, so the capability table (`kiln.api.capabilities`) and `kiln validate` read the same
 entries the model code (`kiln.models`) builds from: family-specific behaviour is a field here,
-read by the shared model code, never a branch on a family's name there. The README's
-supported-models table is `supported_models_table()`; a test keeps the two equal.
+read by the shared model code, never a branch on a family's name there. The supported-models
+table of the model guide (`docs/guides/your-model.md`) is `supported_models_table()`; a test
+keeps the two equal.
 """
 from __future__ import annotations
 
@@ -156,6 +157,10 @@ class Family:
     rollout: Rollout = Rollout()
     dsa: bool = False
     """Whether a `kiln_dsa` config entry (DeepSeek sparse attention) may be added."""
+    sparse_attention: tuple[str, str, str] | None = None
+    """config.json fields (top-k, indexer heads, indexer head size) of DeepSeek sparse attention
+    built into every layer of the family (DeepSeek-V3.2's `index_topk`, `index_n_heads`,
+    `index_head_dim`); None: the family's attention is dense."""
     defaults_only: tuple[tuple[str, Any], ...] = ()
     """config.json fields the model code builds only at this value (absent counts as it)."""
 
@@ -225,7 +230,17 @@ DEEPSEEK_V3 = Family(
     defaults_only=(("hidden_act", "silu"), ("rope_interleave", True), ("attention_bias", False)),
 )
 
-FAMILIES: tuple[Family, ...] = (QWEN2, LLAMA, QWEN2_MOE, QWEN3, QWEN3_MOE, GLM4_MOE, DEEPSEEK_V3)
+DEEPSEEK_V32 = Family(
+    name="deepseek_v32", title="DeepSeek-V3.2", architectures=("DeepseekV32ForCausalLM",),
+    attention=DEEPSEEK_V3.attention, moe=DEEPSEEK_V3.moe, weights=MLA_NAMES, max_tensor_parallel=1,
+    rollout=Rollout(cpu=("megatron",), gpu=("megatron",),
+                    note="vLLM 0.32 has no DeepSeek sparse attention on CPUs, and the torch engine "
+                         "(transformers) runs another lightning indexer than Kiln's"),
+    sparse_attention=("index_topk", "index_n_heads", "index_head_dim"),
+    defaults_only=DEEPSEEK_V3.defaults_only,
+)
+
+FAMILIES: tuple[Family, ...] = (QWEN2, LLAMA, QWEN2_MOE, QWEN3, QWEN3_MOE, GLM4_MOE, DEEPSEEK_V3, DEEPSEEK_V32)
 BY_NAME = {f.name: f for f in FAMILIES}
 BY_ARCHITECTURE = {a: f for f in FAMILIES for a in f.architectures}
 SUPPORTED_ARCHS = {a: f.name for a, f in BY_ARCHITECTURE.items()}
@@ -238,6 +253,23 @@ _YARN_UNBUILT = {("truncate", False)}
 def family_of(config: dict[str, Any]) -> Family | None:
     """The family of a config.json (its first known `architectures` entry), or None."""
     return next((BY_ARCHITECTURE[a] for a in config.get("architectures") or [] if a in BY_ARCHITECTURE), None)
+
+
+def dsa_entry(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The DeepSeek-sparse-attention settings of a config.json as a `kiln_dsa` entry
+    (`index_topk`, `index_heads`, `index_dim`): its `kiln_dsa`, or its family's built-in sparse
+    attention fields (values unchecked, absent ones None); None for dense attention."""
+    if config.get("kiln_dsa") is not None:
+        return config["kiln_dsa"]
+    family = family_of(config)
+    if family is None or family.sparse_attention is None:
+        return None
+    return dict(zip(("index_topk", "index_heads", "index_dim"), (config.get(f) for f in family.sparse_attention)))
+
+
+def is_dsa_config(config: dict[str, Any]) -> bool:
+    """Whether the model selects each query's keys with a lightning indexer (DSA)."""
+    return dsa_entry(config) is not None
 
 
 def config_problems(config: dict[str, Any], families: tuple[Family, ...] = FAMILIES) -> list[str]:
@@ -276,6 +308,10 @@ def config_problems(config: dict[str, Any], families: tuple[Family, ...] = FAMIL
                             "each head must be a positive even number of dimensions")
     if config.get("kiln_dsa") is not None and not family.dsa:
         problems.append(f"config.json kiln_dsa: DeepSeek sparse attention is not built for {family.title}")
+    if family.sparse_attention is not None:
+        problems += [f"config.json {f}={config.get(f)!r}: {family.title} needs a positive integer"
+                     for f in family.sparse_attention
+                     if not isinstance(config.get(f), int) or isinstance(config.get(f), bool) or config[f] < 1]
     if (m := family.moe) is not None:
         problems += _moe_problems(config, family.title, m)
     return problems
@@ -311,7 +347,7 @@ def _moe_problems(config: dict[str, Any], title: str, m: MoE) -> list[str]:
 
 def _built_as(f: Family) -> str:
     a, m = f.attention, f.moe
-    attention = "MLA" if a.kind == "mla" else "GQA" + "".join(
+    attention = ("MLA + DSA" if f.sparse_attention else "MLA") if a.kind == "mla" else "GQA" + "".join(
         f" + {what}" for what, on in (("q/k norm", (a.qk_layernorm or a.qk_layernorm_field) and a.kind == "gqa"),
                                        ("partial RoPE", a.rotary_fraction)) if on)
     if m is None:
@@ -323,7 +359,7 @@ def _built_as(f: Family) -> str:
 
 
 def supported_models_table() -> str:
-    """The README's supported-models table (markdown), generated from the entries."""
+    """The model guide's supported-models table (markdown), generated from the entries."""
     lines = ["| architecture | family | built as | rollout engines (CPU / GPU) | tensor parallel | routing replay | DSA |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for f in FAMILIES:
@@ -332,5 +368,5 @@ def supported_models_table() -> str:
         tp = "any that divides the heads" if f.max_tensor_parallel is None else f"{f.max_tensor_parallel} only"
         for arch in f.architectures:
             lines.append(f"| `{arch}` | {f.title} | {_built_as(f)} | {engines} | {tp} | "
-                         f"{'yes' if f.moe else 'n/a (dense)'} | {'yes' if f.dsa else 'no'} |")
+                         f"{'yes' if f.moe else 'n/a (dense)'} | {'built in' if f.sparse_attention else 'yes' if f.dsa else 'no'} |")
     return "\n".join(lines)

@@ -134,6 +134,9 @@ MLA_NAMES = WeightTable(
         _w(_MLA + "kv_layernorm.weight", "self_attn.kv_a_layernorm.weight"),
         _w(_MLA + "linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight", "column"),
         _w(_MLA + "linear_proj.weight", "self_attn.o_proj.weight", "row"),
+        # DeepSeek-V3.2: Kiln's lightning indexer, replicated (see `kiln.models.dsa`).
+        *(_w(f"self_attention.indexer.{n}.weight", f"self_attn.indexer.{n}.weight", when="dsa")
+          for n in ("wq", "wk", "weights_proj")),
         _w("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
     ),
     dense_mlp=LLAMA_NAMES.dense_mlp, moe=DEEPSEEK_MOE_NAMES.moe, expert=LLAMA_NAMES.expert,

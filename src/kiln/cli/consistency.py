@@ -27,7 +27,11 @@ trainer's MoE layers (as vLLM is in production), whose flips show what replay re
 It prints, per version, the max and mean |log-prob difference| over the sampled tokens and OK or
 MISMATCH against `--threshold` (default 1e-4 in float32, 3e-2 in bfloat16, 0 for a DSA model
 in float32), then for DSA models the index-hash matches, for MoE models the mismatch without
-replay and the routing-flip rate, and exits 1 on any MISMATCH. Not covered: tensor parallelism
+replay and the routing-flip rate, and exits 3 on any MISMATCH. With `--lora-rank R` the trainer
+trains a LoRA adapter (`kiln.models.lora`, every projection targeted, alpha `--lora-alpha`) on
+the frozen checkpoint, the sync ships only the adapter, and the engine merges it into its base
+weights before the reload (`rollout/lora_merge.py`); the bytes a version carried are printed
+beside the model's. Not covered: tensor parallelism
 (the trainer runs TP=1 here) and sequences longer than `--max-tokens` plus the prompt.
 """
 from __future__ import annotations
@@ -39,6 +43,9 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from kiln.cli.conventions import byte_quantity
+from kiln.cli.exits import Exit
 
 DEFAULT_THRESHOLDS = {"float32": 1e-4, "bfloat16": 3e-2}
 EXACT_THRESHOLDS = {"float32": 0.0, "bfloat16": 3e-2}
@@ -79,9 +86,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--samples", type=int, default=4, help="sequences sampled per version")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens sampled per sequence")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate of the training step")
-    p.add_argument("--kv-cache-bytes", type=int, default=64 << 20,
-                   help="KV cache the vLLM engine reserves (default 64 MiB)")
+    p.add_argument("--kv-cache-bytes", type=byte_quantity("--kv-cache-bytes"), default="64Mi",
+                   help="KV cache the vLLM engine reserves, a Kubernetes quantity or a number of "
+                        "bytes (default 64Mi)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling and the trainer")
+    p.add_argument("--lora-rank", type=int, default=None,
+                   help="train a LoRA adapter of this rank instead of all weights (default: none)")
+    p.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha (with --lora-rank)")
     p.set_defaults(func=run)
 
 
@@ -94,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
             return _run(args)
     if not (args.model / "config.json").exists():
         print(f"kiln consistency: --model {args.model} holds no config.json", file=sys.stderr)
-        return 2
+        return Exit.REFUSED
     return _run(args)
 
 
@@ -109,14 +120,20 @@ def _run(args: argparse.Namespace) -> int:
     problems = model_problems(args.model, engine=engine_kind(args.engine, args.model), dtype=args.dtype)
     if problems:
         print(f"kiln consistency: --model {args.model}: {problems[0]}", file=sys.stderr)
-        return 2
+        return Exit.REFUSED
     if is_dsa and args.engine in ("vllm", "torch"):
         print(f"kiln consistency: --engine {args.engine} cannot run a DSA checkpoint (config.json kiln_dsa); "
               "use --engine megatron", file=sys.stderr)
-        return 2
+        return Exit.REFUSED
     engine = engine_kind(args.engine, args.model)
     defaults = EXACT_THRESHOLDS if engine == "megatron" and is_dsa else DEFAULT_THRESHOLDS
     threshold = args.threshold if args.threshold is not None else defaults[args.dtype]
+    if args.lora_rank is not None and (is_dsa or is_moe):
+        print("kiln consistency: --lora-rank: LoRA covers dense models only", file=sys.stderr)
+        return Exit.REFUSED
+    if args.lora_rank is not None and args.lora_rank < 1:
+        print(f"kiln consistency: --lora-rank {args.lora_rank}: expected a rank >= 1", file=sys.stderr)
+        return Exit.REFUSED
     rows, moved = asyncio.run(_compare(args, engine))
     ok = True
     replay = is_moe and args.routing_replay == "on"
@@ -147,7 +164,10 @@ def _run(args: argparse.Namespace) -> int:
               f"routes differently from rollout without replay")
     print(f"the training step moved the trainer's log-probs of the version-0 tokens by "
           f"{moved:.3e} on average")
-    return 0 if ok else 1
+    if args.lora_rank is not None:
+        print(f"lora rank {args.lora_rank}: a version carried {args.sync_bytes} bytes, the model is "
+              f"{args.model_bytes} bytes")
+    return Exit.OK if ok else Exit.PROBLEMS_FOUND
 
 
 @dataclass
@@ -177,6 +197,8 @@ async def _compare(args: argparse.Namespace, engine_name: str) -> tuple[list[Row
     from kiln.services.common.server import Registration, create_server
     from kiln.models.dsa import count_mismatches, set_backend
     from kiln.services.rollout.engine import EngineSettings, SamplingOptions, start_engine
+    from kiln.api.model import LoraSpec
+    from kiln.models.hf_io import iter_hf_tensors
     from kiln.services.trainer.config import OptimizerConfig, TrainerConfig
     from kiln.services.trainer.engine import TrainerEngine
     from kiln.services.weight_sync import client as ws
@@ -185,14 +207,16 @@ async def _compare(args: argparse.Namespace, engine_name: str) -> tuple[list[Row
 
     tokenizer = AutoTokenizer.from_pretrained(str(args.model))
     prompts = [tokenizer.encode(PROMPTS[i % len(PROMPTS)]) or [0] for i in range(args.samples)]
+    lora = LoraSpec(rank=args.lora_rank, alpha=args.lora_alpha) if args.lora_rank is not None else None
     with tempfile.TemporaryDirectory() as tmp:
         trainer = TrainerEngine(TrainerConfig(
             model_dir=args.model, params_dtype=args.dtype, micro_batch_size=args.samples,
             optimizer=OptimizerConfig(lr=args.lr, grad_clip=0.0), checkpoint_dir=Path(tmp) / "ckpt",
-            seed=args.seed), resume=False)
+            seed=args.seed, lora=lora), resume=False)
     set_backend(trainer.model, args.dsa_backend)
     settings = EngineSettings(model=str(args.model), dtype=args.dtype, kv_cache_bytes=args.kv_cache_bytes,
-                              seed=args.seed, record_routing=True)
+                              seed=args.seed, record_routing=True,
+                              lora_scaling=lora.scaling if lora is not None else None)
     options = {"dsa_backend": args.dsa_backend} if engine_name == "megatron" else {}
     engine = await start_engine(engine_name, settings, **options)
     servicer = WeightSyncServicer()
@@ -243,7 +267,11 @@ async def _compare(args: argparse.Namespace, engine_name: str) -> tuple[list[Row
                 moved = statistics.fmean(
                     abs(a - b) for before, after, p in zip(own_lp, trainer.logprobs(seqs), prompts)
                     for a, b in zip(before[len(p):], after[len(p):]))
-                await ws.publish(ch, version, trainer.named_hf_tensors())
+                payload = list(trainer.named_hf_tensors())
+                args.sync_bytes = sum(t.numel() * t.element_size() for _, t in payload)
+                args.model_bytes = sum(t.numel() * t.element_size()
+                                       for _, t in iter_hf_tensors(trainer.model, trainer.spec))
+                await ws.publish(ch, version, payload)
                 await asyncio.wait_for(receiver.wait_applied(version), 120)
             sub.cancel()
             await asyncio.gather(sub, return_exceptions=True)

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.api.model_families import BY_NAME, SUPPORTED_ARCHS, Family, config_problems, family_of
+from kiln.api.model_families import BY_NAME, SUPPORTED_ARCHS, Family, config_problems, dsa_entry, family_of
 from kiln.models.dsa import DSAConfig
 from kiln.models.mla import MLASpec
 from kiln.models.moe import MoESpec
@@ -37,7 +37,8 @@ class ArchSpec:
     qkv_bias: bool
     tie_word_embeddings: bool
     dsa: DSAConfig | None = None
-    """DeepSeek sparse attention settings (config.json `kiln_dsa`); None for dense attention."""
+    """DeepSeek sparse attention settings (config.json `kiln_dsa`, or DeepSeek-V3.2's `index_*`
+    fields); None for dense attention."""
     moe: MoESpec | None = None
     """Mixture-of-experts settings; None for a dense MLP."""
     qk_layernorm: bool = False
@@ -94,7 +95,7 @@ class ArchSpec:
             rope_theta=float(rope_theta),
             qkv_bias=family.attention.bias(config),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            dsa=DSAConfig.from_hf(config["kiln_dsa"]) if config.get("kiln_dsa") is not None else None,
+            dsa=DSAConfig.from_hf(entry) if (entry := dsa_entry(config)) is not None else None,
             moe=MoESpec.from_hf(config, family.moe) if family.moe is not None else None,
             qk_layernorm=family.attention.qk_norm(config),
             rotary_percent=family.attention.rotary_percent(config),
@@ -120,3 +121,16 @@ class ArchSpec:
             if value % tp:
                 raise ValueError(f"{field}={value} is not divisible by tensor_parallel={tp}")
 
+    def check_ep(self, ep: int, tp: int = 1) -> None:
+        """Raise ValueError if this model's experts cannot be split over `ep` ranks."""
+        if ep == 1:
+            return
+        if self.moe is None:
+            raise ValueError(f"expert_parallel={ep}: {self.family.title} has no experts to split "
+                             "(expert parallelism is for MoE models)")
+        if self.moe.num_experts % ep:
+            raise ValueError(f"expert_parallel={ep} does not divide the {self.moe.num_experts} experts "
+                             "of each MoE layer")
+        if tp > 1:
+            raise ValueError(f"expert_parallel={ep} with tensor_parallel={tp}: MoE models train with "
+                             "tensor_parallel 1 only")

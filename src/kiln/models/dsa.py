@@ -14,6 +14,12 @@ projection, RoPE and output projection, with a lightning indexer beside them and
     each query attends to the index_topk keys of highest I (deterministic top-k, ties to the
     lower index), through `sparse_attention` (differentiable in q, k, v).
 
+DeepSeek-V3.2's shape (`DeepseekV32ForCausalLM`, config.json `index_topk`, `index_n_heads`,
+`index_head_dim`) is the same indexer beside Megatron's multi-latent attention
+(`DSAMLASelfAttention`): MLA's per-head [nope | rope] queries and keys go through
+`sparse_attention`, its narrower values zero-padded to the key width. Its MoE experts pad their
+tokens to ROW_MULTIPLE rows (`pad_expert_rows`), for the same bit reproducibility.
+
 The indexer has no positional encoding (RoPE applies to the attention's q and k only) and is
 frozen: its parameters have `requires_grad=False` (the trainer's optimizer takes only trainable
 parameters) and it runs under no_grad. Its weights live in the Hugging Face checkpoint as
@@ -167,15 +173,110 @@ def _attention_classes():
     return DSASelfAttention, DSACoreAttention
 
 
+@functools.cache
+def _mla_attention_classes():
+    """DSAMLASelfAttention and DSAMLACoreAttention: DeepSeek-V3.2's shape, multi-latent attention
+    whose keys the lightning indexer selects (the indexer reads the layer's normed hidden state,
+    as in `DSASelfAttention`)."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    _, dense_core = _attention_classes()
+
+    class DSAMLACoreAttention(dense_core):
+        """Sparse attention over MLA's per-head [nope | rope] queries and keys. Its values are
+        narrower (`v_head_dim`): they are zero-padded to the key width for the kernel, which
+        needs one head size, and the padding columns of the output dropped."""
+
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+            # Megatron's MLA passes these for transformer-engine's core attention only; the
+            # output width comes from kv_channels (= v_head_dim), the scale from softmax_scale.
+            super().__init__(*args, **kwargs)
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            if packed_seq_params is not None or attention_bias is not None:
+                raise ValueError("DSA attention supports neither packed sequences nor attention bias")
+            indices = getattr(self, "indices", None)
+            if indices is None:
+                raise RuntimeError("DSAMLACoreAttention called without indices (only DSAMLASelfAttention "
+                                   "may call it)")
+            v_dim = value.shape[-1]
+            value = torch.nn.functional.pad(value, (0, key.shape[-1] - v_dim))
+            q, k, v = (x.transpose(0, 1).contiguous() for x in (query, key, value))
+            ctx = sparse_attention(q, k, v, indices, scale=self.softmax_scale, backend=self.backend)
+            # [b, s, heads, key width] -> [s, b, heads * v_head_dim]
+            b, s = ctx.shape[:2]
+            return ctx[..., :v_dim].transpose(0, 1).reshape(s, b, -1).contiguous()
+
+    class DSAMLASelfAttention(MLASelfAttention):
+        def __init__(self, config, submodules, layer_number, attn_mask_type=None, cp_comm_type=None,
+                     pg_collection=None, *, dsa: DSAConfig, backend: str = "auto"):
+            super().__init__(config, submodules, layer_number, cp_comm_type=cp_comm_type,
+                             pg_collection=pg_collection)
+            self.indexer = LightningIndexer(config.hidden_size, dsa, config.params_dtype)
+            self.dsa_backend = backend
+            self.core_attention.backend = backend
+            self.recorder: dict[int, torch.Tensor] | None = None
+
+        def forward(self, hidden_states, attention_mask, *args, inference_context=None, **kwargs):
+            if inference_context is not None or kwargs.get("inference_params") is not None:
+                raise ValueError("DSA attention does not support Megatron inference contexts; "
+                                 "run full forward passes")
+            indices = self.indexer.select(hidden_states, self.dsa_backend)
+            if self.recorder is not None:
+                self.recorder[self.layer_number] = indices
+            self.core_attention.indices = indices
+            try:
+                return super().forward(hidden_states, attention_mask, *args, **kwargs)
+            finally:
+                self.core_attention.indices = None
+
+    return DSAMLASelfAttention, DSAMLACoreAttention
+
+
 def apply_dsa_spec(layer_spec, dsa: DSAConfig, backend: str = "auto") -> None:
-    """Turn a local GPT layer spec's self-attention into DSA (in place)."""
+    """Turn a local GPT layer spec's self-attention (grouped-query or multi-latent) into DSA
+    (in place)."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"dsa backend={backend!r} is not 'auto', 'triton' or 'torch'")
-    self_attn, core = _attention_classes()
     attn = layer_spec.submodules.self_attention
+    mla = isinstance(attn.module, type) and issubclass(attn.module, MLASelfAttention)
+    self_attn, core = _mla_attention_classes() if mla else _attention_classes()
     attn.module = self_attn
     attn.params = {**attn.params, "dsa": dsa, "backend": backend}
     attn.submodules.core_attention = core
+
+
+def pad_expert_rows(model: torch.nn.Module) -> None:
+    """Make every expert of a DSA model's MoE layers (Megatron's SequentialMLP) run on its tokens
+    padded with zero rows to a multiple of ROW_MULTIPLE, then drop the padding. How many tokens
+    an expert gets depends on the whole batch, and BLAS rounds a product with few rows
+    differently (see ROW_MULTIPLE): unpadded, a one-sequence rollout step would not reproduce the
+    trainer's bits in the MoE layers. Called once, when the model is built."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    for module in model.modules():
+        if isinstance(module, SequentialMLP):
+            for expert in module.local_experts:
+                expert.__class__ = _padded_expert_class(type(expert))
+
+
+@functools.cache
+def _padded_expert_class(base: type) -> type:
+    class PaddedRowsExpert(base):
+        def forward(self, hidden_states, per_token_scale=None, *args, **kwargs):
+            n = hidden_states.shape[0]
+            pad = padded_length(max(n, 1)) - n
+            if pad:
+                hidden_states = torch.nn.functional.pad(hidden_states, (0, 0, 0, pad))
+                if per_token_scale is not None:
+                    per_token_scale = torch.nn.functional.pad(per_token_scale, (0, pad))
+            out, bias = super().forward(hidden_states, per_token_scale, *args, **kwargs)
+            return out[:n], bias
+
+    return PaddedRowsExpert
 
 
 def is_dsa_model(model: torch.nn.Module) -> bool:
@@ -184,8 +285,7 @@ def is_dsa_model(model: torch.nn.Module) -> bool:
 
 def dsa_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's DSA attention modules, in layer order."""
-    self_attn, _ = _attention_classes()
-    layers = [m for m in model.modules() if isinstance(m, self_attn)]
+    layers = [m for m in model.modules() if isinstance(getattr(m, "indexer", None), LightningIndexer)]
     return sorted(layers, key=lambda m: m.layer_number)
 
 
@@ -242,8 +342,6 @@ def make_tiny_dsa_checkpoint(
 ) -> Path:
     """A tiny random checkpoint (tokenizer included, see `tiny_model.make_tiny_checkpoint`) with a
     `kiln_dsa` config entry and random indexer weights. The same arguments give the same bits."""
-    from safetensors.torch import load_file, save_file
-
     from kiln.models.tiny import make_tiny_checkpoint
 
     out_dir = make_tiny_checkpoint(out_dir, seed=seed, **model_kwargs)
@@ -252,6 +350,30 @@ def make_tiny_dsa_checkpoint(
     cfg = json.loads(cfg_path.read_text())
     cfg["kiln_dsa"] = dsa.to_hf()
     cfg_path.write_text(json.dumps(cfg, indent=2))
+    add_random_indexer(out_dir, dsa, seed)
+    return out_dir
+
+
+def to_tiny_deepseek_v32(out_dir: Path, dsa: DSAConfig, seed: int) -> Path:
+    """Turn the tiny DeepSeek-V3 checkpoint in `out_dir` into DeepSeek-V3.2's shape: config.json
+    renamed (architectures DeepseekV32ForCausalLM, model_type deepseek_v32) with `dsa` as its
+    `index_topk`, `index_n_heads` and `index_head_dim`, and random indexer weights. config.json is
+    written here, not by transformers' V3.2 config class, whose indexer is not Kiln's."""
+    cfg_path = Path(out_dir) / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", index_topk=dsa.index_topk,
+               index_n_heads=dsa.index_heads, index_head_dim=dsa.index_dim)
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    add_random_indexer(Path(out_dir), dsa, seed)
+    return Path(out_dir)
+
+
+def add_random_indexer(out_dir: Path, dsa: DSAConfig, seed: int) -> None:
+    """Add random indexer weights of `dsa`'s shape to every layer of the checkpoint in `out_dir`
+    (one model.safetensors file)."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((out_dir / "config.json").read_text())
     weights_path = out_dir / "model.safetensors"
     tensors = load_file(str(weights_path))
     dtype = tensors["model.embed_tokens.weight"].dtype
@@ -262,4 +384,3 @@ def make_tiny_dsa_checkpoint(
             w = torch.randn(shape, generator=gen) / hidden**0.5
             tensors[f"model.layers.{i}.self_attn.indexer.{name}.weight"] = w.to(dtype)
     save_file(tensors, str(weights_path), metadata={"format": "pt"})
-    return out_dir

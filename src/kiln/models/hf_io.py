@@ -19,7 +19,13 @@ config.json + model.safetensors. MoE experts map one expert at a time under the 
 per-expert names (`mlp.experts.J.gate_proj.weight`...), which are also the names vLLM loads;
 TP=1 only. A MoE model's dense layers (`MoESpec.dense_layers`) take the dense MLP rows.
 
-Not covered: expert parallelism, MLA, quantised checkpoints, sharded safetensors writing.
+Expert parallelism: EP rank r holds experts `r*L .. r*L + L-1` (L = num_experts / ep) as its
+`local_experts.0 .. L-1`; loading takes only those, and `iter_hf_tensors` broadcasts each expert
+from the rank that holds it, in the weight table's order (expert 0, 1, ... as at EP=1), so weight
+sync and export see the whole model in the same buckets whatever the split. Every rank of the
+expert-parallel group must iterate to the end.
+
+Not covered: quantised checkpoints, sharded safetensors writing.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from kiln.api.model_families import family_of
 from kiln.api.weight_tables import Weight, WeightTable
@@ -84,10 +91,22 @@ def split_qkv(fused: torch.Tensor, spec: ArchSpec) -> tuple[torch.Tensor, torch.
 def weight_rows(spec: ArchSpec) -> Iterator[tuple[Weight, str, tuple[str, ...]]]:
     """Every row of the model's weight table with its full names: `(row, megatron name, hf
     names)`, model-wide rows first, then layer by layer (the same order on every rank)."""
-    table, flags = spec.family.weights, spec.weight_flags()
+    for row, m, names, _ in expert_split_rows(spec, 1):
+        yield row, m, names
 
-    def named(row: Weight, m: str, h: str, **fmt: int) -> tuple[Weight, str, tuple[str, ...]]:
-        return row, m + row.megatron.format(**fmt), tuple(h + n.format(**fmt) for n in row.hf)
+
+def expert_split_rows(spec: ArchSpec, ep: int) -> Iterator[tuple[Weight, str, tuple[str, ...], int | None]]:
+    """`weight_rows` with experts split over `ep` ranks: `(row, megatron name, hf names, owner)`
+    where an expert row's Megatron name holds its index among its owner's local experts and
+    `owner` is that EP rank (None for the rows every rank holds)."""
+    table, flags = spec.family.weights, spec.weight_flags()
+    local = spec.moe.num_experts // ep if spec.moe is not None else 0
+
+    def named(row: Weight, m: str, h: str, e: int | None = None):
+        if e is None:
+            return row, m + row.megatron, tuple(h + n for n in row.hf), None
+        return (row, m + row.megatron.format(e=e % local), tuple(h + n.format(e=e) for n in row.hf),
+                e // local)
 
     for row in WeightTable.rows(table.model, flags):
         yield named(row, "", "")
@@ -103,7 +122,7 @@ def weight_rows(spec: ArchSpec) -> Iterator[tuple[Weight, str, tuple[str, ...]]]
             yield named(row, m, h)
         for e in range(spec.moe.num_experts):
             for row in WeightTable.rows(table.expert, flags):
-                yield named(row, m, h, e=e)
+                yield named(row, m, h, e)
 
 
 def _to_megatron(row: Weight, ts: list[torch.Tensor], spec: ArchSpec, rank: int, tp: int) -> torch.Tensor:
@@ -118,11 +137,12 @@ def _to_megatron(row: Weight, ts: list[torch.Tensor], spec: ArchSpec, rank: int,
     raise ValueError(f"weight kind {row.kind!r} is unknown")
 
 
-def hf_to_megatron_shard(hf: dict[str, torch.Tensor], spec: ArchSpec, rank: int, tp: int) -> dict[str, torch.Tensor]:
-    """The Megatron state dict of TP rank `rank` from a full HF state dict (KeyError naming
-    the first HF tensor it lacks)."""
+def hf_to_megatron_shard(hf: dict[str, torch.Tensor], spec: ArchSpec, rank: int, tp: int,
+                         ep_rank: int = 0, ep: int = 1) -> dict[str, torch.Tensor]:
+    """The Megatron state dict of TP rank `rank` (and EP rank `ep_rank` of `ep`: its experts
+    only) from a full HF state dict (KeyError naming the first HF tensor it lacks)."""
     return {m: _to_megatron(row, [hf[n] for n in names], spec, rank, tp)
-            for row, m, names in weight_rows(spec)}
+            for row, m, names, owner in expert_split_rows(spec, ep) if owner in (None, ep_rank)}
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -155,17 +175,21 @@ def load_hf_checkpoint(
     params_dtype: torch.dtype = torch.float32,
     attention: AttentionBackend = "sdpa",
     dsa_backend: DSABackend = "auto",
+    ep: int = 1,
 ):
-    """Build a GPTModel for this TP rank and fill it from `model_dir`. Returns (model, spec)."""
+    """Build a GPTModel for this TP rank (and EP rank, its experts only) and fill it from
+    `model_dir`. Returns (model, spec)."""
     spec = ArchSpec.from_dir(model_dir)
-    model = build_gpt_model(spec, tp, params_dtype, attention, dsa_backend)
+    model = build_gpt_model(spec, tp, params_dtype, attention, dsa_backend, ep=ep)
     hf = read_hf_state_dict(model_dir)
     if spec.dsa is not None:
         missing = [n for n in HF_INDEXER_WEIGHTS if f"model.layers.0.self_attn.indexer.{n}.weight" not in hf]
         if missing:
-            raise ValueError(f"{model_dir}: config.json has kiln_dsa but the checkpoint lacks indexer weights "
+            raise ValueError(f"{model_dir}: config.json has DeepSeek sparse attention (kiln_dsa or index_* fields) "
+                             "but the checkpoint lacks Kiln's indexer weights "
                              f"model.layers.N.self_attn.indexer.{{{','.join(missing)}}}.weight")
-    load_state_into(model, hf_to_megatron_shard(hf, spec, parallel.tp_rank(), tp))
+    load_state_into(model, hf_to_megatron_shard(hf, spec, parallel.tp_rank(), tp,
+                                                parallel.ep_rank() if ep > 1 else 0, ep))
     return model, spec
 
 
@@ -185,14 +209,22 @@ def _from_megatron(row: Weight, p: torch.Tensor, spec: ArchSpec) -> tuple[torch.
 
 def iter_hf_tensors(model: torch.nn.Module, spec: ArchSpec) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, full_tensor)` for every HF weight, row by row of the weight table
-    (collective at TP>1: every rank must iterate to the end).
+    (collective at TP>1 and with expert parallelism: every rank must iterate to the end).
 
     Tensors are detached and may share storage with the model (at TP=1 most do), so copy them
     before mutating.
     """
     params = model_tensors(model)
-    for row, m, names in weight_rows(spec):
-        yield from zip(names, _from_megatron(row, params[m], spec))
+    ep = getattr(model, "kiln_expert_parallel", 1)
+    mine = parallel.ep_rank() if ep > 1 else 0
+    for row, m, names, owner in expert_split_rows(spec, ep):
+        p = params[m]
+        if owner is not None and ep > 1:
+            # The owner's expert, to every rank of the group (the same shape on all: every
+            # rank's local experts are alike).
+            p = p.detach() if owner == mine else torch.empty_like(p)
+            dist.broadcast(p, src=parallel.ep_global_rank(owner), group=parallel.ep_group())
+        yield from zip(names, _from_megatron(row, p, spec))
 
 
 def save_hf_checkpoint(

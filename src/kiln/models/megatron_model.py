@@ -14,7 +14,8 @@ A MoE family gets Megatron's MoE layers (see `moe.py`, which also holds routing 
 replay), with one layer spec per layer where its first layers are dense (DeepSeek's
 `first_k_dense_replace`); Qwen3's and GLM-4.5's q/k RMSNorm per head is Megatron's
 `qk_layernorm` (applied per head before RoPE, as transformers does); GLM-4.5's partial RoPE is
-Megatron's `rotary_percent`; DeepSeek-V3's multi-latent attention is Megatron's MLA (`mla.py`).
+Megatron's `rotary_percent`; DeepSeek-V3's multi-latent attention is Megatron's MLA (`mla.py`),
+and DeepSeek-V3.2's that MLA with DeepSeek sparse attention (`dsa.py`).
 
 Weights are not loaded here (see `hf_io.py`). Not covered: sliding-window attention, RoPE
 scaling, pipeline parallelism, tensor parallelism of MoE models.
@@ -31,9 +32,9 @@ import torch.nn.functional as F
 from kiln.models import cpu_shims
 from kiln.models import packing
 from kiln.models.arch import ArchSpec
-from kiln.models.dsa import apply_dsa_spec, is_dsa_model, padded_length
+from kiln.models.dsa import apply_dsa_spec, is_dsa_model, pad_expert_rows, padded_length
 from kiln.models.mla import MLASpec, patch_megatron_without_te
-from kiln.models.moe import install_taps
+from kiln.models.moe import install_padded_dispatch, install_taps
 
 AttentionBackend = Literal["sdpa", "megatron"]
 DSABackend = Literal["auto", "triton", "torch"]
@@ -94,8 +95,10 @@ def build_gpt_model(
     params_dtype: torch.dtype = torch.float32,
     attention: AttentionBackend = "sdpa",
     dsa_backend: DSABackend = "auto",
+    ep: int = 1,
 ):
-    """A GPTModel of `spec`'s shape on this process's TP rank (weights uninitialised).
+    """A GPTModel of `spec`'s shape on this process's TP rank (weights uninitialised); a MoE
+    model holds only its EP rank's `num_experts / ep` experts (`parallel.init_parallel(ep=...)`).
 
     `attention`: "sdpa" (PyTorch's fused causal attention) or "megatron" (Megatron's local
     DotProductAttention with an explicit mask), for dense models. A DSA model (`spec.dsa`) is
@@ -108,6 +111,7 @@ def build_gpt_model(
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     spec.check_tp(tp)
+    spec.check_ep(ep, tp)
     if spec.mla is not None:
         patch_megatron_without_te()
     config = (MLATransformerConfig if spec.mla is not None else TransformerConfig)(
@@ -143,6 +147,7 @@ def build_gpt_model(
         gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
         **(spec.moe.transformer_config(spec.num_layers) if spec.moe is not None else {}),
+        **({"expert_model_parallel_size": ep} if ep > 1 else {}),
         **(spec.mla.transformer_config() if spec.mla is not None else {}),
     )
     if attention not in ("sdpa", "megatron"):
@@ -183,6 +188,11 @@ def build_gpt_model(
     _mark_tensor_parallel_weights(model)
     if spec.moe is not None:
         install_taps(model)
+        if spec.dsa is not None:
+            pad_expert_rows(model)
+        if ep > 1:
+            install_padded_dispatch(model)
+    model.kiln_expert_parallel = ep
     model.kiln_attention = attention
     return model.to(cpu_shims.compute_device())
 

@@ -34,7 +34,17 @@ serves the three modes per model rather than through Megatron's process-global l
 instances, so that a trainer and an inference engine built in one process do not share state.
 Token order inside a router is Megatron's `[S, B]` flattened: index `s * B + b`.
 
-Not covered: expert parallelism and tensor parallelism of MoE layers (refused at load), Qwen's
+Expert parallelism (`parallel.init_parallel(ep=...)`): each rank holds `num_experts / ep` experts
+and Megatron's all-gather token dispatcher sends every rank's tokens to every rank of the
+expert-parallel group, which runs its own experts on them and reduce-scatters the outputs back.
+That dispatcher needs the same token count on every rank, and replicas train on rows of their
+own lengths, so `install_padded_dispatch` pads each rank's tokens to the group's largest count
+with tokens routed to no expert (they cost no expert work and receive no gradient) and cuts the
+padding off again after the combine. Each rank's forward passes must still pair up with the
+other ranks' (the trainer runs empty ones where a replica has fewer micro-batches). Routing and
+its replay stay per rank: the router runs before the dispatch, on the rank's own tokens.
+
+Not covered: tensor parallelism of MoE layers (refused at load), Qwen's
 dense layers among sparse ones (`decoder_sparse_step` > 1, `mlp_only_layers`; refused by the
 family registry), auxiliary load-balancing losses and expert-bias updates (off: RL fine-tuning
 keeps the routing the model has).
@@ -149,11 +159,15 @@ class RouterTap:
             self.recorded = idx.detach()
             return probs, idx
         if self.mode == "replay":
-            target = self.target.to(scores.device)
+            target, valid = self.target.to(scores.device), self.valid.to(scores.device)
+            if (pad := scores.shape[0] - target.shape[0]) > 0 and target.shape[1:] == (topk,):
+                # A DSA model's forward pads the sequence (dsa.ROW_MULTIPLE); in Megatron's
+                # [S, B] token order those positions are the last rows: they keep their own routing.
+                target = torch.cat([target, target.new_zeros(pad, topk)])
+                valid = torch.cat([valid, valid.new_zeros(pad)])
             if target.shape != (scores.shape[0], topk):
                 raise ValueError(f"replayed routing has shape {tuple(target.shape)}, the router "
                                  f"expects {(scores.shape[0], topk)} (tokens, topk)")
-            valid = self.valid.to(scores.device)
             own_probs, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
             with torch.no_grad():
                 differs = (own.sort(dim=1).values != target.sort(dim=1).values).any(dim=1) & valid
@@ -261,7 +275,48 @@ def replay_routing(model, routing_BSLK: torch.Tensor, valid_BS: torch.Tensor | N
 
 
 def recorded_to_BSLK(recorded: list[torch.Tensor], b: int, s: int) -> torch.Tensor:
-    """Recorded per-layer `[S * B, K]` ids -> `[B, S, layers, K]`."""
-    stacked = torch.stack([r.reshape(s, b, -1) for r in recorded])  # [L, S, B, K]
+    """Recorded per-layer `[S' * B, K]` ids -> `[B, S, layers, K]` (S' >= S: a DSA model's
+    forward pads the sequence, and the padding positions are dropped)."""
+    stacked = torch.stack([r.reshape(-1, b, r.shape[-1])[:s] for r in recorded])  # [L, S, B, K]
     return stacked.permute(2, 1, 0, 3).contiguous()
 
+
+def install_padded_dispatch(model) -> None:
+    """Make every MoE layer's all-gather dispatcher accept a different token count per rank
+    (see the module docstring). Called once, when a model with expert parallelism is built."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    for module in model.modules():
+        dispatcher = getattr(module, "token_dispatcher", None)
+        if isinstance(dispatcher, MoEAllGatherTokenDispatcher):
+            dispatcher.__class__ = _padded_dispatcher_class()
+
+
+_PADDED: type | None = None
+
+
+def _padded_dispatcher_class() -> type:
+    global _PADDED
+    if _PADDED is None:
+        import torch.distributed as dist
+        from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+        class PaddedAllGatherDispatcher(MoEAllGatherTokenDispatcher):
+            def token_dispatch(self, hidden_states, probs):
+                n = hidden_states.shape[0]
+                self.kiln_tokens = n
+                count = torch.tensor([n], dtype=torch.long)
+                dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.tp_ep_group)
+                if (pad := int(count) - n) > 0:
+                    # Padding rows route nowhere: no expert takes them, so they change no output.
+                    hidden_states = torch.cat([hidden_states, hidden_states.new_zeros(pad, hidden_states.shape[1])])
+                    probs = torch.cat([probs, probs.new_zeros(pad, probs.shape[1])])
+                    self.routing_map = torch.cat(
+                        [self.routing_map, self.routing_map.new_zeros(pad, self.routing_map.shape[1])])
+                return super().token_dispatch(hidden_states, probs)
+
+            def token_combine(self, hidden_states):
+                return super().token_combine(hidden_states)[: self.kiln_tokens]
+
+        _PADDED = PaddedAllGatherDispatcher
+    return _PADDED

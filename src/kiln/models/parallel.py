@@ -6,6 +6,13 @@ layout, so a replica's ranks can share a node); ranks with the same TP rank form
 Gloo on the CPU, NCCL on GPUs. A single process (`tp == dp == 1`) still needs a process group
 because Megatron's layers ask for one; it gets a private one on a free loopback port.
 
+Expert parallelism (`ep`) splits each MoE layer's experts over `ep` data-parallel replicas, as
+Megatron lays it out: the ranks with the same TP rank and consecutive DP ranks `k*ep ..
+k*ep + ep-1` form an expert-parallel group, each holding `num_experts / ep` of the experts and
+training on its own rows; a layer's tokens travel to the experts' ranks and back through
+Megatron's token dispatcher. The dense weights stay replicated over all DP ranks; the expert
+weights only over the ranks with the same EP rank (the expert-data-parallel group).
+
 Not covered: pipeline parallelism; rendezvous beyond what `torch.distributed`'s `env://` gives
 (MASTER_ADDR, MASTER_PORT).
 """
@@ -26,8 +33,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_parallel(tp: int = 1, *, dp: int = 1, rank: int | None = None, init_method: str | None = None,
-                  seed: int = 0, timeout_s: float | None = None) -> None:
+def init_parallel(tp: int = 1, *, dp: int = 1, ep: int = 1, rank: int | None = None,
+                  init_method: str | None = None, seed: int = 0, timeout_s: float | None = None) -> None:
     """Join (or create) the process group of `tp * dp` ranks, build Megatron's groups and seed
     torch and Megatron's RNG tracker with `seed`.
 
@@ -42,6 +49,9 @@ def init_parallel(tp: int = 1, *, dp: int = 1, rank: int | None = None, init_met
     cpu_shims.install()
     if tp < 1 or dp < 1:
         raise ValueError(f"tensor_parallel={tp} and data_parallel={dp} must be >= 1")
+    if ep < 1 or dp % ep:
+        # Megatron carves expert-parallel groups out of the data-parallel ranks.
+        raise ValueError(f"expert_parallel={ep} must be >= 1 and divide data_parallel={dp}")
     world = tp * dp
     if dist.is_initialized():
         if dist.get_world_size() != world:
@@ -78,7 +88,10 @@ def init_parallel(tp: int = 1, *, dp: int = 1, rank: int | None = None, init_met
             dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                                     **extra)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    elif ep_size() != ep:
+        raise ValueError(f"Megatron's groups were built with expert_parallel={ep_size()}, not {ep} "
+                         "(destroy them first with shutdown_parallel())")
     cpu_shims.reset_rng(seed)
 
 
@@ -146,10 +159,63 @@ def all_reduce_dp(tensors: list[torch.Tensor]) -> None:
     tensor). A no-op at DP=1."""
     if dp_size() == 1 or not tensors:
         return
+    _all_reduce_flat(tensors, dp_group())
+
+
+def _all_reduce_flat(tensors: list[torch.Tensor], group: "dist.ProcessGroup") -> None:
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=dp_group())
+    dist.all_reduce(flat, group=group)
     offset = 0
     for t in tensors:
         n = t.numel()
         t.copy_(flat[offset : offset + n].view_as(t))
         offset += n
+
+
+def ep_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_world_size()
+
+
+def ep_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_rank()
+
+
+def ep_group() -> "dist.ProcessGroup":
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_group()
+
+
+def ep_global_rank(ep_rank_: int) -> int:
+    """Global rank of EP rank `ep_rank_` of this rank's expert-parallel group."""
+    return dist.get_global_rank(ep_group(), ep_rank_)
+
+
+def expert_dp_group() -> "dist.ProcessGroup":
+    """The ranks holding the same experts (the same EP rank in other EP groups)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_data_parallel_group()
+
+
+def expert_dp_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_data_parallel_world_size()
+
+
+def is_expert_param(p: torch.Tensor) -> bool:
+    """Whether `p` is one of this rank's experts (Megatron marks them `allreduce = False`: their
+    gradients are summed over the expert-data-parallel group, not all replicas)."""
+    return not getattr(p, "allreduce", True)
+
+
+def all_reduce_expert_dp(tensors: list[torch.Tensor]) -> None:
+    """`all_reduce_dp` over the expert-data-parallel group (a no-op when it is one rank)."""
+    if expert_dp_size() == 1 or not tensors:
+        return
+    _all_reduce_flat(tensors, expert_dp_group())

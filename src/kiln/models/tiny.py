@@ -95,7 +95,7 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
 )
 
-ARCHS = ("qwen2", "llama", "qwen2_moe", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3")
+ARCHS = ("qwen2", "llama", "qwen2_moe", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3", "deepseek_v32")
 VOCAB_MULTIPLE = 64
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -220,6 +220,9 @@ def make_tiny_model(
     qk_rope_head_dim: int = 16,
     v_head_dim: int = 16,
     rope_scaling: dict | None = None,
+    index_topk: int = 64,
+    index_n_heads: int = 2,
+    index_head_dim: int = 16,
 ) -> Path:
     """Write a randomly initialised `arch` checkpoint (one of `ARCHS`: Qwen2, Llama, Qwen2-MoE,
     Qwen3, Qwen3-MoE, GLM-4.5 MoE, DeepSeek-V3) to `out_dir`, with the tokenizer from `tokenizer_dir` copied in. Returns
@@ -237,12 +240,19 @@ def make_tiny_model(
     attention of the `*_lora_rank` and `*_head_dim` arguments (`q_lora_rank` None: no query
     compression), interleaved RoPE (`rope_scaling`: e.g. YaRN's settings) and
     `topk_method: noaux_tc` written as the hub's have it.
+    `deepseek_v32` (DeepSeek-V3.2's shape) is that `deepseek_v3` model with a random lightning
+    indexer per layer choosing `index_topk` keys per query (`dsa.to_tiny_deepseek_v32`).
 
     The vocabulary is exactly the tokenizer's, so every id the model can sample decodes.
     The same arguments give bit-identical weights. `perturb_norms` (for tests) draws norm
     weights around 1 and biases around 0 instead of the usual exact 1 and 0; a model meant to
     be trained should pass False.
     """
+    if arch == "deepseek_v32":  # before any other local: these are the arguments
+        v3 = {k: v for k, v in locals().items() if k not in ("arch", "index_topk", "index_n_heads", "index_head_dim")}
+        from kiln.models.dsa import DSAConfig, to_tiny_deepseek_v32
+        return to_tiny_deepseek_v32(make_tiny_model(**v3, arch="deepseek_v3"),
+                                    DSAConfig(index_topk, index_n_heads, index_head_dim), seed)
     import torch
     from transformers import (AutoTokenizer, DeepseekV3Config, Glm4MoeConfig, GenerationConfig, LlamaConfig,
                               Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Literal, Protocol, Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from kiln.api.capabilities import rollout_engine
+from kiln.api.model_families import is_dsa_config
 from kiln.routing import RoutedExperts
 
 if TYPE_CHECKING:
@@ -192,6 +193,9 @@ class EngineSettings(BaseModel):
     distribution it was drawn from, instead of under the raw logits (greedy requests keep the
     raw ones). On for a policy whose job samples at a temperature other than 0 or 1, so its
     log-probs match the trainer's (`SamplingSpec.temperature`); scoring is always raw."""
+    lora_scaling: float | None = None
+    """A LoRA policy (`spec.model.lora`): alpha / rank. Versions then carry only the adapter,
+    merged into the base weights of `model` before each reload (`lora_merge.py`)."""
 
     @classmethod
     def from_job(cls, job: "RLJob", model_dir: str | None = None, **overrides: Any) -> "EngineSettings":
@@ -200,7 +204,8 @@ class EngineSettings(BaseModel):
                       "kv_cache_bytes": spec.rollout.kv_cache_bytes,
                       "enforce_eager": spec.rollout.enforce_eager, "seed": spec.seed,
                       "record_routing": spec.model.routing_replay != "off",
-                      "tempered_logprobs": spec.rollout.sampling.processed_logprobs, **overrides})
+                      "tempered_logprobs": spec.rollout.sampling.processed_logprobs,
+                      "lora_scaling": spec.model.lora.scaling if spec.model.lora else None, **overrides})
 
 
 def check_sequence(seq: Sequence[int], vocab_size: int) -> None:
@@ -256,7 +261,7 @@ class EngineBase:
 
 def is_dsa_checkpoint(model_dir: str | Path) -> bool:
     config = Path(model_dir) / "config.json"
-    return config.exists() and "kiln_dsa" in json.loads(config.read_text())
+    return config.exists() and is_dsa_config(json.loads(config.read_text()))
 
 
 def engine_kind(requested: str, model_dir: str | Path) -> EngineKind:
@@ -270,7 +275,13 @@ def engine_kind(requested: str, model_dir: str | Path) -> EngineKind:
 
 async def start_engine(kind: EngineKind, settings: EngineSettings, **options: Any) -> Engine:
     """Start an engine of `kind` on `settings.model` (`options` go to its `start`, e.g. the
-    megatron engine's `dsa_backend`). ValueError for an unknown kind."""
+    megatron engine's `dsa_backend`), merging LoRA versions into its base where
+    `settings.lora_scaling` is set. ValueError for an unknown kind."""
+    if settings.lora_scaling is not None:
+        from kiln.services.rollout.lora_merge import AdapterMergingEngine
+
+        inner = await start_engine(kind, settings.model_copy(update={"lora_scaling": None}), **options)
+        return AdapterMergingEngine(inner, settings.model, settings.lora_scaling)  # type: ignore[return-value]
     if kind == "vllm":
         from kiln.services.rollout.vllm_engine import VllmEngine
         return await VllmEngine.start(settings, **options)

@@ -20,7 +20,8 @@ restarted on the latest version. Keeping a second copy of the weights to swap ba
 does not work here: vLLM's layer-wise reload keeps per-layer loading state that a failed
 reload leaves behind, and a second reload trips over it.
 
-Not covered: multi-GPU tensor parallelism, LoRA.
+Not covered: multi-GPU tensor parallelism, vLLM's own LoRA serving (a LoRA policy's versions are
+merged into the base before they reach this engine: `lora_merge.py`).
 """
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from kiln.api.capabilities import spec_refusals
 from kiln.api.loss import Correction, Loss, MaskedLoss
+from kiln.api.model import LoraSpec
 from kiln.api.spec import RLJob, RLStage
 
 
@@ -60,6 +61,9 @@ class TrainerConfig(BaseModel):
     tensor_parallel: int = Field(1, ge=1)
     data_parallel: int = Field(1, ge=1)
     """Replicas of the TP group, each training on a share of every batch's rows."""
+    expert_parallel: int = Field(1, ge=1)
+    """MoE: data-parallel replicas each MoE layer's experts are split over (divides
+    `data_parallel`; `kiln.models.parallel`)."""
     collective_timeout_s: float | None = None
     """Bound on one collective (torch's default when None)."""
     params_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -87,6 +91,8 @@ class TrainerConfig(BaseModel):
     """Checkpoint every this many steps; 0 = only on request."""
     keep_checkpoints: int = Field(2, ge=1)
     seed: int = 0
+    lora: LoraSpec | None = None
+    """Train a LoRA adapter on the frozen model (`kiln.models.lora`; RLJob spec.model.lora)."""
     routing_replay: Literal["off", "record", "replay"] = "replay"
     """MoE models: replay the rollout's routing, only count flips, or ignore it (RLJob
     spec.model.routingReplay)."""
@@ -95,6 +101,9 @@ class TrainerConfig(BaseModel):
     def _check(self) -> "TrainerConfig":
         if self.checkpoint_interval and self.checkpoint_dir is None:
             raise ValueError("checkpoint_interval is set but checkpoint_dir is not")
+        if self.expert_parallel > 1 and self.lora is not None:
+            raise ValueError("spec.trainer.expertParallel > 1 with spec.model.lora: LoRA adapters train "
+                             "with expertParallel 1 only")
         return self
 
 
@@ -146,6 +155,7 @@ def config_from_job(job: RLJob, *, run_dir: Path, stage: str | None = None, mode
         model_dir=model_dir if model_dir is not None else job.spec.model.local_path(),
         tensor_parallel=t.tensor_parallel,
         data_parallel=t.data_parallel,
+        expert_parallel=t.expert_parallel,
         params_dtype=job.spec.model.dtype,
         micro_batch_size=st.micro_batch_size,
         max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
@@ -160,5 +170,6 @@ def config_from_job(job: RLJob, *, run_dir: Path, stage: str | None = None, mode
         checkpoint_interval=t.checkpoint_interval,
         keep_checkpoints=t.keep_checkpoints,
         routing_replay=job.spec.model.routing_replay,
+        lora=job.spec.model.lora if job.spec.model.lora and job.spec.model.lora.trains(st.name) else None,
         seed=job.spec.seed,
     )

@@ -10,7 +10,8 @@ It knows nothing of gRPC, buffers or weight transport:
 - `sft_step(trajectories)`: one supervised step (cross-entropy on loss-masked tokens);
 - `new_version()`: declare the current weights a new policy version (on publish), resetting the
   optimizer moments if configured; `named_hf_tensors()`: the weights under HF names;
-- `save_checkpoint()` / resume of the latest checkpoint on construction.
+- `save_checkpoint()` / resume of the latest checkpoint on construction (`engine_checkpoints.py`).
+With `config.lora`, a LoRA adapter on the frozen model is what trains and ships (`adapter.py`).
 
 Every rank of the world (`tensor_parallel * data_parallel` processes, see `ranks.py`) makes
 the same calls with the same whole batch: a data-parallel replica trains on its share of each
@@ -34,7 +35,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from kiln.models import cpu_shims, dsa, moe, parallel
 from kiln.models.hf_io import iter_hf_tensors, load_hf_checkpoint, save_hf_checkpoint
@@ -42,10 +42,12 @@ from kiln.metrics import STEP, StepMetrics
 from kiln.models.megatron_model import forward_logits
 from kiln.routing import RoutedExperts
 from kiln.services.trainer import checkpoint as ckpt
-from kiln.services.trainer import metrics, microbatches
+from kiln.services.trainer import metrics, microbatches, rank_grads
+from kiln.services.trainer.adapter import TrainerAdapter
 from kiln.services.trainer.advantages import SequenceAdvantages, sequence_advantages, token_advantages
 from kiln.services.trainer.batch import TensorBatch, collate, collate_tokens
 from kiln.services.trainer.config import TrainerConfig
+from kiln.services.trainer.engine_checkpoints import EngineCheckpoints
 from kiln.services.trainer.loss import LossStats, loss_normalizer, policy_loss, sft_loss
 from kiln.services.trainer.replay import score as score_routed
 from kiln.trajectory import Trajectory
@@ -55,24 +57,22 @@ LossFn = Callable[[torch.Tensor, TensorBatch, torch.Tensor, float, torch.Tensor 
                   tuple[torch.Tensor, LossStats]]
 
 
-class TrainerEngine:
+class TrainerEngine(EngineCheckpoints):
     def __init__(self, config: TrainerConfig, *, resume: bool = True) -> None:
         self.config = config
-        parallel.init_parallel(config.tensor_parallel, dp=config.data_parallel, seed=config.seed,
+        parallel.init_parallel(config.tensor_parallel, dp=config.data_parallel, ep=config.expert_parallel,
+                               seed=config.seed,
                                timeout_s=config.collective_timeout_s)
         self.device = cpu_shims.compute_device()
         dtype = getattr(torch, config.params_dtype)
-        self.model, self.spec = load_hf_checkpoint(config.model_dir, config.tensor_parallel, dtype, config.attention)
-        opt = config.optimizer
-        # Frozen parameters (a DSA model's indexer) stay out of the optimizer.
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
-        )
-        warmup = opt.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
-        )
+        self.model, self.spec = load_hf_checkpoint(config.model_dir, config.tensor_parallel, dtype, config.attention,
+                                                   ep=config.expert_parallel)
+        self._ep_ranks: list[dict] | None = None  # every EP rank's part of a resumed checkpoint
+        self.adapter: TrainerAdapter | None = None
+        if config.lora is not None:  # base weights frozen, adapters trained (kiln.models.lora)
+            self._attach_lora(config.lora, "model_dir")
+        else:
+            self._new_optimizer()
         self.step_count = 0
         self.policy_version = 0
         self.published_step = 0
@@ -92,6 +92,25 @@ class TrainerEngine:
         if parallel.dp_size() > 1:
             self._sync_replicas()
         metrics.TRAINER_VERSION.set(self.policy_version)
+
+    def _new_optimizer(self) -> None:
+        opt = self.config.optimizer
+        # Frozen parameters (a DSA model's indexer, a LoRA model's base) stay out of the optimizer.
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
+        )
+        warmup = opt.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
+        )
+
+    def _attach_lora(self, spec, base) -> None:
+        """Freeze the weights as they are and put the adapter on; a fresh optimizer holds the
+        adapter alone (the base's moments mean nothing to it). Collective at TP > 1."""
+        self.adapter = TrainerAdapter(self.model, self.spec, spec, seed=self.config.seed, base=base,
+                                      dtype=getattr(torch, self.config.params_dtype))
+        self._new_optimizer()
 
     # --- log-probs -------------------------------------------------------------------------
 
@@ -174,6 +193,8 @@ class TrainerEngine:
         staleness: list[int] | None = None, advantages: SequenceAdvantages | None = None,
     ) -> StepMetrics:
         t0 = time.perf_counter()
+        if self.config.lora is not None and self.adapter is None:  # a LoRA stage after full-weight ones
+            self._attach_lora(self.config.lora, "trained")
         tb = collate(batch, *advantages) if advantages is not None else collate(batch)
         self._check_vocab(tb.tokens)
         if tb.loss_mask.sum() == 0:
@@ -206,7 +227,9 @@ class TrainerEngine:
             # This replica's rows of the minibatch; the normalizer above is the whole
             # minibatch's, so the replicas' summed gradients are the one-replica gradient.
             rows = microbatches.replica_rows(part, tb.lengths, dp, dp_rank, budget)
-            for idx in microbatches.split(rows, tb.lengths, self.config.micro_batch_size, budget):
+            passes = microbatches.split(rows, tb.lengths, self.config.micro_batch_size, budget)
+            rank_grads.idle_expert_passes(self.model, len(passes))
+            for idx in passes:
                 mb = tb.select(idx)
                 logp, flips, student_topk = microbatches.logprobs(self.model, mb, self.config.routing_replay, budget,
                                                                   topk=rl and dense, temperature=temp)
@@ -216,6 +239,7 @@ class TrainerEngine:
                 loss.backward()
                 part_loss += loss.item()
                 part_stats = part_stats.merge(st)
+            rank_grads.sum_head_norm_grads(self.model)
             if dp > 1:
                 # This minibatch's alone: the ones before were summed over replicas already.
                 part_loss, part_stats = self._reduce_replicas(part_loss, part_stats)
@@ -265,40 +289,16 @@ class TrainerEngine:
                 grads.append(p.grad)
         names = [f.name for f in dataclasses.fields(stats)]
         scalars = torch.tensor([loss] + [getattr(stats, n) for n in names], dtype=torch.float64)
-        parallel.all_reduce_dp(grads)
+        rank_grads.sum_over_replicas(self.model, grads)
         parallel.all_reduce_dp([scalars])
         values = scalars.tolist()
         return values[0], LossStats(**dict(zip(names, values[1:])))
 
-    def _sync_replicas(self) -> None:
-        """Give every DP replica replica 0's state (its resumed checkpoint, if any): replicas
-        other than 0 keep no checkpoints of their own."""
-        src = parallel.dp_source_rank()
-        resumed = [self.resumed_from is not None]
-        dist.broadcast_object_list(resumed, src=src, group=parallel.dp_group())
-        if not resumed[0]:
-            return  # every replica loaded the same HF checkpoint
-        state = [{"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                  "scheduler": self.scheduler.state_dict(), "meta": self._meta(),
-                  "path": str(self.resumed_from)} if parallel.dp_rank() == 0 else None]
-        dist.broadcast_object_list(state, src=src, group=parallel.dp_group())
-        if parallel.dp_rank() != 0:
-            self._restore(state[0], state[0]["meta"], Path(state[0]["path"]))
-
     def _clip_grads(self) -> float:
         """Global gradient norm over all TP shards; clip in place if configured. Megatron's own
         clip function assumes CUDA tensors, hence this one."""
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-
         params = [p for p in self.model.parameters() if p.grad is not None]
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in params:
-            # Replicated parameters (norms) count once, sharded ones once per shard.
-            if param_is_not_tensor_parallel_duplicate(p):
-                sq += p.grad.detach().double().pow(2).sum()
-        if parallel.tp_size() > 1:
-            dist.all_reduce(sq, group=parallel.tp_group())
-        norm = math.sqrt(float(sq))
+        norm = rank_grads.global_norm(params, self.device)
         clip = self.config.optimizer.grad_clip
         if clip > 0 and clip < norm < math.inf:  # a non-finite norm is never applied (`_run`)
             scale = clip / (norm + 1e-6)
@@ -335,66 +335,29 @@ class TrainerEngine:
                 state["step"].zero_()
 
     def named_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The full weights under Hugging Face names (collective at TP > 1)."""
+        """What a policy version carries, under Hugging Face names (collective at TP > 1): the
+        full weights, or with LoRA only the adapter's A and B under PEFT's names, which rollout
+        merges into its pristine base weights (`kiln.models.lora.merge_adapter`)."""
+        if self.adapter is not None:
+            return self.adapter.version_tensors()
         return iter_hf_tensors(self.model, self.spec)
 
     def gathered_hf_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """The full weights under HF names, gathered over TP on replica 0 (collective there);
         an empty list on the other replicas, which hold the same weights."""
-        return list(self.named_hf_tensors()) if parallel.dp_rank() == 0 else []
+        if parallel.dp_rank() == 0 or rank_grads.sends_experts_to_replica_0():
+            tensors = list(self.named_hf_tensors())  # collective over TP (and EP) there
+            return tensors if parallel.dp_rank() == 0 else []
+        return []
 
     def export_hf(self, out_dir: Path) -> Path | None:
         """Write the current weights as a HF checkpoint directory (replica 0's TP rank 0
         writes; the others return None)."""
         if parallel.dp_rank() != 0:
+            if rank_grads.sends_experts_to_replica_0():
+                for _ in iter_hf_tensors(self.model, self.spec):
+                    pass
             return None
+        if self.adapter is not None:  # a whole model for later stages and engines: merged
+            return self.adapter.write_merged(out_dir, self.config.model_dir)
         return save_hf_checkpoint(self.model, self.spec, out_dir, source_dir=self.config.model_dir)
-
-    # --- checkpoints -----------------------------------------------------------------------
-
-    def maybe_checkpoint(self) -> Path | None:
-        interval = self.config.checkpoint_interval
-        if interval and self.step_count % interval == 0:
-            return self.save_checkpoint()
-        return None
-
-    def save_checkpoint(self) -> Path:
-        if self.config.checkpoint_dir is None:
-            raise ValueError("checkpoint_dir is not configured; cannot save a checkpoint")
-        if parallel.dp_rank() != 0:
-            # Replica 0 keeps the checkpoints; the others hold the same state.
-            self.last_checkpoint = Path(self.config.checkpoint_dir) / ckpt.step_dir_name(self.step_count)
-            return self.last_checkpoint
-        t0 = time.perf_counter()
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state()}
-        path = ckpt.write_checkpoint(self.config.checkpoint_dir, self.step_count, self._meta(),
-                                     state, keep=self.config.keep_checkpoints)
-        metrics.CHECKPOINT_SECONDS.observe(time.perf_counter() - t0)
-        self.last_checkpoint = path
-        return path
-
-    def load_checkpoint(self, path: Path) -> None:
-        meta, state = ckpt.read_checkpoint(path)
-        self._restore(state, meta, Path(path))
-        torch.set_rng_state(state["rng"])
-
-    def _meta(self) -> dict:
-        """What a checkpoint keeps beside the tensors."""
-        return {"step": self.step_count, "policy_version": self.policy_version,
-                "published_step": self.published_step, "model_dir": str(self.config.model_dir),
-                "last_step": self.last_step and self.last_step.record(),
-                "stage": self.stage, "stage_steps": self.stage_steps}
-
-    def _restore(self, state: dict, meta: dict, path: Path) -> None:
-        self.model.load_state_dict(state["model"], strict=True)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step_count, self.policy_version = int(meta["step"]), int(meta["policy_version"])
-        # A checkpoint that does not say (older ones) is taken as holding unpublished weights:
-        # publishing them once more is harmless, serving other weights under its version is not.
-        self.published_step = int(meta.get("published_step", -1))
-        self.last_step = (StepMetrics.from_record(meta["last_step"])
-                             if meta.get("last_step") else None)
-        self.stage, self.stage_steps = meta.get("stage"), dict(meta.get("stage_steps") or {})
-        self.resumed_from = self.last_checkpoint = path

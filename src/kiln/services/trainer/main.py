@@ -162,7 +162,7 @@ async def _stage_runner(job: RLJob, engine, engine_lock: threading.Lock, args: a
     """The stage runner, when the buffer and weight-sync addresses are known (else None)."""
 
     from kiln.services.buffer.client import GrpcBufferClient
-    from kiln.services.common.tracking import Tracker
+    from kiln.tracking import Tracker
     from kiln.services.trainer.publisher import GrpcWeightPublisher
     from kiln.services.trainer.stages import StageRunner
 
@@ -174,7 +174,7 @@ async def _stage_runner(job: RLJob, engine, engine_lock: threading.Lock, args: a
     channel = channels.aio_channel(sync_addr, "weight-sync")
     ws = job.spec.weight_sync
     publisher = GrpcWeightPublisher(asyncio.get_running_loop(), channel, bucket_bytes=ws.bucket_bytes,
-                                    timeout=ws.timeout_seconds)
+                                    timeout=ws.timeout_seconds, record=args.run_dir / "weight_sync.json")
     await _agree_with_weight_sync(engine, channel, ws.bucket_bytes)
     tracker = Tracker(args.run_dir / "tensorboard", run_name="trainer", group=job.metadata.name,
                       spec=job.spec.tracking, config=job.spec.model_dump(mode="json", by_alias=True))

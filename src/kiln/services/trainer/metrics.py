@@ -19,6 +19,7 @@ TOKENS_PER_SECOND = common.TRAINER_TOKENS_PER_SECOND
 CHECKPOINT_SECONDS = common.CHECKPOINT_SECONDS
 TRAINER_VERSION = common.POLICY_VERSION.labels(component="trainer")
 NONFINITE_STEPS = common.NONFINITE_STEPS
+FRESHNESS_TAU = common.FRESHNESS_TAU
 
 _COLLECTORS = {
     "step": common.TRAIN_STEP, "policy_version": common.POLICY_VERSION,
@@ -28,6 +29,12 @@ _COLLECTORS = {
     "ratio_mask_frac": common.RATIO_MASK_FRACTION, "icepop_mask_frac": common.ICEPOP_MASK_FRACTION,
     "mismatch_abs": common.MISMATCH_ABS, "mismatch_kl": common.MISMATCH_KL,
     "routing_flip_frac": common.ROUTING_FLIP_FRACTION,
+    "ratio_only_frac": common.RATIO_ONLY_MASK_FRACTION,
+    "icepop_only_frac": common.ICEPOP_ONLY_MASK_FRACTION,
+    "both_masked_frac": common.BOTH_MASKS_FRACTION,
+    "correction_mask_frac": common.CORRECTION_MASK_FRACTION,
+    "routing_straddle_frac": common.ROUTING_STRADDLE_FRACTION,
+    "kl_ref": common.KL_REF, "dense_kl": common.DENSE_KL,
 }
 """The collector of every step field that has a series (a test checks this is all of them)."""
 
@@ -48,6 +55,15 @@ def observe_step(m: StepMetrics, stage: str) -> None:
             c.observe(value)
         else:
             c.set(value)
+
+
+def observe_stage_tau(stage: str, tau: int | None) -> None:
+    """The freshness bound of the stage now running (what the buffer is configured with).
+    Only the running stage's series exists, and none in a supervised stage (no bound): the
+    alert KilnStalenessNearTau compares staleness with it, per job."""
+    FRESHNESS_TAU.clear()
+    if tau is not None:
+        FRESHNESS_TAU.labels(stage=stage).set(tau)
 
 
 def count_nonfinite(stage: str, loss: float, grad_norm: float) -> None:

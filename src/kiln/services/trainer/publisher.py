@@ -2,12 +2,17 @@
 
 The gRPC channel lives on the service's event loop; the training thread hands each publish to
 that loop and waits for the commit, so a step never overlaps the publish of its own weights.
+With `record`, the bytes each committed version carried go to that JSON file
+(`bytes_per_version`, `policy_version`: a LoRA job's versions carry the adapter alone), which a
+local run's summary reports as `weight_sync_bytes_per_version`.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
+from pathlib import Path
 from typing import Iterable
 
 import torch
@@ -24,8 +29,8 @@ class GrpcWeightPublisher:
     should wait for it rather than fail."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, channel, *, bucket_bytes: int,
-                 timeout: float, retry_seconds: float = 300.0) -> None:
-        self.loop, self.channel = loop, channel
+                 timeout: float, retry_seconds: float = 300.0, record: Path | None = None) -> None:
+        self.loop, self.channel, self.record = loop, channel, record
         self.bucket_bytes, self.timeout, self.retry_seconds = bucket_bytes, timeout, retry_seconds
 
     def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -40,6 +45,8 @@ class GrpcWeightPublisher:
             try:
                 fut.result(self.timeout + 30)
                 metrics.POLICY_VERSION.labels("trainer").set(version)
+                if self.record is not None:
+                    record_version_bytes(self.record, version, sum(t.numel() * t.element_size() for _, t in tensors))
                 return
             except PublishError as exc:
                 if not exc.retryable or time.monotonic() + delay > deadline:
@@ -47,3 +54,10 @@ class GrpcWeightPublisher:
                 log.warning("publishing version %d failed (%s); retrying in %.1f s", version, exc, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 10.0)
+
+
+def record_version_bytes(path: Path, version: int, nbytes: int) -> None:
+    """Replace `path` with `{"bytes_per_version": nbytes, "policy_version": version}`."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"bytes_per_version": nbytes, "policy_version": version}))
+    tmp.replace(path)

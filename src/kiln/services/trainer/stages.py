@@ -27,17 +27,19 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.api.spec import RLJob, RLStage
 from kiln.metrics import StepMetrics
 from kiln.services.buffer.client import BufferClient
-from kiln.services.common.tracking import Tracker
+from kiln.tracking import Tracker
 from kiln.services.trainer.config import config_from_job, stage_by_name
+from kiln.services.trainer import metrics as trainer_metrics
 from kiln.services.trainer.engine import TrainerEngine
 from kiln.services.trainer.loop import StageSettings, StepBatch, WeightPublisher, publish, run_stage
-from kiln.services.trainer.output import write_stage_output
+from kiln.services.trainer.output import draw_report, record_samples, record_step, write_stage_output
 from kiln.services.trainer.selection import StageGuard, restore_weights
 
 log = logging.getLogger(__name__)
@@ -45,8 +47,11 @@ log = logging.getLogger(__name__)
 class BufferBatchSource:
     """`BatchSource` over the buffer: waits for a full batch, acks it once it has been trained on."""
 
-    def __init__(self, buffer: BufferClient, engine: TrainerEngine, stop: threading.Event) -> None:
+    def __init__(self, buffer: BufferClient, engine: TrainerEngine, stop: threading.Event,
+                 keep: Callable[[list], None] | None = None) -> None:
         self.buffer, self.engine, self.stop = buffer, engine, stop
+        self.keep = keep
+        """Called with each batch's trajectories before they are trained on (the sample log)."""
         self._pending_ack: int | None = None
         # Batches trained on but whose ack may not have reached the buffer: one served again
         # (after a buffer restart) is acked and skipped rather than trained on twice.
@@ -62,6 +67,8 @@ class BufferBatchSource:
                 self.buffer.ack_batch(batch.batch_id)
                 continue
             self._pending_ack = batch.batch_id
+            if self.keep is not None:
+                self.keep(batch.trajectories)
             return StepBatch(batch.trajectories, batch.staleness)
         return StepBatch([])
 
@@ -133,7 +140,9 @@ class StageRunner:
         with self.lock:
             self.engine.config = self.engine.config.model_copy(update={
                 "loss": cfg.loss, "terms": cfg.terms, "optimizer": cfg.optimizer,
-                "micro_batch_size": cfg.micro_batch_size, "minibatches_per_step": cfg.minibatches_per_step})
+                "micro_batch_size": cfg.micro_batch_size, "minibatches_per_step": cfg.minibatches_per_step,
+                # A LoRA stage after full-weight ones: the engine adds the adapter at its first step.
+                "lora": cfg.lora or self.engine.config.lora})
             for group in self.engine.optimizer.param_groups:
                 group["lr"] = cfg.optimizer.lr
                 group["initial_lr"] = cfg.optimizer.lr
@@ -151,6 +160,7 @@ class StageRunner:
             self.buffer.configure(group_size=stage.rl.group_size if rl else 1,
                                   tau=stage.rl.tau if rl else None,  # SFT data is not the policy's: no bound
                                   drop_unserved=done == 0)
+            trainer_metrics.observe_stage_tau(stage.name, stage.rl.tau if rl else None)
             self.buffer.set_policy_version(self.engine.policy_version)
             remaining = stage.max_steps - done
             every = stage.eval.every if rl and stage.eval else None
@@ -158,7 +168,8 @@ class StageRunner:
             if selects and done == 0:
                 self._checkpoint_evaluated(stage.name, 0)  # the weights the stage starts from
             if remaining > 0:
-                source = BufferBatchSource(self.buffer, self.engine, self._stop)
+                source = BufferBatchSource(self.buffer, self.engine, self._stop,
+                                           keep=self._sampler(stage.name))
                 settings = StageSettings(kind="rl" if rl else "sft", name=stage.name,
                                          max_steps=remaining, batch_size=stage.batch_size,
                                          sync_interval=stage.rl.sync_interval if rl else None,
@@ -182,6 +193,16 @@ class StageRunner:
             log.exception("stage %s failed", stage.name)
             self.status.failed, self.status.message = True, f"{type(exc).__name__}: {exc}"
 
+    def _sampler(self, stage: str) -> Callable[[list], None]:
+        """Keeps every `rollout.sampleEvery`-th trajectory trained on in the sample log that
+        each stage end copies to the output (`kiln trajectories OUTPUT` reads it)."""
+        seen = 0
+
+        def keep(trajs: list) -> None:
+            nonlocal seen
+            seen = record_samples(self.run_dir, stage, trajs, seen, self.job.spec.rollout.sample_every)
+        return keep
+
     def _set_lr(self, stage) -> None:
         """The stage's learning rate for the step about to be taken (warm-up, then constant
         or cosine); set per step from the stage's own step count, so a resume continues it."""
@@ -192,6 +213,7 @@ class StageRunner:
 
     def _on_step(self, m: StepMetrics, rl: bool) -> None:
         self.status.step = self.engine.stage_steps.get(self.status.stage, 0)
+        record_step(self.run_dir, self.status.stage, m)  # what the output's report plots
         if self.tracker is not None:
             self.tracker.log(m.step, {f"train/{k}": v for k, v in m.scalars(rl=rl).items()})
 
@@ -278,8 +300,9 @@ class StageRunner:
             return
         write_stage_output(self.output_dir, self.job, name, Path(export), {
             "steps": self.engine.stage_steps.get(name, 0), "selected_step": selected_step,
-            "policy_version": self.engine.policy_version})
-        log.info("stage %s: its model and summary written to %s", name, self.output_dir)
+            "policy_version": self.engine.policy_version}, report=draw_report(self.run_dir, self.job),
+            samples=self.run_dir)
+        log.info("stage %s: its model, report and summary written to %s", name, self.output_dir)
 
 
 def stage_export_dir(run_dir: Path, stage: str) -> Path:

@@ -127,8 +127,10 @@ async def subscribe_and_apply(channel: grpc.aio.Channel, replica_id: str, apply_
     stub = pb_grpc.WeightSyncStub(channel)
 
     async def read(index: int) -> None:
+        # What it serves, so that a reconnect is not sent again a base it holds (`WeightStore.base_for`).
         call = stub.Subscribe(pb.SubscribeRequest(replica_id=replica_id, stream_index=index,
-                                                  num_streams=streams))
+                                                  num_streams=streams,
+                                                  applied_policy_version=receiver.applied_policy_version))
         async for msg in call:
             await receiver.on_chunk(wire.chunk_from_pb(msg))
 

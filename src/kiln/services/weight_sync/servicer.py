@@ -142,9 +142,30 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
             self.store.add_replica(replica)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        sent = 0
+        sent = request.applied_policy_version
         while True:
             source = await self.store.wait_source(sent)
+            base = self.store.base_for(source, sent)
+            if base is not None:
+                # A LoRA adapter on weights this replica does not hold: the base goes first,
+                # whole, and the adapter only once the replica is done with it (else a newer
+                # complete version could replace the base in its receiver before it is applied).
+                acks = self.store.replicas[replica].acks
+                yield pb.WeightChunk(manifest=wire.manifest_to_pb(base.manifest))
+                for i in wire.stream_indices(base.manifest.num_buckets, request.stream_index, n):
+                    # Not through `_chunk`: one replica's catch-up must not evict the messages
+                    # the others share.
+                    yield pb.WeightChunk(bucket=wire.bucket_to_pb(base.buckets[i]))
+                    SYNC_BYTES.inc(len(base.buckets[i].data))
+                log.info("replica %s: sent base version %d before version %d", replica,
+                         base.policy_version, source.policy_version)
+                try:
+                    await asyncio.wait_for(self.store.wait_ack(replica, acks, base.policy_version),
+                                           self.commit_timeout)
+                except asyncio.TimeoutError:
+                    log.warning("replica %s did not acknowledge base version %d", replica, base.policy_version)
+                sent = base.policy_version
+                continue
             version = source.policy_version
             yield pb.WeightChunk(manifest=wire.manifest_to_pb(source.manifest))
             for i in wire.stream_indices(source.manifest.num_buckets, request.stream_index, n):

@@ -12,7 +12,11 @@ opens, and they forward each bucket once it has passed its checks here (`Pending
 if that publish then fails, they end their streams so that replicas drop what they received.
 
 Only the latest version is kept (a subscriber still sending an older one holds its own
-reference). Everything here runs on one asyncio loop; nothing is thread-safe.
+reference), and, while the latest is a LoRA adapter (`kiln.models.lora_names`), the last version
+of complete weights, the base that adapter applies to: a replica that joins during a LoRA stage
+following full-weight stages holds only the job's starting checkpoint, so it is sent that base
+before the adapter (`base_for`), or it would refuse every adapter version.
+Everything here runs on one asyncio loop; nothing is thread-safe.
 Not covered: persistence (a restarted service has no version until the trainer publishes again).
 """
 from __future__ import annotations
@@ -21,6 +25,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from kiln.models.lora_names import is_adapter_version
 from kiln.services.common.metrics import POLICY_VERSION, SYNC_FAILURES, SYNC_SECONDS
 from kiln.services.weight_sync.buckets import Assembly, Bucket, Manifest, TransferError
 
@@ -85,6 +90,8 @@ class ReplicaState:
     last_policy_version: int = 0
     last_ok: bool = False
     last_error: str = ""
+    acks: int = 0
+    """How many acknowledgements it sent (a subscriber waits for the next one, `wait_ack`)."""
 
 
 MAX_PENDING = 4
@@ -100,6 +107,9 @@ class WeightStore:
         gave up or died, or announced streams that never came)."""
         """Refuse a version more than this ahead of the latest committed one (None: any)."""
         self.latest: StoredVersion | None = None
+        self.base: StoredVersion | None = None
+        """The latest committed version of complete weights (`latest` itself unless that is a
+        LoRA adapter)."""
         self._pending: dict[int, PendingVersion] = {}
         self._changed = asyncio.Condition()
         self._commit_times: dict[int, float] = {}
@@ -203,6 +213,8 @@ class WeightStore:
             raise exc
         stored = StoredVersion(pending.assembly.manifest, buckets, time.time())
         self.latest = stored
+        if not is_adapter_version(t.name for t in stored.manifest.tensors):
+            self.base = stored
         self._commit_times[version] = stored.committed_at
         for old in [v for v in self._commit_times if v < version - 64]:
             del self._commit_times[old]
@@ -238,6 +250,21 @@ class WeightStore:
             return max(pending, key=lambda p: p.policy_version)
         return self.latest if self.policy_version > than else None
 
+    def base_for(self, source: StoredVersion | PendingVersion, sent: int) -> StoredVersion | None:
+        """The version of complete weights a subscriber that has been sent `sent` must get
+        before `source`, an adapter that applies to it; None when `source` is complete weights
+        or the subscriber has been sent that base already."""
+        if self.base is None or self.base.policy_version <= sent:
+            return None
+        return self.base if is_adapter_version(t.name for t in source.manifest.tensors) else None
+
+    async def wait_ack(self, replica_id: str, acks: int, version: int) -> None:
+        """Return once `replica_id` has acknowledged `version` or a newer one in an ack after
+        its first `acks` (applied or refused: either way it is done with it)."""
+        state = self.replicas[replica_id]
+        async with self._changed:
+            await self._changed.wait_for(lambda: state.acks > acks and state.last_policy_version >= version)
+
     async def wait_source(self, than: int) -> StoredVersion | PendingVersion:
         """The newest version newer than `than`, committed or still being published (cut-through:
         a subscriber forwards buckets as they arrive instead of after the commit, so the time to
@@ -257,6 +284,8 @@ class WeightStore:
         # The error text of a replica is shown in Status: keep it to a line.
         error = error[:MAX_ERROR_CHARS]
         state.last_policy_version, state.last_ok, state.last_error = version, ok, error
+        state.acks += 1
+        asyncio.get_running_loop().create_task(self._notify())
         if ok:
             state.applied_policy_version = max(state.applied_policy_version, version)
             committed = self._commit_times.get(version)

@@ -24,39 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kiln/v1/rollout.proto\x12\x07kiln.v1\"\xd0\x01\n\x0eSetModeRequest\x12\"\n\x04mode\x18\x01 \x01(\x0e\x32\x14.kiln.v1.RolloutMode\x12\r\n\x05stage\x18\x02 \x01(\t\x12\x11\n\ttask_sets\x18\x03 \x03(\t\x12\x12\n\ngroup_size\x18\x04 \x01(\r\x12\x13\n\x0bsynchronous\x18\x05 \x01(\x08\x12\x12\n\nbatch_size\x18\x06 \x01(\r\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x10\n\x03tau\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0bmin_version\x18\t \x01(\x04\x42\x06\n\x04_tau\"\x16\n\x14RolloutStatusRequest\"\xd2\x02\n\rRolloutStatus\x12\"\n\x04mode\x18\x01 \x01(\x0e\x32\x14.kiln.v1.RolloutMode\x12\r\n\x05stage\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x10\n\x08\x65pisodes\x18\x04 \x01(\x04\x12\x18\n\x10tokens_generated\x18\x05 \x01(\x04\x12\x19\n\x11tokens_per_second\x18\x06 \x01(\x01\x12\x13\n\x0bmean_reward\x18\x07 \x01(\x01\x12\x11\n\tin_flight\x18\x08 \x01(\r\x12\x1a\n\x12\x65ngine_fingerprint\x18\t \x01(\t\x12\x0f\n\x07shipped\x18\n \x01(\x04\x12\x15\n\rstopped_stale\x18\x0b \x01(\x04\x12\x12\n\ngenerating\x18\x0c \x01(\r\x12\x17\n\x0fteacher_seconds\x18\r \x01(\x01\x12\x16\n\x0eteacher_tokens\x18\x0e \x01(\x04\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"H\n\x0cScoreRequest\x12)\n\tsequences\x18\x01 \x03(\x0b\x32\x16.kiln.v1.TokenSequence\x12\r\n\x05top_k\x18\x02 \x01(\r\"J\n\rTokenLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\x10\n\x08topk_ids\x18\x02 \x03(\r\x12\x15\n\rtopk_logprobs\x18\x03 \x03(\x02\"R\n\rScoreResponse\x12)\n\tsequences\x18\x01 \x03(\x0b\x32\x16.kiln.v1.TokenLogprobs\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\"t\n\x0fGenerateRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\"f\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\"W\n\x0f\x45valuateRequest\x12\x10\n\x08task_set\x18\x01 \x01(\t\x12\x11\n\tmax_tasks\x18\x02 \x01(\r\x12\x0f\n\x07samples\x18\x03 \x01(\r\x12\x0e\n\x06greedy\x18\x04 \x01(\x08\"\xe7\x01\n\x10\x45valuateResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\r\n\x05tasks\x18\x02 \x01(\r\x12\x16\n\x0egreedy_success\x18\x03 \x01(\x01\x12\x17\n\x0fsampled_success\x18\x04 \x01(\x01\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\x1b\n\x13\x63ritical_path_steps\x18\x06 \x01(\x01\x12$\n\x1c\x63ritical_path_steps_answered\x18\x07 \x01(\x01\x12\'\n\x0btask_counts\x18\x08 \x03(\x0b\x32\x12.kiln.v1.TaskCount\"`\n\tTaskCount\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0f\n\x07samples\x18\x02 \x01(\r\x12\x11\n\tsuccesses\x18\x03 \x01(\r\x12\x13\n\x06greedy\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\t\n\x07_greedy*5\n\x0bRolloutMode\x12\x08\n\x04IDLE\x10\x00\x12\x0f\n\x0b\x44\x45MONSTRATE\x10\x01\x12\x0b\n\x07\x45XPLORE\x10\x02\x32\xc3\x02\n\x07Rollout\x12:\n\x07SetMode\x12\x17.kiln.v1.SetModeRequest\x1a\x16.kiln.v1.RolloutStatus\x12?\n\x08\x45valuate\x12\x18.kiln.v1.EvaluateRequest\x1a\x19.kiln.v1.EvaluateResponse\x12\x42\n\tGetStatus\x12\x1d.kiln.v1.RolloutStatusRequest\x1a\x16.kiln.v1.RolloutStatus\x12\x36\n\x05Score\x12\x15.kiln.v1.ScoreRequest\x1a\x16.kiln.v1.ScoreResponse\x12?\n\x08Generate\x12\x18.kiln.v1.GenerateRequest\x1a\x19.kiln.v1.GenerateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kiln/v1/rollout.proto\x12\x07kiln.v1\"\xd0\x01\n\x0eSetModeRequest\x12\"\n\x04mode\x18\x01 \x01(\x0e\x32\x14.kiln.v1.RolloutMode\x12\r\n\x05stage\x18\x02 \x01(\t\x12\x11\n\ttask_sets\x18\x03 \x03(\t\x12\x12\n\ngroup_size\x18\x04 \x01(\r\x12\x13\n\x0bsynchronous\x18\x05 \x01(\x08\x12\x12\n\nbatch_size\x18\x06 \x01(\r\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x10\n\x03tau\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0bmin_version\x18\t \x01(\x04\x42\x06\n\x04_tau\"\x16\n\x14RolloutStatusRequest\"\xff\x02\n\rRolloutStatus\x12\"\n\x04mode\x18\x01 \x01(\x0e\x32\x14.kiln.v1.RolloutMode\x12\r\n\x05stage\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x10\n\x08\x65pisodes\x18\x04 \x01(\x04\x12\x18\n\x10tokens_generated\x18\x05 \x01(\x04\x12\x19\n\x11tokens_per_second\x18\x06 \x01(\x01\x12\x13\n\x0bmean_reward\x18\x07 \x01(\x01\x12\x11\n\tin_flight\x18\x08 \x01(\r\x12\x1a\n\x12\x65ngine_fingerprint\x18\t \x01(\t\x12\x0f\n\x07shipped\x18\n \x01(\x04\x12\x15\n\rstopped_stale\x18\x0b \x01(\x04\x12\x12\n\ngenerating\x18\x0c \x01(\r\x12\x17\n\x0fteacher_seconds\x18\r \x01(\x01\x12\x16\n\x0eteacher_tokens\x18\x0e \x01(\x04\x12\x17\n\x0f\x65val_tasks_done\x18\x0f \x01(\r\x12\x12\n\neval_tasks\x18\x10 \x01(\r\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"H\n\x0cScoreRequest\x12)\n\tsequences\x18\x01 \x03(\x0b\x32\x16.kiln.v1.TokenSequence\x12\r\n\x05top_k\x18\x02 \x01(\r\"J\n\rTokenLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\x10\n\x08topk_ids\x18\x02 \x03(\r\x12\x15\n\rtopk_logprobs\x18\x03 \x03(\x02\"R\n\rScoreResponse\x12)\n\tsequences\x18\x01 \x03(\x0b\x32\x16.kiln.v1.TokenLogprobs\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\"t\n\x0fGenerateRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\"f\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\"W\n\x0f\x45valuateRequest\x12\x10\n\x08task_set\x18\x01 \x01(\t\x12\x11\n\tmax_tasks\x18\x02 \x01(\r\x12\x0f\n\x07samples\x18\x03 \x01(\r\x12\x0e\n\x06greedy\x18\x04 \x01(\x08\"\xe7\x01\n\x10\x45valuateResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\r\n\x05tasks\x18\x02 \x01(\r\x12\x16\n\x0egreedy_success\x18\x03 \x01(\x01\x12\x17\n\x0fsampled_success\x18\x04 \x01(\x01\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\x1b\n\x13\x63ritical_path_steps\x18\x06 \x01(\x01\x12$\n\x1c\x63ritical_path_steps_answered\x18\x07 \x01(\x01\x12\'\n\x0btask_counts\x18\x08 \x03(\x0b\x32\x12.kiln.v1.TaskCount\"`\n\tTaskCount\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0f\n\x07samples\x18\x02 \x01(\r\x12\x11\n\tsuccesses\x18\x03 \x01(\r\x12\x13\n\x06greedy\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\t\n\x07_greedy*5\n\x0bRolloutMode\x12\x08\n\x04IDLE\x10\x00\x12\x0f\n\x0b\x44\x45MONSTRATE\x10\x01\x12\x0b\n\x07\x45XPLORE\x10\x02\x32\xc3\x02\n\x07Rollout\x12:\n\x07SetMode\x12\x17.kiln.v1.SetModeRequest\x1a\x16.kiln.v1.RolloutStatus\x12?\n\x08\x45valuate\x12\x18.kiln.v1.EvaluateRequest\x1a\x19.kiln.v1.EvaluateResponse\x12\x42\n\tGetStatus\x12\x1d.kiln.v1.RolloutStatusRequest\x1a\x16.kiln.v1.RolloutStatus\x12\x36\n\x05Score\x12\x15.kiln.v1.ScoreRequest\x1a\x16.kiln.v1.ScoreResponse\x12?\n\x08Generate\x12\x18.kiln.v1.GenerateRequest\x1a\x19.kiln.v1.GenerateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kiln.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLLOUTMODE']._serialized_start=1523
-  _globals['_ROLLOUTMODE']._serialized_end=1576
+  _globals['_ROLLOUTMODE']._serialized_start=1568
+  _globals['_ROLLOUTMODE']._serialized_end=1621
   _globals['_SETMODEREQUEST']._serialized_start=35
   _globals['_SETMODEREQUEST']._serialized_end=243
   _globals['_ROLLOUTSTATUSREQUEST']._serialized_start=245
   _globals['_ROLLOUTSTATUSREQUEST']._serialized_end=267
   _globals['_ROLLOUTSTATUS']._serialized_start=270
-  _globals['_ROLLOUTSTATUS']._serialized_end=608
-  _globals['_TOKENSEQUENCE']._serialized_start=610
-  _globals['_TOKENSEQUENCE']._serialized_end=644
-  _globals['_SCOREREQUEST']._serialized_start=646
-  _globals['_SCOREREQUEST']._serialized_end=718
-  _globals['_TOKENLOGPROBS']._serialized_start=720
-  _globals['_TOKENLOGPROBS']._serialized_end=794
-  _globals['_SCORERESPONSE']._serialized_start=796
-  _globals['_SCORERESPONSE']._serialized_end=878
-  _globals['_GENERATEREQUEST']._serialized_start=880
-  _globals['_GENERATEREQUEST']._serialized_end=996
-  _globals['_GENERATERESPONSE']._serialized_start=998
-  _globals['_GENERATERESPONSE']._serialized_end=1100
-  _globals['_EVALUATEREQUEST']._serialized_start=1102
-  _globals['_EVALUATEREQUEST']._serialized_end=1189
-  _globals['_EVALUATERESPONSE']._serialized_start=1192
-  _globals['_EVALUATERESPONSE']._serialized_end=1423
-  _globals['_TASKCOUNT']._serialized_start=1425
-  _globals['_TASKCOUNT']._serialized_end=1521
-  _globals['_ROLLOUT']._serialized_start=1579
-  _globals['_ROLLOUT']._serialized_end=1902
+  _globals['_ROLLOUTSTATUS']._serialized_end=653
+  _globals['_TOKENSEQUENCE']._serialized_start=655
+  _globals['_TOKENSEQUENCE']._serialized_end=689
+  _globals['_SCOREREQUEST']._serialized_start=691
+  _globals['_SCOREREQUEST']._serialized_end=763
+  _globals['_TOKENLOGPROBS']._serialized_start=765
+  _globals['_TOKENLOGPROBS']._serialized_end=839
+  _globals['_SCORERESPONSE']._serialized_start=841
+  _globals['_SCORERESPONSE']._serialized_end=923
+  _globals['_GENERATEREQUEST']._serialized_start=925
+  _globals['_GENERATEREQUEST']._serialized_end=1041
+  _globals['_GENERATERESPONSE']._serialized_start=1043
+  _globals['_GENERATERESPONSE']._serialized_end=1145
+  _globals['_EVALUATEREQUEST']._serialized_start=1147
+  _globals['_EVALUATEREQUEST']._serialized_end=1234
+  _globals['_EVALUATERESPONSE']._serialized_start=1237
+  _globals['_EVALUATERESPONSE']._serialized_end=1468
+  _globals['_TASKCOUNT']._serialized_start=1470
+  _globals['_TASKCOUNT']._serialized_end=1566
+  _globals['_ROLLOUT']._serialized_start=1624
+  _globals['_ROLLOUT']._serialized_end=1947
 # @@protoc_insertion_point(module_scope)

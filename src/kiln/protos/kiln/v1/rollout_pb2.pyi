@@ -43,7 +43,7 @@ class RolloutStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("mode", "stage", "policy_version", "episodes", "tokens_generated", "tokens_per_second", "mean_reward", "in_flight", "engine_fingerprint", "shipped", "stopped_stale", "generating", "teacher_seconds", "teacher_tokens")
+    __slots__ = ("mode", "stage", "policy_version", "episodes", "tokens_generated", "tokens_per_second", "mean_reward", "in_flight", "engine_fingerprint", "shipped", "stopped_stale", "generating", "teacher_seconds", "teacher_tokens", "eval_tasks_done", "eval_tasks")
     MODE_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,8 @@ class RolloutStatus(_message.Message):
     GENERATING_FIELD_NUMBER: _ClassVar[int]
     TEACHER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TEACHER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_TASKS_DONE_FIELD_NUMBER: _ClassVar[int]
+    EVAL_TASKS_FIELD_NUMBER: _ClassVar[int]
     mode: RolloutMode
     stage: str
     policy_version: int
@@ -72,7 +74,9 @@ class RolloutStatus(_message.Message):
     generating: int
     teacher_seconds: float
     teacher_tokens: int
-    def __init__(self, mode: _Optional[_Union[RolloutMode, str]] = ..., stage: _Optional[str] = ..., policy_version: _Optional[int] = ..., episodes: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., mean_reward: _Optional[float] = ..., in_flight: _Optional[int] = ..., engine_fingerprint: _Optional[str] = ..., shipped: _Optional[int] = ..., stopped_stale: _Optional[int] = ..., generating: _Optional[int] = ..., teacher_seconds: _Optional[float] = ..., teacher_tokens: _Optional[int] = ...) -> None: ...
+    eval_tasks_done: int
+    eval_tasks: int
+    def __init__(self, mode: _Optional[_Union[RolloutMode, str]] = ..., stage: _Optional[str] = ..., policy_version: _Optional[int] = ..., episodes: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., mean_reward: _Optional[float] = ..., in_flight: _Optional[int] = ..., engine_fingerprint: _Optional[str] = ..., shipped: _Optional[int] = ..., stopped_stale: _Optional[int] = ..., generating: _Optional[int] = ..., teacher_seconds: _Optional[float] = ..., teacher_tokens: _Optional[int] = ..., eval_tasks_done: _Optional[int] = ..., eval_tasks: _Optional[int] = ...) -> None: ...
 
 class TokenSequence(_message.Message):
     __slots__ = ("token_ids",)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kiln/v1/weight_sync.proto\x12\x07kiln.v1\"Y\n\x0bTensorEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"\xb3\x01\n\x08Manifest\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12%\n\x07tensors\x18\x02 \x03(\x0b\x32\x14.kiln.v1.TensorEntry\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x14\n\x0c\x62ucket_bytes\x18\x04 \x01(\x04\x12\x13\n\x0bnum_buckets\x18\x05 \x01(\r\x12\x18\n\x10\x64igest_algorithm\x18\x06 \x01(\t\x12\x0e\n\x06\x64igest\x18\x07 \x01(\x0c\"M\n\x06\x42ucket\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06\x64igest\x18\x04 \x01(\x0c\"_\n\x0bWeightChunk\x12%\n\x08manifest\x18\x01 \x01(\x0b\x32\x11.kiln.v1.ManifestH\x00\x12!\n\x06\x62ucket\x18\x02 \x01(\x0b\x32\x0f.kiln.v1.BucketH\x00\x42\x06\n\x04kind\"F\n\x0cPublishReply\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"Q\n\x10SubscribeRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x14\n\x0cstream_index\x18\x02 \x01(\r\x12\x13\n\x0bnum_streams\x18\x03 \x01(\r\"S\n\nAckRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\n\n\x08\x41\x63kReply\"\x0f\n\rStatusRequest\"\x84\x01\n\x0cReplicaState\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x1e\n\x16\x61pplied_policy_version\x18\x02 \x01(\x04\x12\x1b\n\x13last_policy_version\x18\x03 \x01(\x04\x12\x0f\n\x07last_ok\x18\x04 \x01(\x08\x12\x12\n\nlast_error\x18\x05 \x01(\t\"N\n\x0bStatusReply\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\'\n\x08replicas\x18\x02 \x03(\x0b\x32\x15.kiln.v1.ReplicaState2\xed\x01\n\nWeightSync\x12\x38\n\x07Publish\x12\x14.kiln.v1.WeightChunk\x1a\x15.kiln.v1.PublishReply(\x01\x12>\n\tSubscribe\x12\x19.kiln.v1.SubscribeRequest\x1a\x14.kiln.v1.WeightChunk0\x01\x12-\n\x03\x41\x63k\x12\x13.kiln.v1.AckRequest\x1a\x11.kiln.v1.AckReply\x12\x36\n\x06Status\x12\x16.kiln.v1.StatusRequest\x1a\x14.kiln.v1.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kiln/v1/weight_sync.proto\x12\x07kiln.v1\"Y\n\x0bTensorEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"\xb3\x01\n\x08Manifest\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12%\n\x07tensors\x18\x02 \x03(\x0b\x32\x14.kiln.v1.TensorEntry\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x14\n\x0c\x62ucket_bytes\x18\x04 \x01(\x04\x12\x13\n\x0bnum_buckets\x18\x05 \x01(\r\x12\x18\n\x10\x64igest_algorithm\x18\x06 \x01(\t\x12\x0e\n\x06\x64igest\x18\x07 \x01(\x0c\"M\n\x06\x42ucket\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06\x64igest\x18\x04 \x01(\x0c\"_\n\x0bWeightChunk\x12%\n\x08manifest\x18\x01 \x01(\x0b\x32\x11.kiln.v1.ManifestH\x00\x12!\n\x06\x62ucket\x18\x02 \x01(\x0b\x32\x0f.kiln.v1.BucketH\x00\x42\x06\n\x04kind\"F\n\x0cPublishReply\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"q\n\x10SubscribeRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x14\n\x0cstream_index\x18\x02 \x01(\r\x12\x13\n\x0bnum_streams\x18\x03 \x01(\r\x12\x1e\n\x16\x61pplied_policy_version\x18\x04 \x01(\x04\"S\n\nAckRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\n\n\x08\x41\x63kReply\"\x0f\n\rStatusRequest\"\x84\x01\n\x0cReplicaState\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x1e\n\x16\x61pplied_policy_version\x18\x02 \x01(\x04\x12\x1b\n\x13last_policy_version\x18\x03 \x01(\x04\x12\x0f\n\x07last_ok\x18\x04 \x01(\x08\x12\x12\n\nlast_error\x18\x05 \x01(\t\"N\n\x0bStatusReply\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\'\n\x08replicas\x18\x02 \x03(\x0b\x32\x15.kiln.v1.ReplicaState2\xed\x01\n\nWeightSync\x12\x38\n\x07Publish\x12\x14.kiln.v1.WeightChunk\x1a\x15.kiln.v1.PublishReply(\x01\x12>\n\tSubscribe\x12\x19.kiln.v1.SubscribeRequest\x1a\x14.kiln.v1.WeightChunk0\x01\x12-\n\x03\x41\x63k\x12\x13.kiln.v1.AckRequest\x1a\x11.kiln.v1.AckReply\x12\x36\n\x06Status\x12\x16.kiln.v1.StatusRequest\x1a\x14.kiln.v1.StatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,17 +42,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUBLISHREPLY']._serialized_start=487
   _globals['_PUBLISHREPLY']._serialized_end=557
   _globals['_SUBSCRIBEREQUEST']._serialized_start=559
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=640
-  _globals['_ACKREQUEST']._serialized_start=642
-  _globals['_ACKREQUEST']._serialized_end=725
-  _globals['_ACKREPLY']._serialized_start=727
-  _globals['_ACKREPLY']._serialized_end=737
-  _globals['_STATUSREQUEST']._serialized_start=739
-  _globals['_STATUSREQUEST']._serialized_end=754
-  _globals['_REPLICASTATE']._serialized_start=757
-  _globals['_REPLICASTATE']._serialized_end=889
-  _globals['_STATUSREPLY']._serialized_start=891
-  _globals['_STATUSREPLY']._serialized_end=969
-  _globals['_WEIGHTSYNC']._serialized_start=972
-  _globals['_WEIGHTSYNC']._serialized_end=1209
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=672
+  _globals['_ACKREQUEST']._serialized_start=674
+  _globals['_ACKREQUEST']._serialized_end=757
+  _globals['_ACKREPLY']._serialized_start=759
+  _globals['_ACKREPLY']._serialized_end=769
+  _globals['_STATUSREQUEST']._serialized_start=771
+  _globals['_STATUSREQUEST']._serialized_end=786
+  _globals['_REPLICASTATE']._serialized_start=789
+  _globals['_REPLICASTATE']._serialized_end=921
+  _globals['_STATUSREPLY']._serialized_start=923
+  _globals['_STATUSREPLY']._serialized_end=1001
+  _globals['_WEIGHTSYNC']._serialized_start=1004
+  _globals['_WEIGHTSYNC']._serialized_end=1241
 # @@protoc_insertion_point(module_scope)

@@ -69,14 +69,16 @@ class PublishReply(_message.Message):
     def __init__(self, policy_version: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
-    __slots__ = ("replica_id", "stream_index", "num_streams")
+    __slots__ = ("replica_id", "stream_index", "num_streams", "applied_policy_version")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     STREAM_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     stream_index: int
     num_streams: int
-    def __init__(self, replica_id: _Optional[str] = ..., stream_index: _Optional[int] = ..., num_streams: _Optional[int] = ...) -> None: ...
+    applied_policy_version: int
+    def __init__(self, replica_id: _Optional[str] = ..., stream_index: _Optional[int] = ..., num_streams: _Optional[int] = ..., applied_policy_version: _Optional[int] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("replica_id", "policy_version", "ok", "error")

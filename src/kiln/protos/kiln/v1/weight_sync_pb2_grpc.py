@@ -70,7 +70,8 @@ class WeightSyncServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Subscribe(self, request, context):
-        """Rollout side. Sends the latest committed version at once (a late joiner starts there), then
+        """Rollout side. Sends the latest committed version at once (a late joiner starts there; if that
+        is a LoRA adapter, the last version of complete weights first, applied before it), then
         each newer one as it is committed: a manifest, then its buckets. A version superseded while
         it is being sent is abandoned (its remaining buckets are not sent) in favour of the newest.
         """
