@@ -13,6 +13,7 @@ from kiln.services.sandbox import seccomp
 from kiln.services.sandbox.bubblewrap import BWRAP, SETPRIV
 from kiln.services.sandbox.config import BubblewrapConfig, SandboxLimits
 from kiln.services.sandbox.factory import leftovers, make_sandbox, reap_orphans
+from kiln.services.sandbox.interface import SandboxError
 
 needs_bwrap = pytest.mark.skipif(not (os.access(BWRAP, os.X_OK) and os.access(SETPRIV, os.X_OK)),
                                 reason="bubblewrap and setpriv are not installed")
@@ -114,14 +115,15 @@ def test_ordinary_tool_use_still_works():
 
 # -- the docker backend ------------------------------------------------------------------------
 
-def _host_config(**limits) -> dict:
+def _host_config(bridge: str | None = None, **limits) -> dict:
     """The HostConfig the backend's `containers.run` call sends to the engine."""
     from docker.models.containers import _create_container_args
 
     from kiln.services.sandbox.config import DockerConfig
     from kiln.services.sandbox.docker_backend import container_options
     cfg = DockerConfig(owner="t", limits=SandboxLimits(**limits))
-    args = _create_container_args({**container_options(cfg, "kiln-sbx-t-x", "rw,size=1m"), "version": "1.41"})
+    args = _create_container_args({**container_options(cfg, "kiln-sbx-t-x", "rw,size=1m", bridge),
+                                   "version": "1.41"})
     return args["host_config"]
 
 
@@ -131,7 +133,11 @@ def test_docker_container_is_unprivileged_under_the_default_profile():
     assert host["CapDrop"] == ["ALL"] and not host.get("CapAdd")
     assert host["SecurityOpt"] == ["no-new-privileges"]  # no seccomp=/apparmor= override
     assert host["NetworkMode"] == "none"
-    assert _host_config(network=True)["NetworkMode"] == "bridge"
+    # A networked container joins the filtered network, never the engine's default bridge.
+    from kiln.services.sandbox.docker_network import NETWORK
+    assert _host_config(NETWORK, network=True)["NetworkMode"] == NETWORK
+    with pytest.raises(SandboxError, match="filtered network"):
+        _host_config(network=True)
 
 
 def test_docker_container_filtered_for_real():

@@ -155,3 +155,12 @@ def test_taskset_errors_name_task_and_field(tmp_path):
         load_taskset(_write(tmp_path, [{**good, "bogus": 1}]))
     with pytest.raises(ValueError, match="type"):
         make_environment("chess")
+
+
+def test_the_manifests_sizes_are_read_as_kubernetes_quantities() -> None:
+    from kiln.api.components import SandboxSpec
+    from kiln.services.sandbox.config import config_from_spec
+
+    config = config_from_spec(SandboxSpec(memory="500M", disk="1Gi"), "owner")
+    assert config.limits.memory_bytes == 500 * 10**6  # not 500 MiB
+    assert config.limits.disk_bytes == 1 << 30

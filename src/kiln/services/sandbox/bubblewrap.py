@@ -31,9 +31,11 @@ pod's NetworkPolicy's to limit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import shutil
+import signal
 import time
 import uuid
 
@@ -205,6 +207,7 @@ class BubblewrapSandbox(Sandbox):
         except asyncio.CancelledError:
             readers.cancel()
             await self._kill_and_reap(proc)
+            await asyncio.gather(readers, return_exceptions=True)  # collected, not left to log
             raise
         # Either way nothing may outlive the exec: after a timeout this is what stops the
         # command; after a normal exit it catches anything that slipped out of the PID
@@ -227,6 +230,12 @@ class BubblewrapSandbox(Sandbox):
                           duration_s=duration)
 
     async def _kill_and_reap(self, proc: asyncio.subprocess.Process) -> None:
+        # The launcher joins the cgroup itself, a moment after it is spawned: a cancel in that
+        # moment finds the cgroup empty, and the command would then run to its end. The
+        # launcher leads its own session, so its process group reaches it before it joins;
+        # everything it starts after joining is in the cgroup.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         await asyncio.to_thread(self.cgroup.kill)
         await proc.wait()
 

@@ -97,7 +97,7 @@ class LocalEnvClient:
 
     async def open_subtask(self, parent_episode_id: str, role: str, instructions: str, task: str,
                            max_actions: int) -> EpisodeInfo:
-        return self.manager.open_subtask(parent_episode_id, role, instructions, task,
+        return await self.manager.open_subtask(parent_episode_id, role, instructions, task,
                                          owner=self.owner, max_actions=max_actions)
 
     async def step(self, episode_id: str, action: Action) -> StepResult:

@@ -14,6 +14,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
+from kiln.api.base import quantity_value
+
 #: Output kept per stream (stdout, stderr) of one exec before the rest is dropped and a
 #: truncation marker is appended. 1 MiB holds any sensible test log and bounds memory at
 #: 2 MiB per running command.
@@ -159,6 +161,9 @@ class DockerConfig(BaseModel):
     """PID 1 of the container; None means a small python3 loop that reaps zombies (the image
     must then have python3)."""
     workdir: str = "/workspace"
+    egress_ports: list[int] = Field(default_factory=list)
+    """Ports a networked container may not reach on any address, besides Kiln's own
+    (`egress.py`): the job's OpenAI port."""
     ulimits: dict[str, int] = Field(default_factory=lambda: {"nofile": 20000, "nproc": 4096})
     """Explicit ulimits: podman under root without CAP_SYS_RESOURCE cannot raise the defaults."""
 
@@ -195,9 +200,12 @@ def check_owner(owner: str) -> str:
 
 def config_from_spec(spec, owner: str) -> BubblewrapConfig | DockerConfig:
     """Backend config from an RLJob's `spec.sandbox` (kiln.api.spec.SandboxSpec)."""
-    limits = SandboxLimits(memory_bytes=spec.memory, pids=spec.pids, cpu=spec.cpu,
-                           timeout_seconds=spec.timeout_seconds, network=spec.network,
-                           output_limit_bytes=spec.output_limit_bytes, disk_bytes=spec.disk)
+    # The manifest's sizes are Kubernetes quantities (`500M` is 10^6 bytes, `500Mi` 2^20):
+    # read as such here, not by `parse_size`'s shorthand, where `m` means MiB.
+    limits = SandboxLimits(memory_bytes=int(quantity_value(spec.memory)), pids=spec.pids,
+                           cpu=spec.cpu, timeout_seconds=spec.timeout_seconds,
+                           network=spec.network, output_limit_bytes=spec.output_limit_bytes,
+                           disk_bytes=int(quantity_value(spec.disk)))
     if spec.backend == "bubblewrap":
         return BubblewrapConfig(limits=limits, owner=owner, workspace_fs=spec.workspace_fs,
                                 rootfs=Path(spec.rootfs) if spec.rootfs else None)

@@ -2,7 +2,8 @@
 
 In a pod the engine is the dind sidecar; locally and in CI it is podman's Docker-compatible
 socket (`podman_service.PodmanService`). Each sandbox is a container running `sleep infinity`
-as the unprivileged user, with no network (unless asked), all capabilities dropped,
+as the unprivileged user, with no network (unless asked: then on a bridge network of its own
+under the egress filter, `docker_network.py`), all capabilities dropped,
 no-new-privileges, and memory, pids and CPU limits; commands run through `exec`.
 
 Timeouts: the engine API cannot kill one exec, so on timeout the service runs `kill -9 -1` as
@@ -30,6 +31,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from .config import NAME_PREFIX, DockerConfig
+from .docker_network import egress_network
 from .interface import (EXIT_OOM, EXIT_TIMEOUT, WORKSPACE, ExecResult, PathEscapeError, Sandbox,
                         SandboxError, WorkspaceFull, workspace_relpath)
 from .output import CappedBuffer
@@ -103,9 +105,12 @@ class DockerSandbox(Sandbox):
 
     def _start(self) -> None:
         import docker
+        # The egress filter is in place before a networked container exists.
+        network = (egress_network(self.client, tuple(self.config.egress_ports))
+                   if self.limits.network else None)
         try:
             self.container = self.client.containers.run(
-                **container_options(self.config, self.name, self._workspace_options()))
+                **container_options(self.config, self.name, self._workspace_options(), network))
         except docker.errors.ImageNotFound as exc:
             raise SandboxError(f"image: {self.config.image} not found in the engine; build it "
                                "with `kiln sandbox image`") from exc
@@ -321,21 +326,24 @@ class _ChunkReader(io.RawIOBase):
         return n
 
 
-def container_options(config: DockerConfig, name: str, workspace_options: str) -> dict:
+def container_options(config: DockerConfig, name: str, workspace_options: str,
+                      network: str | None = None) -> dict:
     """Keyword arguments of `containers.run` for one sandbox: what the engine is asked for.
 
     No `privileged`, every capability dropped, `no-new-privileges`, and no `seccomp=` option,
     so the engine applies its default seccomp profile (Docker's and podman's deny new
     namespaces, keyrings, bpf, mounts, modules... much as `seccomp.py` does for bubblewrap).
-    `network=False` is `network_mode="none"` (only loopback); `network=True` is the engine's
-    default bridge, which this backend does not filter: link-local addresses and the cluster's
-    services are only kept out by the pod's NetworkPolicy (see the README's trust section)."""
+    `network=False` is `network_mode="none"` (only loopback); `network=True` is the bridge
+    `network` (`docker_network.NETWORK`), whose egress filter the caller has installed."""
     from docker.types import Ulimit
     lim = config.limits
+    if lim.network and not network:
+        raise SandboxError("a networked container joins the filtered network "
+                           "(docker_network.egress_network), never the engine's default bridge")
     return dict(
         image=config.image, command=config.init or REAPER_INIT, name=name, detach=True,
         user=config.user, working_dir=config.workdir, privileged=False,
-        network_mode="bridge" if lim.network else "none",
+        **({"network": network} if lim.network else {"network_mode": "none"}),
         mem_limit=lim.memory_bytes, memswap_limit=lim.memory_bytes,
         pids_limit=lim.pids, nano_cpus=int(lim.cpu * 1e9),
         cap_drop=["ALL"], security_opt=["no-new-privileges"],

@@ -21,9 +21,18 @@ chain is named after a hash of its content, created once per network namespace a
 changed, so services with different port lists never rewrite each other's rules. Matching on
 the cgroup rather than the uid leaves every other process of the host alone, whatever its uid.
 
-Not covered: the docker backend (its bridge network is the engine's: the pod's NetworkPolicy
-and the node's metadata protection apply there), and destinations beyond these (the
-internet, other cluster services on other ports): that is the NetworkPolicy's job.
+The docker backend's networked containers get the same policy by their network rather than
+their cgroup (`BridgeEgress`): they sit on a bridge network of their own
+(`docker_backend.NETWORK`), whose subnet is known, and their packets reach this network
+namespace as forwarded (`FORWARD`: to other hosts) or delivered (`INPUT`: to this host's own
+addresses, the bridge's gateway included) rather than sent, so two jumps on the subnet send
+them through the same policy chain. A forwarded packet is never to a local address, a delivered
+one always is: the chain's rules apply to each as they should. This needs root in the network
+namespace the engine's bridge lives in (the service's own, for the podman service `kiln run`
+starts).
+
+Not covered: destinations beyond these (the internet, other cluster services on other
+ports): that is the NetworkPolicy's job.
 """
 from __future__ import annotations
 
@@ -144,3 +153,42 @@ def remove_stale_jumps(cgroup_prefix: str) -> int:
         for tool, args in jumps:
             _run(tool, "-D", "OUTPUT", *args, check=False)
     return len(jumps)
+
+
+class BridgeEgress:
+    """The egress rules of a bridge network's containers, by the network's IPv4 subnet: what
+    they send to this host (`INPUT`) or through it (`FORWARD`) goes through the policy chain.
+    Shared by every container on the network and never removed (like the chain itself), so
+    `ensure` adds the jumps only where they are missing."""
+
+    def __init__(self, subnet: str, extra_ports: tuple[int, ...] = ()) -> None:
+        self.subnet = subnet
+        self.policy = EgressPolicy("", extra_ports)
+        self.chain = self.policy.chain
+        # Conntrack's replies to connections this host opened into a container are no egress
+        # of the container's: they go on; anything it opens goes through the chain.
+        self._jumps = [[hook, "-s", subnet, "-m", "conntrack", "!", "--ctstate",
+                        "ESTABLISHED,RELATED", "-j", self.chain] for hook in ("INPUT", "FORWARD")]
+
+    def ensure(self) -> None:
+        """The jumps, at the top of their chains (before the engine's own ACCEPTs)."""
+        if shutil.which("iptables") is None:
+            raise SandboxError("iptables not found: a docker sandbox with network needs it "
+                               "(install iptables) to keep this host's ports and cloud "
+                               "metadata out of its reach")
+        with _lock:
+            self.policy._ensure_chain("iptables")
+            for jump in self._jumps:
+                if _run("iptables", "-C", *jump, check=False).returncode != 0:
+                    _run("iptables", "-I", *jump)
+
+    def remove(self) -> None:
+        """Delete the jumps (a network about to be removed; tests); idempotent."""
+        with _lock:
+            for jump in self._jumps:
+                while _run("iptables", "-D", *jump, check=False).returncode == 0:
+                    pass
+
+    def installed(self) -> bool:
+        return all(_run("iptables", "-C", *jump, check=False).returncode == 0
+                   for jump in self._jumps)

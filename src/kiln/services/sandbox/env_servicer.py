@@ -27,7 +27,7 @@ class EnvironmentServicer(env_pb2_grpc.EnvironmentServicer):
 
     async def OpenSubtask(self, request, context):
         try:
-            episode = self.manager.open_subtask(
+            episode = await self.manager.open_subtask(
                 request.parent_episode_id, request.role, request.instructions, request.task,
                 owner=request.owner, max_actions=request.max_actions)
         except SubtaskRefused as exc:

@@ -9,9 +9,8 @@ created, and the task set up in it, the first time the episode needs it: an epis
 reads no state) costs no sandbox. `demonstrate` plays the environment's scripted solution for
 SFT, with its tool calls run for real unless the solver knows their outputs.
 
-Task sets come from the job (`spec.tasks`): generated (`generate`, built-in `chain` and `lookup`)
-or read from a JSONL file (`path`, or a cluster's `source` mounted under `tasks_root`; relative
-paths inside resolve against its folder); the environment is built in or a user's plugin (`env: {plugin: "module:Class"}`).
+Task sets come from the job (`spec.tasks`, loaded by `task_sets.py`); a plugin (environment or
+reward) runs in a confined worker process of its own (`plugins.py`), never in the service.
 
 Not covered: gRPC (`env_servicer.py`), tokens and log-probs (rollout).
 """
@@ -19,52 +18,32 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import random
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
 
-from kiln.api.rewards import RewardRules
-from kiln.api.spec import RLJob, TaskSetSpec
-from kiln.api.task_sources import located
-from kiln.env import Environment, Grade, PluginError, Task, ToolResult, load_plugin
+from kiln.api.spec import RLJob
+from kiln.env import Grade, Task, ToolResult
 from kiln.episode import Action, Demonstration, Turn, EpisodeInfo, Message, StepResult, ToolOutput
 from kiln.services.common import metrics
 
 from .config import BubblewrapConfig, DockerConfig, config_from_spec
-from .environments.tasks import builtin_environment
-from .factory import make_sandbox, reap_orphans
+from .factory import config_for, make_sandbox, reap_orphans
 from .interface import Sandbox
-from .latency import LatencyDraws, sleep_command
+from .latency import sleep_command
+from .plugins import PluginEnvironment
 from .rules import apply_rules
+from .task_sets import EpisodeError, TaskSet, load_task_set
 
 log = logging.getLogger(__name__)
-
-
-class EpisodeError(ValueError):
-    """The request names something that does not exist or is not supported; do not retry."""
 
 
 class SubtaskRefused(EpisodeError):
     """The environment cannot make a sub-task of what the orchestrator assigned (its mistake,
     shown to it as an observation)."""
-
-
-@dataclass
-class TaskSet:
-    name: str
-    env_name: str
-    environment: Environment
-    tasks: list[Task]
-    reward_fn: Callable[..., Any] | None = None
-    latency: LatencyDraws | None = None
-    """Extra time per tool call (`toolLatency`), slept in the episode's sandbox."""
-    rules: RewardRules | None = None
-    """Rule-based components added to the grade (`rewardRules`)."""
 
 
 @dataclass
@@ -82,45 +61,6 @@ class _Episode:
     last_used: float = field(default_factory=time.monotonic)
     subtasks: int = 0
     """Sub-tasks opened for this episode's subagents so far."""
-
-
-def load_task_set(spec: TaskSetSpec, base_dir: Path, tasks_root: str | None = None) -> TaskSet:
-    """The task set a job's `spec.tasks` entry names, its environment made. EpisodeError
-    (naming the entry) for anything that cannot load. `tasks_root`: where a cluster's task
-    sources are mounted (`kiln.api.task_sources`)."""
-    where = f"spec.tasks[{spec.name}]"
-    try:
-        spec = located(spec, tasks_root)
-    except ValueError as exc:
-        raise EpisodeError(str(exc)) from None
-    try:
-        if isinstance(spec.env, str):
-            env_cls = builtin_environment(spec.env)
-        else:
-            env_cls = load_plugin(spec.env.plugin, "environment")
-        reward_fn = load_plugin(spec.reward.plugin, "reward") if spec.reward else None
-    except PluginError as exc:
-        raise EpisodeError(f"{where}: {exc}") from None
-    if spec.generate is not None:
-        env = env_cls(base_dir)
-        try:
-            tasks = env.generate_tasks(spec.generate)
-        except ValueError as exc:
-            # A setting the environment cannot hold; retrying will not help.
-            raise EpisodeError(f"{where}.generate: {exc}") from exc
-    else:
-        path = Path(spec.path)
-        path = path if path.is_absolute() else base_dir / path
-        env = env_cls(path.parent)
-        try:
-            records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            tasks = env.load_tasks(records)
-        except (OSError, ValueError) as exc:
-            raise EpisodeError(f"{where}.path: {path}: {exc}") from None
-    if not tasks:
-        raise EpisodeError(f"{where}: no tasks")
-    latency = LatencyDraws(spec.tool_latency) if spec.tool_latency else None
-    return TaskSet(spec.name, spec.env_name, env, tasks, reward_fn, latency, spec.reward_rules)
 
 
 class _LazySandbox:
@@ -164,8 +104,21 @@ class EpisodeManager:
         reaped = reap_orphans(self.config)
         if reaped:
             log.info("reaped %d sandboxes left by a previous run", len(reaped))
-        self.task_sets: dict[str, TaskSet] = {
-            ts.name: load_task_set(ts, base_dir, tasks_root) for ts in job.spec.tasks}
+        self.task_sets: dict[str, TaskSet] = {}
+        try:
+            for ts in job.spec.tasks:
+                self.task_sets[ts.name] = load_task_set(ts, base_dir, tasks_root,
+                                                        confine_plugins=True)
+            # A task naming its own image runs only on the docker backend: refused at start.
+            for ts in self.task_sets.values():
+                for task in ts.tasks:
+                    try:
+                        config_for(self.config, task.image, f"task set {ts.name!r}, task {task.id!r}")
+                    except ValueError as exc:
+                        raise EpisodeError(str(exc)) from None
+        except BaseException:
+            self.close_plugins()
+            raise
         self.default_max_actions = job.spec.rollout.max_turns
         # An episode outlives its deadline plus grading; after that its sandbox is reclaimed.
         self.idle_ttl = idle_ttl or job.spec.rollout.episode_timeout_seconds + 60
@@ -201,8 +154,8 @@ class EpisodeManager:
         messages, tools = self._opening(ts, task)
         return EpisodeInfo(eid, task.id, ts.env_name, messages, tools)
 
-    def open_subtask(self, parent_episode_id: str, role: str, instructions: str, task: str, *,
-                     owner: str = "", max_actions: int = 0) -> EpisodeInfo:
+    async def open_subtask(self, parent_episode_id: str, role: str, instructions: str, task: str,
+                           *, owner: str = "", max_actions: int = 0) -> EpisodeInfo:
         """A subagent's episode (agent swarms): the environment's sub-task of the parent
         episode's task for the text assigned, in its own sandbox, graded by the sub-task's own
         verifier (the task set's custom reward and rules are the orchestrator's, not its)."""
@@ -211,8 +164,12 @@ class EpisodeManager:
             raise EpisodeError(f"episode {parent_episode_id!r} does not exist (closed or expired)")
         ts = parent.task_set
         try:
-            sub = ts.environment.subtask(parent.task, role, instructions, task,
-                                         index=parent.subtasks)
+            if isinstance(ts.environment, PluginEnvironment):
+                sub = await ts.environment.subtask_async(parent.task, role, instructions, task,
+                                                         index=parent.subtasks)
+            else:
+                sub = ts.environment.subtask(parent.task, role, instructions, task,
+                                             index=parent.subtasks)
         except NotImplementedError as exc:
             raise EpisodeError(f"environment {ts.env_name!r}: {exc}") from None
         except ValueError as exc:
@@ -268,7 +225,7 @@ class EpisodeManager:
                                    f"{self.room_timeout_s:g} s (spec.sandbox.maxConcurrent)") from None
         async with self._slots:
             start = time.perf_counter()
-            sandbox = make_sandbox(self.config)
+            sandbox = make_sandbox(config_for(self.config, ep.task.image))
             try:
                 await sandbox.start()
             except Exception:
@@ -336,18 +293,27 @@ class EpisodeManager:
         for eid in list(self._episodes):
             await self.close(eid)
 
+    def close_plugins(self) -> None:
+        """Stop the task sets' plugin workers (at the service's end)."""
+        for ts in self.task_sets.values():
+            if ts.worker is not None:
+                ts.worker.close()
+
     async def demonstrate(self, task_set: str, index: int, seed: int) -> Demonstration:
         """The environment's scripted solution of a task, played for real. EpisodeError if the
         environment has no solver."""
         ts, task = self._lookup(task_set, index)
-        solution = ts.environment.demonstrate(task, random.Random(seed))
+        plugin = isinstance(ts.environment, PluginEnvironment)
+        solution = (await ts.environment.demonstrate_async(task, seed) if plugin else
+                    ts.environment.demonstrate(task, random.Random(seed)))
         if solution is None:
             raise EpisodeError(f"task set {task_set!r}: environment {ts.env_name} has no scripted "
                                "solver (or this task no reference solution) to demonstrate")
         ep = _Episode(uuid.uuid4().hex, ts, task, len(solution) + 1, "demonstration")
         sandbox = _LazySandbox(self, ep)
         answer = None
-        known = ts.environment.grade_demonstration(task, solution)
+        known = (await ts.environment.grade_demonstration_async(task, solution) if plugin else
+                 ts.environment.grade_demonstration(task, solution))
         try:
             for step in solution:
                 turn = Turn(step.content, list(step.tool_calls))

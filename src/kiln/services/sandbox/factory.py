@@ -1,6 +1,8 @@
 """Choosing a backend, and reaping what a killed predecessor left behind.
 
-`make_sandbox` switches on the config's `type` literal ("bubblewrap" | "docker").
+`make_sandbox` switches on the config's `type` literal ("bubblewrap" | "docker"); `config_for`
+gives a task that names its own image the docker backend in that image, and refuses it on
+bubblewrap.
 `reap_orphans` removes every cgroup, workspace, egress rule (`egress.py`) and container named
 `kiln-sbx-<owner>-*`: call it
 when a service starts, so a service killed with SIGKILL and restarted leaves nothing running.
@@ -27,6 +29,22 @@ def make_sandbox(config: BubblewrapConfig | DockerConfig | dict, *, client=None)
         from .docker_backend import DockerSandbox
         return DockerSandbox(config, client=client)
     raise ValueError(f"type: unknown sandbox backend {kind!r} (bubblewrap | docker)")
+
+
+def config_for(config: BubblewrapConfig | DockerConfig, image: str | None,
+               task: str = "task") -> BubblewrapConfig | DockerConfig:
+    """The config a task's sandbox runs with: the docker backend in the task's own `image` (the
+    SWE-bench convention: one image per instance, its repository and dependencies inside);
+    ValueError for bubblewrap, which runs every sandbox on the host's file system and so cannot
+    give a task its image."""
+    if not image:
+        return config
+    if isinstance(config, DockerConfig):
+        return config.model_copy(update={"image": image})
+    raise ValueError(f"{task}: names image {image!r}, which only the docker backend runs "
+                     "(spec.sandbox.backend: docker); the bubblewrap backend runs every task on "
+                     "the host's file system. Use the docker backend, or give the task's "
+                     "repository as `repo` instead of `image`")
 
 
 def leftovers(config: BubblewrapConfig | DockerConfig, client=None) -> list[str]:

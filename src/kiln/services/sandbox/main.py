@@ -57,7 +57,7 @@ async def build(job, args):
     if args.backend and args.backend != config.type:
         config = (DockerConfig if args.backend == "docker" else BubblewrapConfig)(
             owner=owner, limits=config.limits)
-    if job is not None and job.spec.rollout.openai_port and isinstance(config, BubblewrapConfig):
+    if job is not None and job.spec.rollout.openai_port:
         # The job's OpenAI endpoint feeds training: no networked sandbox may call it.
         config = config.model_copy(update={"egress_ports": [job.spec.rollout.openai_port]})
     engine = None
@@ -110,6 +110,7 @@ async def build(job, args):
             reaper.cancel()
         if episodes is not None:
             await episodes.close_all()
+            episodes.close_plugins()
         await manager.close()
         if engine is not None:
             engine.__exit__(None, None, None)

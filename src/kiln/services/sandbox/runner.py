@@ -11,7 +11,7 @@ from pathlib import Path
 from .config import BubblewrapConfig, DockerConfig
 from kiln.env import Grade, Task
 from .environments.tasks import load_taskset, make_environment
-from .factory import make_sandbox
+from .factory import config_for, make_sandbox
 
 
 @dataclass
@@ -29,9 +29,7 @@ async def run_solution(config: BubblewrapConfig | DockerConfig, task: Task, base
                        solution: bytes | None) -> Grade:
     """Set the task up, play `solution` (None: nothing, as an agent that gave up), verify."""
     env = make_environment(task.type, base_dir)
-    if isinstance(config, DockerConfig) and task.image:
-        config = config.model_copy(update={"image": task.image})
-    sandbox = make_sandbox(config)
+    sandbox = make_sandbox(config_for(config, task.image, f"task {task.id}"))
     async with sandbox:
         await env.setup(sandbox, task)
         answer = None

@@ -23,8 +23,8 @@ numbers and emits the architecture check: a syscall made under any other ABI (i3
 syscall tables per architecture; that is exactly what libseccomp maintains.
 
 Not covered: filtering by path or address (seccomp cannot read pointers; the mount namespace
-and the network namespace do that), and loading the filter (bwrap does, with `--seccomp FD`,
-right before it execs the sandboxed command).
+and the network namespace do that). bwrap loads the filter into sandboxed commands
+(`--seccomp FD`, right before it execs them); a plugin worker loads it into itself (`load`).
 """
 from __future__ import annotations
 
@@ -68,6 +68,7 @@ CLONE_NAMESPACE_FLAGS = {
 _ACT_ALLOW = 0x7FFF0000
 _ACT_KILL_PROCESS = 0x80000000
 _FLTATR_ACT_BADARCH = 2
+_FLTATR_CTL_TSYNC = 4
 _CMP_MASKED_EQ = 7
 
 
@@ -97,6 +98,7 @@ def _lib() -> ctypes.CDLL:
                                            ctypes.c_uint, ctypes.POINTER(_ArgCmp)]
     lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.seccomp_export_pfc.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.seccomp_load.argtypes = [ctypes.c_void_p]
     return lib
 
 
@@ -107,26 +109,8 @@ def _check(rc: int, what: str) -> None:
 
 def _build(export: str) -> bytes:
     lib = _lib()
-    ctx = lib.seccomp_init(_ACT_ALLOW)
-    if not ctx:
-        raise SandboxError("libseccomp: seccomp_init failed")
+    ctx = _context(lib)
     try:
-        _check(lib.seccomp_attr_set(ctx, _FLTATR_ACT_BADARCH, _ACT_KILL_PROCESS), "attr_set")
-        eperm = _act_errno(errno.EPERM)
-        for name in DENIED:
-            nr = lib.seccomp_syscall_resolve_name(name.encode())
-            if nr < 0:
-                continue  # not a syscall of this architecture (vm86 on x86_64, ...)
-            _check(lib.seccomp_rule_add_array(ctx, eperm, nr, 0, None), f"rule {name}")
-        clone = lib.seccomp_syscall_resolve_name(b"clone")
-        for flag in CLONE_NAMESPACE_FLAGS.values():
-            cmp = _ArgCmp(0, _CMP_MASKED_EQ, flag, flag)
-            _check(lib.seccomp_rule_add_array(ctx, eperm, clone, 1, ctypes.byref(cmp)),
-                   "rule clone")
-        clone3 = lib.seccomp_syscall_resolve_name(b"clone3")
-        if clone3 >= 0:
-            _check(lib.seccomp_rule_add_array(ctx, _act_errno(errno.ENOSYS), clone3, 0, None),
-                   "rule clone3")
         read, write = os.pipe()
         try:
             # The program is a few hundred bytes: far below a pipe's buffer, so the write
@@ -143,6 +127,47 @@ def _build(export: str) -> bytes:
             os.close(read)
             if write >= 0:
                 os.close(write)
+    finally:
+        lib.seccomp_release(ctx)
+
+
+def _context(lib: ctypes.CDLL) -> int:
+    """A libseccomp filter context holding the deny-list (the caller releases it)."""
+    ctx = lib.seccomp_init(_ACT_ALLOW)
+    if not ctx:
+        raise SandboxError("libseccomp: seccomp_init failed")
+    try:
+        _check(lib.seccomp_attr_set(ctx, _FLTATR_ACT_BADARCH, _ACT_KILL_PROCESS), "attr_set")
+        # Every thread of the caller (a Python process may already run some) gets the filter.
+        _check(lib.seccomp_attr_set(ctx, _FLTATR_CTL_TSYNC, 1), "attr_set tsync")
+        eperm = _act_errno(errno.EPERM)
+        for name in DENIED:
+            nr = lib.seccomp_syscall_resolve_name(name.encode())
+            if nr < 0:
+                continue  # not a syscall of this architecture (vm86 on x86_64, ...)
+            _check(lib.seccomp_rule_add_array(ctx, eperm, nr, 0, None), f"rule {name}")
+        clone = lib.seccomp_syscall_resolve_name(b"clone")
+        for flag in CLONE_NAMESPACE_FLAGS.values():
+            cmp = _ArgCmp(0, _CMP_MASKED_EQ, flag, flag)
+            _check(lib.seccomp_rule_add_array(ctx, eperm, clone, 1, ctypes.byref(cmp)),
+                   "rule clone")
+        clone3 = lib.seccomp_syscall_resolve_name(b"clone3")
+        if clone3 >= 0:
+            _check(lib.seccomp_rule_add_array(ctx, _act_errno(errno.ENOSYS), clone3, 0, None),
+                   "rule clone3")
+    except BaseException:
+        lib.seccomp_release(ctx)
+        raise
+    return ctx
+
+
+def load() -> None:
+    """Put the filter on the calling process itself, for good (with no_new_privs, which
+    libseccomp sets first): what a plugin worker does before it imports any plugin code."""
+    lib = _lib()
+    ctx = _context(lib)
+    try:
+        _check(lib.seccomp_load(ctx), "load")
     finally:
         lib.seccomp_release(ctx)
 

@@ -18,7 +18,14 @@ files load as they are; SWE-bench's `repo` ("owner/name") goes in `repo_name` an
 local repository. With `"test_runner": "pytest"` ids are as `python -m pytest` takes them;
 `pythonpath` folders go on the import path after the standard library.
 
-The repository is checked out on the host and copied into /workspace (with its .git).
+The repository is checked out on the host and copied into /workspace (with its .git). A task
+that names its own `image` (the SWE-bench convention: one image per instance, the repository
+and its dependencies inside, at `repo_path`, /testbed by default) gives no `repo`: the docker
+backend runs it in that image, and the repository is copied from `repo_path` into /workspace.
+That folder must be a clean checkout of `commit` and must not be writable by the sandbox user:
+grading reads the original repository from there, so nothing the agent does may change it
+(both checked at set-up, which refuses the task otherwise). The bubblewrap backend refuses a
+task that names an image (`factory.config_for`).
 
 Tools: `bash`, `view` (a file with line numbers, or a folder's listing), `str_replace` (replace
 one exact, unique occurrence of a string in a file), `create` (a new file), `submit`. The tests
@@ -36,20 +43,23 @@ read from the runner's own report, never from an exit code.
 Reference solution: `{id}.patch`, applied with `git apply`; `gold_patch` in the record (optional)
 is the demonstration SFT imitates.
 
-Not covered: building per-repo images with dependencies (the docker backend takes a task
-`image` for that); test runners other than unittest and pytest.
+Not covered: building the per-instance images (build them with the repository and its
+dependencies, as SWE-bench's harness does); test runners other than unittest and pytest.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import posixpath
+import shlex
 from typing import Literal
 
 from pydantic import Field, model_validator
 
 from kiln.env import AssistantTurn, Grade, SandboxHandle, ToolCall, ToolResult, ToolSpec, string_tool
 from .base import BASH, SUBMIT, TOOL_OUTPUT_CHARS, Environment, Task, kill_leftovers, truncate, unknown_tool
-from .swe_grading import Refused, candidate_diff, checkout_tar, clean_checkout_with
+from .swe_grading import (GIT, HostRepo, ImageRepo, Refused, candidate_diff, checkout_tar,
+                          clean_checkout_with)
 from .verifier import check_pythonpath, run_tests, runner_of_command
 
 VIEW = ToolSpec("view", "Show a file with line numbers (optionally lines start..end), or list a "
@@ -76,7 +86,11 @@ DEFAULT_PROTECTED = [
 
 class SweTask(Task):
     type: Literal["swe"] = "swe"
-    repo: str = Field(min_length=1)
+    repo: str = ""
+    """A git folder or `git bundle` on the service's host, relative to the task file; empty
+    for a task whose `image` holds the repository."""
+    repo_path: str = "/testbed"
+    """With `image`: the repository's folder inside the image (SWE-bench's images: /testbed)."""
     commit: str = Field(min_length=1)
     problem_statement: str = Field(min_length=1)
     fail_to_pass: list[str] = Field(min_length=1)
@@ -127,6 +141,21 @@ class SweTask(Task):
                 data.setdefault("meta", {})
                 data["meta"] = {**data["meta"], extra: data.pop(extra)}
         return data
+
+    @model_validator(mode="after")
+    def _repository(self) -> "SweTask":
+        if self.image and self.repo:
+            raise ValueError("repo and image: give the repository one way, `repo` (a git folder "
+                             "or bundle on the host) or `image` (holding it at repo_path); a "
+                             "SWE-bench `repo` (owner/name) goes in repo_name")
+        if not self.image and not self.repo:
+            raise ValueError("repo: required (a git folder or bundle, relative to the task "
+                             "file), unless the task's image holds the repository")
+        path = posixpath.normpath(self.repo_path)
+        if not self.repo_path.startswith("/") or path == "/" or ".." in self.repo_path.split("/"):
+            raise ValueError(f"repo_path: {self.repo_path!r} must be an absolute folder of the "
+                             "image, not / and without '..'")
+        return self
 
     @model_validator(mode="after")
     def _gradable(self) -> "SweTask":
@@ -221,7 +250,15 @@ class SweEnvironment(Environment):
     def _patterns(self, task: SweTask) -> list[str]:
         return DEFAULT_PROTECTED + list(task.test_files)
 
+    def _original(self, task: SweTask) -> HostRepo | ImageRepo:
+        if task.image:
+            return ImageRepo(task.repo_path)
+        return HostRepo(self.resolve(task.repo), task.commit)
+
     async def setup(self, sandbox: SandboxHandle, task: SweTask) -> None:
+        if task.image:
+            await self._setup_from_image(sandbox, task)
+            return
         tar = await asyncio.to_thread(checkout_tar, self.resolve(task.repo), task.commit)
         await sandbox.write_file(".kiln-repo.tar", tar)
         res = await sandbox.exec("tar -xf .kiln-repo.tar --no-same-owner && rm .kiln-repo.tar",
@@ -229,16 +266,47 @@ class SweEnvironment(Environment):
         if not res.ok:
             raise RuntimeError(f"task {task.id}: unpacking the repo failed: {res.stderr[-2000:]}")
 
+    async def _setup_from_image(self, sandbox: SandboxHandle, task: SweTask) -> None:
+        """Copy the image's repository into the workspace, after checking that it is the
+        original grading may rely on: not writable by the sandbox user, a clean checkout of
+        the task's commit."""
+        where = f"task {task.id}: {task.repo_path} in image {task.image}"
+        path = shlex.quote(task.repo_path)
+        res = await sandbox.exec(f"test -d {path} && find {path} -writable -print -quit",
+                                 timeout=task.timeout_seconds)
+        if not res.ok:
+            raise RuntimeError(f"{where}: no such folder (repo_path): {res.stderr[-500:]}")
+        if res.stdout.strip():
+            raise RuntimeError(f"{where} is writable by the sandbox user "
+                               f"({res.stdout.strip()}): grading reads the original repository "
+                               "from there, so the agent must not be able to change it; make "
+                               "it owned by root and not writable by others in the image")
+        res = await sandbox.exec(f"tar -cf - -C {path} . | tar -xf - --no-same-owner && "
+                                 f"{GIT} rev-parse HEAD && "
+                                 f"{GIT} rev-parse --verify -q {shlex.quote(task.commit)}^{{commit}} && "
+                                 f"{GIT} status --porcelain", timeout=task.timeout_seconds)
+        lines = res.stdout.splitlines()
+        if not res.ok or len(lines) < 2:
+            raise RuntimeError(f"{where}: copying it, or finding commit {task.commit} in it, "
+                               f"failed: {res.stderr[-2000:]}")
+        if lines[0] != lines[1]:
+            raise RuntimeError(f"{where}: its HEAD is {lines[0]}, not the task's commit "
+                               f"{task.commit}")
+        if lines[2:]:
+            raise RuntimeError(f"{where}: not a clean checkout of {task.commit} (git status: "
+                               f"{'; '.join(lines[2:7])}): the agent's diff is taken against "
+                               "the commit")
+
     def runner(self, task: SweTask) -> str:
         return "pytest" if task.test_runner == "pytest" else runner_of_command(task.test_command)
 
     async def grade(self, sandbox: SandboxHandle, task: SweTask, answer: str | None = None
                     ) -> Grade:
         await kill_leftovers(sandbox)
-        repo, patterns = self.resolve(task.repo), self._patterns(task)
+        original, patterns = self._original(task), self._patterns(task)
         try:
-            diff = await candidate_diff(sandbox, repo, task.commit, task.timeout_seconds)
-            await clean_checkout_with(sandbox, repo, task.commit, diff, patterns,
+            diff = await candidate_diff(sandbox, original, task.commit, task.timeout_seconds)
+            await clean_checkout_with(sandbox, original, task.commit, diff, patterns,
                                       task.timeout_seconds)
         except Refused as exc:
             return Grade(0.0, parts={"f2p": 0.0, "p2p": 0.0}, output=str(exc)[-8000:],

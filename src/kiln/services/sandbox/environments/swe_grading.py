@@ -4,9 +4,10 @@ The workspace the agent leaves is not trusted in any part, its `.git` included (
 a moved HEAD, a rewritten index), so:
 
 1. every process the agent left is killed;
-2. the candidate's diff is taken against the task's commit with a git folder copied from a
-   fresh clone (`--git-dir`), with no user or system config: only the working tree is read;
-3. the workspace is emptied and a fresh checkout of the commit unpacked into it;
+2. the candidate's diff is taken against the task's commit with a git folder copied from the
+   original repository (`--git-dir`), with no user or system config: only the working tree is
+   read;
+3. the workspace is emptied and the original repository unpacked into it;
 4. the diff is applied there (`git apply`, which itself refuses paths outside the tree and
    writes beyond symlinks), and git lists what it changed. A change to a protected path (tests,
    conftest.py, runner shadows, .pth files, ini files) refuses the candidate (reward 0, flag
@@ -14,6 +15,11 @@ a moved HEAD, a rewritten index), so:
    files and the harness are therefore exactly the task's version when the tests run;
 5. the task's `test_patch` is applied, and the tests run through `verifier.py` (`python3 -I`,
    outcomes from the runner's own report).
+
+The original repository is a fresh checkout of the commit from the repository on the service's
+host (`HostRepo`), or, for a task run in its own image, the repository inside that image
+(`ImageRepo`), which the sandbox user cannot write (checked when the task is set up), so that
+nothing the agent did reaches it.
 
 Not covered: files the repository's `.gitignore` hides are not part of the diff (as in
 SWE-bench, whose candidates are diffs): such files never reach the graded checkout.
@@ -24,6 +30,7 @@ import asyncio
 import fnmatch
 import io
 import posixpath
+import shlex
 import subprocess
 import tarfile
 import tempfile
@@ -118,11 +125,37 @@ async def _sh(sandbox: SandboxHandle, cmd: str, timeout: float, what: str) -> st
     return res.stdout
 
 
-async def candidate_diff(sandbox: SandboxHandle, repo: Path, commit: str, timeout: float) -> bytes:
+@dataclass
+class HostRepo:
+    """The original repository: a fresh checkout of `commit` from `repo` on this host."""
+
+    repo: Path
+    commit: str
+
+    async def put(self, sandbox: SandboxHandle, dest: str, timeout: float) -> None:
+        """A tar of it at `dest` in the sandbox's workspace."""
+        tar = await asyncio.to_thread(checkout_tar, self.repo, self.commit)
+        await sandbox.write_file(dest, tar)
+
+
+@dataclass
+class ImageRepo:
+    """The original repository: the folder `path` of the sandbox's image, which the sandbox
+    user cannot write."""
+
+    path: str
+
+    async def put(self, sandbox: SandboxHandle, dest: str, timeout: float) -> None:
+        await _sh(sandbox, f"mkdir -p {shlex.quote(posixpath.dirname(dest))} && tar -cf "
+                  f"{shlex.quote(dest)} -C {shlex.quote(self.path)} .", timeout,
+                  "copying the image's repository")
+
+
+async def candidate_diff(sandbox: SandboxHandle, original: HostRepo | ImageRepo, commit: str,
+                         timeout: float) -> bytes:
     """The agent's changes against `commit`, read with a trusted git folder."""
-    tar = await asyncio.to_thread(checkout_tar, repo, commit)
     await sandbox.exec(["rm", "-rf", GRADE_DIR], timeout=30)
-    await sandbox.write_file(f"{GRADE_DIR}/repo.tar", tar)
+    await original.put(sandbox, f"{GRADE_DIR}/repo.tar", timeout)
     git = f"{GIT} --git-dir={GRADE_DIR}/clean/.git --work-tree=."
     await _sh(sandbox, f"mkdir {GRADE_DIR}/clean && tar -xf {GRADE_DIR}/repo.tar -C "
               f"{GRADE_DIR}/clean --no-same-owner && rm {GRADE_DIR}/repo.tar && "
@@ -138,15 +171,15 @@ async def candidate_diff(sandbox: SandboxHandle, repo: Path, commit: str, timeou
     return diff
 
 
-async def clean_checkout_with(sandbox: SandboxHandle, repo: Path, commit: str, diff: bytes,
-                              patterns: list[str], timeout: float) -> list[Change]:
-    """Empty the workspace, unpack a fresh checkout of `commit`, apply `diff`; the changes it
-    made. Refused when it touches a protected path or links into one."""
-    tar = await asyncio.to_thread(checkout_tar, repo, commit)
+async def clean_checkout_with(sandbox: SandboxHandle, original: HostRepo | ImageRepo,
+                              commit: str, diff: bytes, patterns: list[str],
+                              timeout: float) -> list[Change]:
+    """Empty the workspace, unpack the original repository at `commit`, apply `diff`; the
+    changes it made. Refused when it touches a protected path or links into one."""
     # u+rwX first: a folder the agent made unreadable would otherwise survive `rm -rf`.
     await _sh(sandbox, "chmod -R u+rwX . 2>/dev/null; find . -mindepth 1 -maxdepth 1 "
               "-exec rm -rf -- {} + && test -z \"$(ls -A)\"", timeout, "emptying the workspace")
-    await sandbox.write_file(f"{GRADE_DIR}/repo.tar", tar)
+    await original.put(sandbox, f"{GRADE_DIR}/repo.tar", timeout)
     await sandbox.write_file(f"{GRADE_DIR}/candidate.patch", diff)
     await _sh(sandbox, f"tar -xf {GRADE_DIR}/repo.tar --no-same-owner && rm {GRADE_DIR}/repo.tar",
               timeout, "unpacking the clean checkout")
