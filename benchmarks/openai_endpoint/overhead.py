@@ -10,8 +10,11 @@ tests/helpers/toolcall_model.py, tool outputs scripted) on one vLLM engine:
   call.
 - http: the same requests as plain JSON with aiohttp, which isolates the endpoint from the
   `openai` client's own cost (that client runs in this process, on the same cores).
-Prints one line per path (wall time, calls, mean and p50/p99 latency of a call) and the
-overhead per call of each against the baseline: (mean - baseline mean) / baseline mean. Both
+Prints one line per path (wall time, calls, this process's CPU time per call, mean and p50/p99
+latency of a call) and the overhead per call of each against the baseline: (mean - baseline
+mean) / baseline mean, and the endpoint's CPU time per call over the baseline's (what the
+endpoint and its client cost, which the machine's load hardly moves; latency on a loaded
+machine is mostly waiting for a core), with the load average at the end. Both
 endpoint paths authenticate every call (`Authorization: Bearer`) and open each episode with
 `POST /v1/kiln/episodes` first, as a scaffold must; the last line also gives the cost of the
 key check alone: `GET /v1/models` (authenticated) against `GET /healthz` (not), sequentially.
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -76,9 +80,13 @@ class ScriptEnv:
         pass
 
 
-def summary(name: str, wall: float, lat: list[float]) -> dict:
+def summary(name: str, wall: float, lat: list[float], cpu: float) -> dict:
+    """`cpu`: this process's CPU seconds over the run (server, client and the engine's front
+    end; the engine core is a process of its own): per call it barely moves with the machine's
+    load, where latency on a loaded machine is mostly waiting for a core."""
     s = sorted(lat)
     return {"path": name, "wall_s": round(wall, 2), "calls": len(lat),
+            "cpu_ms_per_call": round(cpu / len(lat) * 1000, 2),
             "mean_ms": round(statistics.fmean(lat) * 1000, 1),
             "p50_ms": round(s[len(s) // 2] * 1000, 1), "p99_ms": round(s[int(0.99 * (len(s) - 1))] * 1000, 1)}
 
@@ -86,13 +94,13 @@ def summary(name: str, wall: float, lat: list[float]) -> dict:
 async def baseline(engine, fmt, episodes: int) -> dict:
     lat: list[float] = []
     env = ScriptEnv(lat)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     await asyncio.gather(*[run_episode(engine, env, fmt, task_set="t", index=0,
                                        sampling=SamplingOptions(max_tokens=40),
                                        limits=Limits(max_turns=TURNS, max_tokens_per_turn=40,
                                                      max_total_tokens=400))
                            for _ in range(episodes)])
-    return summary("baseline (agent loop)", time.perf_counter() - t0, lat)
+    return summary("baseline (agent loop)", time.perf_counter() - t0, lat, time.process_time() - c0)
 
 
 async def via_http(base: str, episodes: int, tag: str) -> dict:
@@ -124,9 +132,10 @@ async def via_http(base: str, episodes: int, tag: str) -> dict:
             async with http.post(f"{base}/kiln/episodes/{eid}/reward", json={"reward": 1.0}):
                 pass
 
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         await asyncio.gather(*[one(k) for k in range(episodes)])
-    return summary("http endpoint (aiohttp client)", time.perf_counter() - t0, lat)
+    return summary("http endpoint (aiohttp client)", time.perf_counter() - t0, lat,
+                   time.process_time() - c0)
 
 
 async def via_openai(base: str, episodes: int, tag: str) -> dict:
@@ -152,9 +161,9 @@ async def via_openai(base: str, episodes: int, tag: str) -> dict:
                              for c in msg.tool_calls]
             await http.post(f"{base}/kiln/episodes/{eid}/reward", json={"reward": 1.0})
 
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         await asyncio.gather(*[one(k) for k in range(episodes)])
-    return summary("openai endpoint", time.perf_counter() - t0, lat)
+    return summary("openai endpoint", time.perf_counter() - t0, lat, time.process_time() - c0)
 
 
 async def main_async(args) -> list[dict]:
@@ -190,8 +199,14 @@ async def main_async(args) -> list[dict]:
     b = statistics.fmean(r["mean_ms"] for r in rows if r["path"].startswith("baseline"))
     o = statistics.fmean(r["mean_ms"] for r in rows if r["path"].startswith("openai"))
     h = statistics.fmean(r["mean_ms"] for r in rows if r["path"].startswith("http"))
+    bc = statistics.fmean(r["cpu_ms_per_call"] for r in rows if r["path"].startswith("baseline"))
+    hc = statistics.fmean(r["cpu_ms_per_call"] for r in rows if r["path"].startswith("http"))
     print(json.dumps({"episodes": args.episodes, "baseline_mean_ms": round(b, 1),
                       "http_mean_ms": round(h, 1), "http_overhead": round((h - b) / b, 3),
+                      "baseline_cpu_ms_per_call": round(bc, 2),
+                      "http_cpu_ms_per_call": round(hc, 2),
+                      "http_cpu_overhead_ms_per_call": round(hc - bc, 2),
+                      "load_average": [round(x, 2) for x in os.getloadavg()],
                       "openai_client_mean_ms": round(o, 1), "openai_client_overhead": round((o - b) / b, 3),
                       "trajectories": len(stored), "key_check_us_per_call": auth_us}))
     return rows

@@ -85,11 +85,14 @@ class StepMetrics:
         "fraction", "Fraction of trained tokens masked by IcePop", "kiln_icepop_mask_fraction",
         rl_only=True)
     ratio_only_frac: float | None = _step(
-        "fraction", "Fraction of trained tokens masked by the ratio mask alone", rl_only=True)
+        "fraction", "Fraction of trained tokens masked by the ratio mask alone",
+        "kiln_ratio_only_mask_fraction", rl_only=True)
     icepop_only_frac: float | None = _step(
-        "fraction", "Fraction of trained tokens masked by IcePop alone", rl_only=True)
+        "fraction", "Fraction of trained tokens masked by IcePop alone",
+        "kiln_icepop_only_mask_fraction", rl_only=True)
     both_masked_frac: float | None = _step(
-        "fraction", "Fraction of trained tokens masked by both masks", rl_only=True)
+        "fraction", "Fraction of trained tokens masked by both masks", "kiln_both_masks_fraction",
+        rl_only=True)
     kept_frac: float | None = _step(
         "fraction", "Fraction of trained tokens that carry gradient", rl_only=True)
     ratio_mean: float | None = _step(
@@ -101,10 +104,11 @@ class StepMetrics:
         "nats", "KL(inference || train) estimate over trained tokens",
         "kiln_logprob_mismatch_kl", rl_only=True)
     kl_ref: float | None = _step(
-        "nats", "KL(policy || reference) estimate per trained token (rl.klCoef)", rl_only=True)
+        "nats", "KL(policy || reference) estimate per trained token (rl.klCoef)", "kiln_kl_ref",
+        rl_only=True)
     dense_kl: float | None = _step(
         "nats", "Forward KL from the teacher's top k per trained token (dense distillation)",
-        rl_only=True)
+        "kiln_dense_kl", rl_only=True)
     routing_flip_frac: float | None = _step(
         "fraction", "MoE: fraction of (token, layer) pairs of the last step whose trainer top-k "
         "differs from the experts rollout recorded (replayed or not); measured in supervised "
@@ -112,10 +116,10 @@ class StepMetrics:
     routing_straddle_frac: float | None = _step(
         "fraction", "MoE with routing replayed: fraction of trained tokens left out of the loss "
         "because the weights changed inside their generation, so the routing recorded for them "
-        "is a newer version's", rl_only=True)
+        "is a newer version's", "kiln_moe_routing_straddle_fraction", rl_only=True)
     correction_mask_frac: float | None = _step(
         "fraction", "Fraction of trained tokens dropped by the rollout correction's mask "
-        "(rl.correction)", rl_only=True)
+        "(rl.correction)", "kiln_correction_mask_fraction", rl_only=True)
     correction_weight_mean: float | None = _step(
         "ratio", "Mean rollout-correction weight of the tokens it kept (rl.correction)",
         rl_only=True)
@@ -180,8 +184,9 @@ SERIES: dict[str, Metric] = {m.name: m for m in (
     _S("trajectory_staleness", "versions", "Trainer version minus the oldest policy version of a "
        "trajectory, when served for training", "kiln_trajectory_staleness", "histogram",
        buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32)),
-    _S("freshness_tau", "versions", "The freshness bound tau the buffer applies (absent: no "
-       "bound)", "kiln_freshness_tau"),
+    _S("freshness_tau", "versions", "The freshness bound tau of the running RL stage, as the "
+       "trainer configures the buffer with it (absent in supervised stages: no bound)",
+       "kiln_freshness_tau", labels=("stage",)),
     _S("dropped_stale", "trajectories", "Trajectories dropped by freshness control (tau)",
        "kiln_trajectories_dropped_stale_total", "counter"),
     # --- trainer
@@ -289,6 +294,14 @@ PASS_AT_K = Metric("pass_at_k", "fraction", "Held-out pass@k: the chance that on
                    "attempts at a task succeeds, estimated without bias from eval.samples "
                    "attempts (kiln.evaluation); tracked as eval/<task set>/pass_at_k/<k>")
 """An evaluation's pass@k, one value per k (1, 2, 4, ... up to its samples per task)."""
+
+PROGRESS: dict[str, Metric] = {m.name: m for m in (
+    Metric("stage_index", "stages", "Position of the running stage in spec.stages (0-based)"),
+    Metric("stage_step", "steps", "Optimizer steps the running stage has taken"),
+    Metric("steps_left", "steps", "Optimizer steps left in the job: the running stage's and "
+           "every later stage's"),
+)}
+"""The job's progress as the stage driver tracks it (`progress/<name>`), every poll."""
 
 
 def series_metric(series: str) -> Metric:

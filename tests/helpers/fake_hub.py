@@ -1,7 +1,9 @@
 """A local stand-in for the Hugging Face Hub: the part of its HTTP API that huggingface_hub's
 downloads use (repository info, the file tree, and `resolve` with HEAD, GET and Range), served
 from a folder, so that tests download through the real client (HF_ENDPOINT) and never reach the
-internet.
+internet. Dataset repositories (`datasets`) are served under the Hub's dataset routes
+(`/api/datasets/...`, `/datasets/<id>/resolve/...`, and the `paths-info` POST), which the
+`datasets` library reads through huggingface_hub's file system.
 
 Files are plain or "LFS" (every *.safetensors file), with the Hub's checksums: a git blob sha1
 for each file, and a sha256 for LFS files. A repository may be gated (only `token` is let in),
@@ -14,8 +16,8 @@ import json
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
-from urllib.parse import unquote, urlparse
+from pathlib import Path, PurePosixPath
+from urllib.parse import parse_qs, unquote, urlparse
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -46,6 +48,8 @@ class FakeHub:
     """Every file GET (path in the repository), in order, with its Range header if any."""
     corrupt: dict[str, bytes] = field(default_factory=dict)
     """Files served with other bytes than the checksums say (a bad mirror, a flipped bit)."""
+    datasets: dict[str, Repo] = field(default_factory=dict)
+    """Dataset repositories, by id."""
 
     def start(self) -> str:
         hub = self
@@ -59,6 +63,25 @@ class FakeHub:
 
             def do_GET(self) -> None:  # noqa: N802
                 self._serve(body=True)
+
+            def do_POST(self) -> None:  # noqa: N802
+                # /api/datasets/{owner}/{name}/paths-info/{revision}: the entries of the paths
+                # named in the form body (which files exist, and their checksums).
+                url = urlparse(self.path)
+                parts = [unquote(p) for p in url.path.strip("/").split("/")]
+                length = int(self.headers.get("Content-Length") or 0)
+                form = parse_qs(self.rfile.read(length).decode())
+                if parts[:2] != ["api", "datasets"] or parts[4:5] != ["paths-info"]:
+                    self._error(404, "EntryNotFound", self.path)
+                    return
+                repo = self._repo("/".join(parts[2:4]), hub.datasets)
+                if repo is None:
+                    return
+                files, wanted = repo.files(), form.get("paths", [])
+                folders = {str(PurePosixPath(f).parent) for f in files}
+                self._json([_tree_entry(p, files[p]) for p in wanted if p in files]
+                           + [{"type": "directory", "path": p, "oid": COMMIT}
+                              for p in wanted if p in folders])
 
             def _json(self, obj) -> None:
                 data = json.dumps(obj).encode()
@@ -79,8 +102,8 @@ class FakeHub:
                 if self.command != "HEAD":
                     self.wfile.write(data)
 
-            def _repo(self, repo_id: str) -> Repo | None:
-                repo = hub.repos.get(repo_id)
+            def _repo(self, repo_id: str, repos: dict[str, Repo] | None = None) -> Repo | None:
+                repo = (hub.repos if repos is None else repos).get(repo_id)
                 if repo is None:
                     self._error(404, "RepoNotFound", f"Repository {repo_id} not found")
                     return None
@@ -92,9 +115,14 @@ class FakeHub:
             def _serve(self, body: bool) -> None:
                 url = urlparse(self.path)
                 parts = [unquote(p) for p in url.path.strip("/").split("/")]
+                repos = hub.repos
+                if parts[:2] == ["api", "datasets"]:
+                    parts, repos = ["api", "models", *parts[2:]], hub.datasets
+                elif parts[:1] == ["datasets"]:
+                    parts, repos = parts[1:], hub.datasets
                 if parts[:2] == ["api", "models"] and len(parts) >= 4:
                     repo_id = "/".join(parts[2:4])
-                    repo = self._repo(repo_id)
+                    repo = self._repo(repo_id, repos)
                     if repo is None:
                         return
                     rest = parts[4:]
@@ -106,14 +134,17 @@ class FakeHub:
                                     "private": False, "siblings": [{"rfilename": f} for f in repo.files()]})
                         return
                     if rest[:1] == ["tree"]:
-                        self._json([_tree_entry(path, data) for path, data in repo.files().items()])
+                        # tree/{revision}[/{folder}]: the folder's entries (all, with ?recursive)
+                        folder = "/".join(rest[2:])
+                        recursive = "recursive" in parse_qs(url.query)
+                        self._json(_listing(repo.files(), folder, recursive))
                         return
                     self._error(404, "EntryNotFound", self.path)
                     return
                 # /{owner}/{name}/resolve/{revision}/{path...}
                 if len(parts) >= 5 and parts[2] == "resolve":
                     repo_id, rev, path = "/".join(parts[:2]), parts[3], "/".join(parts[4:])
-                    repo = self._repo(repo_id)
+                    repo = self._repo(repo_id, repos)
                     if repo is None:
                         return
                     files = repo.files()
@@ -163,3 +194,19 @@ def _tree_entry(path: str, data: bytes) -> dict:
         entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data),
                         "pointerSize": 134}
     return entry
+
+
+def _listing(files: dict[str, bytes], folder: str, recursive: bool) -> list[dict]:
+    """A `tree` answer: the files and folders under `folder` ("" for the root)."""
+    prefix = f"{folder}/" if folder else ""
+    out, folders = [], set()
+    for path, data in files.items():
+        if not path.startswith(prefix):
+            continue
+        rest = path[len(prefix):].split("/")
+        for depth in range(1, len(rest)):
+            if recursive or depth == 1:
+                folders.add(prefix + "/".join(rest[:depth]))
+        if recursive or len(rest) == 1:
+            out.append(_tree_entry(path, data))
+    return [{"type": "directory", "path": f, "oid": COMMIT} for f in sorted(folders)] + out

@@ -75,6 +75,15 @@ def _buckets(name: str, labels: dict[str, str], bounds: list[str], hot: str,
 
 BAD = {"namespace": "team-a", "rljob": "drifting"}
 GOOD = {"namespace": "team-a", "rljob": "healthy"}
+# As stale as BAD, but its stage allows twice the lag: the staleness alert is relative to tau.
+LOOSE = {"namespace": "team-a", "rljob": "loose-tau"}
+# Strictly on-policy (tau 0): everything served is fresh, nothing is "close" to the bound.
+ON_POLICY = {"namespace": "team-a", "rljob": "on-policy"}
+# A supervised stage: no tau series at all.
+SFT = {"namespace": "team-a", "rljob": "sft"}
+# As stale as BAD throughout; its second stage (from minute 18) has tau 4 where the first had 8.
+RETUNED = {"namespace": "team-a", "rljob": "retuned"}
+RUNBOOKS = "https://kiln.dev/docs/guides/troubleshooting/"
 STALENESS_LE = ["0", "1", "2", "3", "4", "6", "8", "12", "16", "32", "+Inf"]
 SYNC_LE = ["0.01", "0.05", "0.1", "0.25", "0.5", "1", "2", "5", "10", "30", "60", "+Inf"]
 
@@ -88,6 +97,17 @@ def test_alert_rules_fire_for_the_drifting_job_only(rules_file: Path) -> None:
     series = [
         *_buckets("kiln_trajectory_staleness", BAD, STALENESS_LE, "4"),
         *_buckets("kiln_trajectory_staleness", GOOD, STALENESS_LE, "1"),
+        *_buckets("kiln_trajectory_staleness", LOOSE, STALENESS_LE, "4"),
+        *_buckets("kiln_trajectory_staleness", ON_POLICY, STALENESS_LE, "0"),
+        *_buckets("kiln_trajectory_staleness", SFT, STALENESS_LE, "4"),
+        # p90 staleness is 3.9 for BAD and LOOSE: at or above 0.75 * 4, below 0.75 * 8.
+        _series("kiln_freshness_tau", {**BAD, "stage": "rl"}, "4x40"),
+        _series("kiln_freshness_tau", {**GOOD, "stage": "rl"}, "4x40"),
+        _series("kiln_freshness_tau", {**LOOSE, "stage": "rl"}, "8x40"),
+        _series("kiln_freshness_tau", {**ON_POLICY, "stage": "rl"}, "0x40"),
+        *_buckets("kiln_trajectory_staleness", RETUNED, STALENESS_LE, "4"),
+        _series("kiln_freshness_tau", {**RETUNED, "stage": "explore"}, "8x17 stale"),
+        _series("kiln_freshness_tau", {**RETUNED, "stage": "exploit"}, "_x18 4x22"),
         _series("kiln_trajectories_dropped_stale_total", BAD, "0+5x40"),
         _series("kiln_trajectories_accepted_total", BAD, "0+20x40"),
         _series("kiln_trajectories_dropped_stale_total", GOOD, "0x40"),
@@ -135,15 +155,22 @@ def test_alert_rules_fire_for_the_drifting_job_only(rules_file: Path) -> None:
     cases[2]["exp_alerts"][0]["exp_annotations"] = {
         "summary": "The ratio mask drops many tokens in RLJob team-a/drifting",
         "description": "35% of trained tokens fall outside [1 - epsLow, 1 + epsHigh]; the policy "
-                       "moves far from the one that generated the data."}
+                       "moves far from the one that generated the data.",
+        "runbook_url": RUNBOOKS + "#kilnratiomaskfractionhigh"}
     # Not yet: conditions must hold for `for` (10m) first.
     cases += [{"eval_time": "5m", "alertname": a, "exp_alerts": []} for a in alerts]
     cases.append(_alert("KilnTrainingStalled", "30m", BAD, severity="critical"))
     cases[-1]["exp_alerts"][0]["exp_annotations"] = {
         "summary": "RLJob team-a/drifting has stopped training",
         "description": "The trainer is up but took no optimizer step in 15 minutes; check the "
-                       "buffer depth and the rollout and sandbox services."}
+                       "buffer depth and the rollout and sandbox services.",
+        "runbook_url": RUNBOOKS + "#kilntrainingstalled"}
     cases.append({"eval_time": "10m", "alertname": "KilnTrainingStalled", "exp_alerts": []})
+    # The retuned job's alert follows its new stage's tau: pending from minute 18 (so not at
+    # 25 above), firing 10 minutes later.
+    cases.append({"eval_time": "32m", "alertname": "KilnStalenessNearTau", "exp_alerts": [
+        {"exp_labels": {"severity": "warning", **BAD}},
+        {"exp_labels": {"severity": "warning", **RETUNED}}]})
     cases.append({"eval_time": "10m", "alertname": "KilnBufferWriteFailing", "exp_alerts": [
         {"exp_labels": {"severity": "critical", "errno": "ENOSPC", **BAD}}]})
     cases.append({"eval_time": "25m", "alertname": "KilnCallersRefused", "exp_alerts": [
@@ -205,7 +232,10 @@ def test_dashboard_covers_the_drift_metrics() -> None:
                    metrics.SYNC_SECONDS, metrics.BUFFER_DEPTH, metrics.ROLLOUT_TOKENS,
                    metrics.SANDBOX_START_SECONDS, metrics.SANDBOX_FAILURES, metrics.REWARD_MEAN,
                    metrics.ROUTING_FLIP_FRACTION, metrics.SWARM_SUBAGENTS,
-                   metrics.SWARM_CRITICAL_PATH, metrics.SWARM_TOTAL_STEPS):
+                   metrics.SWARM_CRITICAL_PATH, metrics.SWARM_TOTAL_STEPS, metrics.FRESHNESS_TAU,
+                   metrics.RATIO_ONLY_MASK_FRACTION, metrics.ICEPOP_ONLY_MASK_FRACTION,
+                   metrics.BOTH_MASKS_FRACTION, metrics.KL_REF, metrics.DENSE_KL,
+                   metrics.TEACHER_SCORE_SECONDS, metrics.REWARD_MODEL_SECONDS):
         assert metric._name in exprs, metric._name
     known = {m._name for m in vars(metrics).values() if hasattr(m, "_name")}
     used = set(re.findall(r"\bkiln_[a-z_]+", exprs))
@@ -258,6 +288,22 @@ EXPORTER = textwrap.dedent("""
         m.SWARM_SUBAGENTS.observe(i % 5)
         m.SWARM_CRITICAL_PATH.observe(9)
         m.SWARM_TOTAL_STEPS.observe(17)
+        m.FRESHNESS_TAU.labels("rl").set(4)
+        m.RATIO_ONLY_MASK_FRACTION.set(0.03)
+        m.ICEPOP_ONLY_MASK_FRACTION.set(0.005)
+        m.BOTH_MASKS_FRACTION.set(0.005)
+        m.CORRECTION_MASK_FRACTION.set(0.01)
+        m.KL_REF.set(0.02)
+        m.DENSE_KL.set(0.3)
+        m.ROUTING_FLIP_FRACTION.set(0.04)
+        m.ROUTING_STRADDLE_FRACTION.set(0.001)
+        m.GRAD_NORM.set(1.5)
+        m.BUFFER_LEASED.set(16)
+        m.BATCHES_REDELIVERED.inc(0)
+        m.TEACHER_SCORE_SECONDS.observe(0.4)
+        m.REWARD_MODEL_SECONDS.observe(1.2)
+        m.TEACHER_SCORED_TOKENS.inc(300)
+        m.JUDGE_UNPARSED.inc(0)
 
     server, _ = start_http_server(0, addr="127.0.0.1")
     print(server.server_port, flush=True)

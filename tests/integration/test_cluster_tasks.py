@@ -82,6 +82,8 @@ def test_cluster_tasks_example_trains_from_a_configmap_and_writes_its_model_out(
         summary = json.loads((output / "summary.json").read_text())
         assert set(summary["stages"]) == {"sft", "rl"} and summary["final_stage"] == "rl"
         assert summary["stages"]["rl"]["steps"] == 2
+        # Beside it the trainer's report of the steps: the loss over both stages and more.
+        assert {"loss.png", "reward.png", "staleness.png"} <= {p.name for p in (output / "report").iterdir()}
         exported = tmp_path / "model"
         subprocess.run([str(KILN), "export", str(output), "--out", str(exported)], check=True,
                        timeout=120)

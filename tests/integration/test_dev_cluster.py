@@ -146,6 +146,15 @@ def test_applied_job_trains_to_the_end_through_operator_restart_and_child_deleti
         assert distilled and all(
             all(v < 0 for v, m in zip(t["teacher_logp"], t["loss_mask"]) if m) for t in distilled)
         assert all(not t["teacher_logp"] for t in kept if t["stage"] != "distil")
+
+        # The operator's driver tracked the job as `kiln run`'s does (both operator processes,
+        # before and after the kill): the two evaluations and the progress to the last step.
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        tracked = EventAccumulator(str(cluster / "tracking" / "default" / "dc" / "driver"))
+        tracked.Reload()
+        assert len(tracked.Scalars("eval/chain-heldout/greedy_success")) == 2
+        assert tracked.Scalars("progress/steps_left")[-1].value == 0
     finally:
         subprocess.run([str(KILN), "dev-cluster", "down", str(cluster)], timeout=180)
     # Nothing stays behind: the agent, the operator and every pod process are gone.

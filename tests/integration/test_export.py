@@ -88,10 +88,10 @@ def test_export_of_an_earlier_step_and_clear_errors(run_dir, tmp_path):
     b = load_file(str(tmp_path / "s3" / "model.safetensors"))
     assert any(not torch.equal(a[k], b[k]) for k in a)  # step 3 trained past step 2
     bad = _export(run, tmp_path / "x", "--step", "9")
-    assert bad.returncode == 2 and "--step 9: no checkpoint of that step" in bad.stderr
+    assert bad.returncode == 1 and "--step 9: no checkpoint of that step" in bad.stderr
     assert "(steps: 2, 3)" in bad.stderr and "Traceback" not in bad.stderr
     none = _export(tmp_path, tmp_path / "y")
-    assert none.returncode == 2 and "not a run directory" in none.stderr
+    assert none.returncode == 1 and "not a run directory" in none.stderr
 
 
 def test_export_loads_in_vllm_and_matches_the_trainer(run_dir, tmp_path):

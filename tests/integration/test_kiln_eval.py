@@ -29,10 +29,10 @@ def _kiln(*args, cwd, timeout=600) -> subprocess.CompletedProcess:
 def test_kiln_eval_writes_pass_at_k_from_its_counts(tmp_path):
     job = cut_down_job(tmp_path)
     model = yaml.safe_load(job.read_text())["spec"]["model"]["path"]
-    made = _kiln("prepare-model", "--job", job, cwd=tmp_path)
+    made = _kiln("prepare-model", job, cwd=tmp_path)
     assert made.returncode == 0, made.stderr
     out = tmp_path / "eval"
-    res = _kiln("eval", model, "--job", job, "--task-set", "chain-heldout", "--samples", SAMPLES,
+    res = _kiln("eval", job, model, "--task-set", "chain-heldout", "--samples", SAMPLES,
                 "--max-tasks", TASKS, "--out", out, cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads((out / "eval.json").read_text())
@@ -62,8 +62,8 @@ def test_kiln_eval_writes_pass_at_k_from_its_counts(tmp_path):
 
 def test_kiln_eval_refuses_an_unknown_task_set(tmp_path):
     job = cut_down_job(tmp_path)
-    res = _kiln("eval", tmp_path, "--job", job, "--task-set", "nope", "--out", tmp_path / "e",
+    res = _kiln("eval", job, tmp_path, "--task-set", "nope", "--out", tmp_path / "e",
                 cwd=tmp_path, timeout=120)
-    assert res.returncode == 2
+    assert res.returncode == 1
     assert "--task-set: 'nope' is not a task set of the job" in res.stderr
     assert not (tmp_path / "e").exists()

@@ -68,7 +68,7 @@ def test_every_service_killed_mid_run_and_the_job_finishes(tmp_path: Path) -> No
     assert check.returncode == 0, check.stderr
     # One version after SFT and one per RL step at least (the trainer's restart adds one).
     assert summary["final_policy_version"] >= 11
-    # The figures benchmarks/RESULTS.md quotes (run with -s to see them).
+    # The figures docs/results/faults.md quotes (run with -s to see them).
     restarts = [r for r in records if r.get("event") == "restart"]
     print(json.dumps({"faults": [s for s, _ in killed], "restart_events": len(restarts),
                       "accepted": progress[-1]["buffer"]["accepted"],

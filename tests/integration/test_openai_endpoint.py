@@ -270,10 +270,10 @@ def test_kiln_serve_refuses_what_it_cannot_serve(tmp_path: Path, capsys) -> None
 
     keys = tmp_path / "keys"
     keys.write_text(KEY + "\n")
-    assert main(["serve", str(tmp_path), "--openai-port", "0", "--api-key-file", str(keys)]) == 2
+    assert main(["serve", str(tmp_path), "--openai-port", "0", "--api-key-file", str(keys)]) == 1
     assert "holds no config.json" in capsys.readouterr().err
     head16 = make_tiny_checkpoint(tmp_path / "h16", hidden_size=64, num_heads=4, num_kv_heads=2)
     capsys.readouterr()  # the checkpoint writer's progress bar
-    assert main(["serve", str(head16), "--openai-port", "0", "--api-key-file", str(keys)]) == 2
+    assert main(["serve", str(head16), "--openai-port", "0", "--api-key-file", str(keys)]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "head size 16" in err

@@ -118,4 +118,4 @@ def test_terminal_bench_import(tmp_path):
 def test_import_missing_source(tmp_path):
     res = kiln("synth", "import", "terminal-bench", str(tmp_path / "nope"), "--out",
                str(tmp_path / "o"))
-    assert res.returncode == 2 and "nope does not exist" in res.stderr
+    assert res.returncode == 1 and "nope does not exist" in res.stderr

@@ -163,7 +163,7 @@ def test_search_pipeline_end_to_end(corpus, tmp_path):
 
 def test_search_bad_arguments(tmp_path):
     res = kiln("synth", "search", "--corpus", str(tmp_path / "none"), "--out", str(tmp_path))
-    assert res.returncode == 2 and "--corpus" in res.stderr and "not a folder" in res.stderr
+    assert res.returncode == 1 and "--corpus" in res.stderr and "not a folder" in res.stderr
     res = kiln("synth", "search", "--corpus", str(tmp_path), "--hops", "two", "--out",
                str(tmp_path / "o"))
-    assert res.returncode == 2 and "--hops" in res.stderr
+    assert res.returncode == 1 and "--hops" in res.stderr

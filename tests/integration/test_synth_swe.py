@@ -142,4 +142,4 @@ def test_max_tasks_and_bad_range(history, tmp_path):
     lines = (tmp_path / "one" / "tasks.jsonl").read_text().splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["meta"]["commit"] == history["chore"]
     res = synth(history["repo"], tmp_path / "bad", "--rev-range", "nosuch..main")
-    assert res.returncode == 2 and "--rev-range nosuch..main" in res.stderr
+    assert res.returncode == 1 and "--rev-range nosuch..main" in res.stderr

@@ -124,4 +124,4 @@ def test_terminal_pages_and_model_down(tmp_path):
     assert rejection["step"] == "drafted" and "model error" in rejection["reason"]
     bad = kiln("synth", "terminal", "--seeds", str(tmp_path / "nope.txt"), "--model-url",
                model.url, "--out", str(tmp_path / "x"))
-    assert bad.returncode == 2 and "nope.txt: no such file" in bad.stderr
+    assert bad.returncode == 1 and "nope.txt: no such file" in bad.stderr

@@ -92,11 +92,11 @@ def test_check_and_repair(tmp_path: Path) -> None:
     data[found[1][0] + 20] ^= 0x10  # inside record "b"'s payload
     seg.write_bytes(bytes(data))
     bad = _kiln("check", str(d))
-    assert bad.returncode == 1
+    assert bad.returncode == 3
     assert f"{seg}: DAMAGED: payload checksum mismatch at offset {found[1][0]}" in bad.stderr
     plan = _kiln("repair", str(d))
-    assert plan.returncode == 1 and "keeps 4 records" in plan.stdout and "--yes" in plan.stderr
-    assert _kiln("check", str(d)).returncode == 1  # nothing written without --yes
+    assert plan.returncode == 3 and "keeps 4 records" in plan.stdout and "--yes" in plan.stderr
+    assert _kiln("check", str(d)).returncode == 3  # nothing written without --yes
     done = _kiln("repair", str(d), "--yes")
     assert done.returncode == 0, done.stderr
     assert (seg.parent / (seg.name + ".damaged")).exists()
@@ -108,7 +108,7 @@ def test_check_and_repair(tmp_path: Path) -> None:
 
 def test_check_refuses_a_folder_that_is_no_buffer(tmp_path: Path) -> None:
     res = _kiln("check", str(tmp_path))
-    assert res.returncode == 2 and "not a buffer directory" in res.stderr
+    assert res.returncode == 1 and "not a buffer directory" in res.stderr
 
 
 def test_a_torn_tail_is_healthy(tmp_path: Path) -> None:

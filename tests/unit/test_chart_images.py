@@ -25,7 +25,8 @@ def test_service_image_default_is_built_by_the_services_dockerfile() -> None:
 def test_chart_operator_image_is_built_by_the_operator_dockerfile() -> None:
     values = yaml.safe_load((ROOT / "charts" / "kiln" / "values.yaml").read_text())
     chart = yaml.safe_load((ROOT / "charts" / "kiln" / "Chart.yaml").read_text())
-    image = f"{values['image']['repository']}:{values['image']['tag'] or chart['appVersion']}"
+    image = (f"{values['image']['registry']}/{values['image']['repository']}:"
+             f"{values['image']['tag'] or chart['appVersion']}")
     assert image == "ghcr.io/kiln-dev/kiln-operator:0.1.0"
     text = (DOCKER / "operator.Dockerfile").read_text()
     assert f"-t {image} ." in text and 'ENTRYPOINT ["kiln-operator"]' in text

@@ -51,7 +51,7 @@ def test_top_level_help_lists_every_command() -> None:
         assert name in out.stdout and help_ in out.stdout
     bad = subprocess.run([sys.executable, "-m", "kiln.cli", "nope"], capture_output=True,
                          text=True, timeout=30)
-    assert bad.returncode == 2 and "invalid choice: 'nope'" in bad.stderr
+    assert bad.returncode == 1 and "invalid choice: 'nope'" in bad.stderr
 
 
 def test_trajectories_prints_turns_spans_and_reward(tmp_path, capsys) -> None:
@@ -98,7 +98,7 @@ def test_trajectories_prints_turns_spans_and_reward(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "=== greedy1  stage eval/chain-heldout" in out and "temperature 0 at v5" in out
     assert "sampled1" not in out and "abc123" not in out
-    assert main(["trajectories", str(run), "--greedy"]) == 2
+    assert main(["trajectories", str(run), "--greedy"]) == 1
     assert "add --evaluations" in capsys.readouterr().err
     assert main(["trajectories", str(run), "--evaluations", "-n", "0"]) == 0
     assert "=== sampled1" in capsys.readouterr().out
@@ -114,7 +114,7 @@ def test_kiln_run_refuses_a_run_directory_a_stopped_run_left(tmp_path) -> None:
     out = subprocess.run([sys.executable, "-m", "kiln.cli", "run",
                           str(repo / "deploy" / "examples" / "swarm.yaml"), "--run-dir", str(run)],
                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    assert out.returncode == 2 and "holds a previous run; use --resume" in out.stderr
+    assert out.returncode == 1 and "holds a previous run; use --resume" in out.stderr
     assert (run / "job.yaml").read_text() == "kind: RLJob\n"
 
 

@@ -144,6 +144,19 @@ CASES = [
     ("tasks.0.toolLatency.p99Seconds", 0.5, "p99Seconds must be at least p50Seconds", 1),
     ("rollout.pod.volumeMounts.0.name", "other",
      "every volumeMounts[].name must be one of volumes[].name", "data"),
+    ("tasks.0.path", "tasks/t.jsonl", "exactly one of path, source or generate must be set", None),
+    ("tasks", [{"name": "train", "env": "chain", "source": {
+        "configMap": {"name": "team-tasks", "key": "t.jsonl"}, "hfDataset": {"id": "org/ds"}}}],
+     "exactly one of path, configMap, pvc, image or hfDataset must be set",
+     [{"name": "train", "env": "chain", "source": {"hfDataset": {"id": "org/ds"}}}]),
+    ("tasks", [{"name": "train", "env": "chain", "source": {}}],
+     "exactly one of path, configMap, pvc, image or hfDataset must be set",
+     [{"name": "train", "env": "chain", "source": {"pvc": {"claim": "d", "path": "t.jsonl"}}}]),
+    ("output", {"pvc": {"claim": "out"}, "uri": "s3://bucket/runs"},
+     "exactly one of pvc or uri must be set", {"uri": "s3://bucket/runs"}),
+    ("output", {"pvc": {"claim": "out"}, "endpoint": "http://127.0.0.1:9000"},
+     "endpoint and credentialsSecret: only with uri (an S3 location), not with pvc",
+     {"pvc": {"claim": "out"}}),
 ]
 
 

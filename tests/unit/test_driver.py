@@ -240,3 +240,71 @@ def test_stage_evaluations_keep_and_track_pass_at_k(tmp_path: Path) -> None:
     assert logged["eval/h/pass_at_k/4"] == 0.5 and logged["eval/h/sampled_success"] == 1 / 8
     # What the operator writes into the RLJob's status.evaluations.
     assert EvaluationResult.model_validate(after).model_dump(by_alias=True)["passAtK"]["2"] == 0.25
+
+
+def test_the_operators_driver_tracks_evaluations_and_progress(tmp_path: Path) -> None:
+    """On a cluster the driver's tracker is the operator's (`job_tracker`): its TensorBoard
+    event files, read back with TensorBoard's own reader, hold the evaluations and the job's
+    progress at the trainer's global steps."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from kiln.operator.driving import job_tracker
+    from kiln.operator.naming import JobRef
+
+    trainer = FakeTrainer()
+    tracker = job_tracker(JOB, JobRef(name="j", namespace="ns", uid="u"), tmp_path / "tracking")
+    try:
+        _driver(tmp_path, trainer, FakeRollout(trainer), tracker=tracker).run()
+    finally:
+        tracker.close()
+    acc = EventAccumulator(str(tmp_path / "tracking" / "ns" / "j" / "driver"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"eval/h/greedy_success", "eval/h/sampled_success", "progress/stage_index",
+            "progress/stage_step", "progress/steps_left", "rollout/mean_reward"} <= tags
+    left = [(e.step, e.value) for e in acc.Scalars("progress/steps_left")]
+    total = sum(s.max_steps for s in JOB.spec.stages)
+    assert left[0][1] <= total and left[-1][1] == 0
+    assert [e.value for e in acc.Scalars("progress/stage_index")][-1] == len(JOB.spec.stages) - 1
+    # Evaluations before and after the RL stage, at the global step they were taken.
+    assert len(acc.Scalars("eval/h/greedy_success")) == 2
+
+
+def test_a_long_evaluation_tells_its_progress_while_it_runs() -> None:
+    """`evaluate_reporting` (the driver's evaluation call): rollout's tasks-done figures are
+    said every `every` seconds until Evaluate returns; its error is the caller's."""
+    import threading
+
+    from kiln.control.progress import evaluate_reporting
+
+    class SlowRollout:
+        """Evaluate returns once its progress has been asked for three times."""
+
+        def __init__(self, fail: bool = False) -> None:
+            self.polls, self.fail, self.asked = 0, fail, threading.Event()
+
+        def status(self) -> RolloutStatus:
+            self.polls += 1
+            if self.polls == 2:
+                raise Down("rollout restarting")  # a transient error: that report is skipped
+            if self.polls >= 4:
+                self.asked.set()
+            return RolloutStatus(eval_tasks_done=self.polls, eval_tasks=8)
+
+        def evaluate(self, task_set: str, *, samples: int, greedy: bool) -> Evaluation:
+            assert self.asked.wait(60), "progress was never asked for"
+            if self.fail:
+                raise RuntimeError("Evaluate failed")
+            return Evaluation(3, 8, 0.5, 0.25, 1.0)
+
+    said: list[str] = []
+    ev = evaluate_reporting(SlowRollout(), "h", samples=2, say=said.append, label="evaluating h",
+                            transient=(Down,), every=0.01)
+    assert ev.greedy_success == 0.5
+    assert said[0] == "evaluating h"
+    assert [s.strip().split(" (")[0] for s in said[1:4]] == ["evaluating h: 1/8 tasks done",
+                                                     "evaluating h: 3/8 tasks done",
+                                                     "evaluating h: 4/8 tasks done"]
+    with pytest.raises(RuntimeError, match="Evaluate failed"):
+        evaluate_reporting(SlowRollout(fail=True), "h", samples=2, say=said.append, label="x",
+                           transient=(Down,), every=0.01)

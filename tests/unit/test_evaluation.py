@@ -93,10 +93,12 @@ def test_evaluate_counts_each_tasks_own_attempts():
 
     calls: dict[int, int] = {}
     solved = [4, 0, 3, 1, 2]
+    seen: list[tuple[int, int]] = []  # the status's (tasks done, tasks) as each episode starts
 
     async def episode(stage, *, task_set, index, sampling, limits):
         # Task i solves its first solved[i] sampled attempts and its greedy one when i is
         # even; later tasks answer first, so completion order differs from task order.
+        seen.append(producer.eval_progress)
         await asyncio.sleep(0.001 * (5 - index))
         if sampling.temperature == 0.0:
             reward = float(index % 2 == 0)
@@ -115,6 +117,11 @@ def test_evaluate_counts_each_tasks_own_attempts():
         Producer.evaluate(producer, "held", 5, max_tasks=0, samples=4, greedy=True))
     assert (n, greedy, sampled) == (5, 0.6, sum(solved) / 20)
     assert counts == [TaskCount(f"t{i}", 4, solved[i], i % 2 == 0) for i in range(5)]
+    # Tasks finish one after another while the evaluation runs (played task by task, 8 at a
+    # time: the last task starts after the first ones are done); none is shown once it ended.
+    assert seen[0] == (0, 5) and all(total == 5 for _, total in seen)
+    assert [done for done, _ in seen] == sorted(done for done, _ in seen) and seen[-1][0] >= 1
+    assert producer.eval_progress == (0, 0)
 
 
 def test_task_counts_cross_the_wire():

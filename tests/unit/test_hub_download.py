@@ -128,16 +128,16 @@ def test_prepare_model_downloads_the_jobs_model(hub: FakeHub, tmp_path: Path) ->
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert f"will download org/tiny@main from {hub_url(hub)}" in run.stdout
-    run = subprocess.run([sys.executable, "-m", "kiln.cli.main", "prepare-model", "--job", str(path)],
+    run = subprocess.run([sys.executable, "-m", "kiln.cli.main", "prepare-model", str(path)],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert (tmp_path / "models" / "tiny" / RECORD).exists()
     job["spec"]["model"]["hub"]["id"] = "org/gated"  # no token here: refused, not retried
     job["spec"]["model"]["path"] = str(tmp_path / "models" / "gated")
     path.write_text(yaml.safe_dump(job))
-    run = subprocess.run([sys.executable, "-m", "kiln.cli.main", "prepare-model", "--job", str(path)],
+    run = subprocess.run([sys.executable, "-m", "kiln.cli.main", "prepare-model", str(path)],
                          capture_output=True, text=True)
-    assert run.returncode == 2 and "gated or private" in run.stderr, run.stderr
+    assert run.returncode == 1 and "gated or private" in run.stderr, run.stderr
 
 
 def hub_url(hub: FakeHub) -> str:

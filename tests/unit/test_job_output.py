@@ -97,12 +97,12 @@ def test_kiln_export_copies_a_stage_from_an_output_folder(tmp_path: Path, capsys
     assert main(["export", str(output), "--stage", "sft", "--out", str(tmp_path / "sft")]) == 0
     assert json.loads((tmp_path / "sft" / "config.json").read_text()) == {"stage": "sft"}
     capsys.readouterr()
-    assert main(["export", str(output), "--stage", "rll", "--out", str(tmp_path / "x")]) == 2
+    assert main(["export", str(output), "--stage", "rll", "--out", str(tmp_path / "x")]) == 1
     assert "finished stages there: rl, sft" in capsys.readouterr().err
-    assert main(["export", str(output), "--step", "3", "--out", str(tmp_path / "x")]) == 2
+    assert main(["export", str(output), "--step", "3", "--out", str(tmp_path / "x")]) == 1
     assert "--step" in capsys.readouterr().err and not (tmp_path / "x").exists()
     # Not over a folder that holds files, unless told.
-    assert main(["export", str(output), "--out", str(tmp_path / "sft")]) == 2
+    assert main(["export", str(output), "--out", str(tmp_path / "sft")]) == 1
 
 
 def test_kiln_run_refuses_an_output_volume_and_writes_nothing(tmp_path: Path) -> None:
@@ -113,7 +113,7 @@ def test_kiln_run_refuses_an_output_volume_and_writes_nothing(tmp_path: Path) ->
     err = io.StringIO()
     code = prepare(argparse.Namespace(job=job, run_dir=tmp_path / "run", resume=None),
                    io.StringIO(), err)
-    assert code == 2 and "spec.output.pvc: the PersistentVolumeClaim 'results'" in err.getvalue()
+    assert code == 1 and "spec.output.pvc: the PersistentVolumeClaim 'results'" in err.getvalue()
     assert not (tmp_path / "run").exists()
 
 
@@ -156,6 +156,25 @@ def _export(folder: Path, files: dict[str, str]) -> Path:
     return folder
 
 
+def _tokenizer() -> dict[str, str]:
+    """A small word-level tokenizer's files, as an export holds them."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "add": 1, "hello": 2, "world": 3},
+                                     unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return {"tokenizer.json": tok.to_str(),
+            "tokenizer_config.json": json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"})}
+
+
+def _trajectory():
+    from kiln.trajectory import Trajectory, VersionSpan
+
+    return Trajectory(id="traj-1", task_id="add-1", group_id="g", tokens=[1, 2, 3],
+                      loss_mask=[0, 1, 1], logp_infer=[0.0] * 3, prompt_len=1,
+                      version_spans=[VersionSpan(1, 3, 2)], reward=1.0)
+
+
 def test_stages_go_to_s3_and_kiln_export_reads_them_back(s3_server, tmp_path, monkeypatch,
                                                           capsys) -> None:
     import fsspec
@@ -168,26 +187,43 @@ def test_stages_go_to_s3_and_kiln_export_reads_them_back(s3_server, tmp_path, mo
     fs.mkdir("results")
     job = RLJob.model_validate(yaml.safe_load(_job_text(output={"uri": "s3://results/run-1"})))
     sft = _export(tmp_path / "sft", {"config.json": '{"stage": "sft"}', "extra.txt": "sft only"})
-    rl = _export(tmp_path / "rl", {"config.json": '{"stage": "rl"}', "model.safetensors": "w"})
+    rl = _export(tmp_path / "rl", {"config.json": '{"stage": "rl"}', "model.safetensors": "w",
+                                   **_tokenizer()})
     write_stage_output("s3://results/run-1", job, "sft", sft, {"steps": 4, "policy_version": 1})
-    write_stage_output("s3://results/run-1", job, "rl", rl, {"steps": 2, "policy_version": 3})
+    report = _export(tmp_path / "report", {"loss.png": "png", "reward.png": "png"})
+    # The trainer's sample log: a trajectory logged twice (its batch served again after a
+    # restart) goes to the output once.
+    line = json.dumps({"stage": "rl", **_trajectory().to_dict()}) + "\n"
+    trainer = _export(tmp_path / "trainer", {"trajectories.jsonl": line + line + '{"cut'})
+    write_stage_output("s3://results/run-1", job, "rl", rl, {"steps": 2, "policy_version": 3},
+                       report=report, samples=trainer)
     fs.invalidate_cache()
+    assert sorted(k.rsplit("/", 1)[1] for k in fs.find("results/run-1/report")) == [
+        "loss.png", "reward.png"]
     summary = json.loads(fs.cat_file("results/run-1/summary.json"))
     assert summary["final_stage"] == "rl" and set(summary["stages"]) == {"sft", "rl"}
     assert yaml.safe_load(fs.cat_file("results/run-1/job.yaml"))["metadata"]["name"] == "j"
     # final-hf is the rl stage's, without what the sft export had besides.
     assert sorted(k.rsplit("/", 1)[1] for k in fs.find("results/run-1/final-hf")) == [
-        "config.json", "model.safetensors"]
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert fs.cat_file("results/run-1/trajectories.jsonl").decode() == line
+    # `kiln trajectories` reads them from there, decoded with the exported tokenizer.
+    capsys.readouterr()
+    assert main(["trajectories", "s3://results/run-1"]) == 0
+    shown = capsys.readouterr().out
+    assert "=== traj-1  stage rl  task add-1" in shown and "action: hello world" in shown
+    assert main(["trajectories", "s3://results/run-1", "--evaluations"]) == 1
+    assert "evaluation episodes stay in the rollout pods" in capsys.readouterr().err
 
     assert main(["export", "s3://results/run-1", "--out", str(tmp_path / "final")]) == 0
-    assert sorted(p.name for p in (tmp_path / "final").iterdir()) == ["config.json",
-                                                                     "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "final").iterdir()) == [
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     assert (tmp_path / "final" / "config.json").read_text() == '{"stage": "rl"}'
     assert main(["export", "s3://results/run-1", "--stage", "sft", "--out",
                  str(tmp_path / "sft-out")]) == 0
     assert (tmp_path / "sft-out" / "extra.txt").read_text() == "sft only"
     capsys.readouterr()
     assert main(["export", "s3://results/run-1", "--stage", "eval", "--out",
-                 str(tmp_path / "x")]) == 2
+                 str(tmp_path / "x")]) == 1
     assert "finished stages there: rl, sft" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()

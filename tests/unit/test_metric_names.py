@@ -156,7 +156,7 @@ def test_the_progress_record_and_the_report_use_the_step_names() -> None:
     assert set(rec) - stage_keys <= set(M.STEP)
     assert rec["reward_mean"] == 0.5 and rec["staleness"] == {"1": 2}
     # What the report reads of a record's trainer part are names it has.
-    report = (SRC / "cli" / "local" / "report.py").read_text()
+    report = (SRC / "cli" / "local" / "report.py").read_text() + (SRC / "plots.py").read_text()
     read = set(re.findall(r'\["trainer"\](?:\.get\(|\[)"([a-z_]+)"', report))
     read |= set(re.findall(r'\bt(?:\.get\(|\[)"([a-z_]+)"', report))
     assert read and read <= set(M.STEP) | stage_keys, read - set(M.STEP) - stage_keys

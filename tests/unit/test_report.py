@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kiln.cli.local.report import staleness_histogram, steps_seen, write_report
+from kiln.cli.local.report import steps_seen, write_report
+from kiln.plots import staleness_histogram
 from kiln.control import TrainerStatus
 from kiln.control.driver import trainer_record
 from kiln.metrics import StepMetrics
@@ -36,9 +37,10 @@ def test_steps_and_staleness_histogram(tmp_path: Path) -> None:
 
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     written = write_report(tmp_path)
-    assert {p.name for p in written} == {"reward.png", "masks.png", "mismatch.png", "staleness.png"}
+    assert {p.name for p in written} == {"loss.png", "reward.png", "masks.png", "mismatch.png",
+                                         "staleness.png"}
     assert all(p.stat().st_size > 1000 for p in written)
-    assert len(write_report(tmp_path, rl_stages={"rl"})) == 4
+    assert len(write_report(tmp_path, rl_stages={"rl"})) == 5
 
 
 def test_summary_nests_evaluations_by_stage_and_averages_routing_flips(tmp_path: Path) -> None:
@@ -128,3 +130,65 @@ def test_summary_of_a_guarded_swarm_stage(tmp_path: Path) -> None:
     assert summary["critical_path_steps_after_rl_answered"] == 0.0
     assert summary["critical_path_steps_before_rl_answered"] == 17.0
     assert summary["selections"] == state.selections
+
+
+def test_kiln_report_remakes_the_plots_of_a_recorded_run(tmp_path: Path, capsys) -> None:
+    import yaml
+
+    from kiln.cli.main import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    job = {"apiVersion": "kiln.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "r"},
+           "spec": {"model": {"path": "m"},
+                    "tasks": [{"name": n, "env": "chain", "generate": {"count": 4}} for n in ("a", "h")],
+                    "stages": [{"name": "sft", "type": "sft", "tasks": ["a"]},
+                               {"name": "rl", "type": "rl", "tasks": ["a"], "eval": {"tasks": ["h"]}}]}}
+    (run / "job.yaml").write_text(yaml.safe_dump(job))
+    recs = [_progress("sft", 1, 1, loss=2.0), _progress("sft", 2, 2, loss=1.5),
+            _progress("rl", 1, 3, loss=0.1, reward_mean=0.25, staleness={0: 8}),
+            _progress("rl", 2, 4, loss=0.05, reward_mean=0.5, staleness={1: 8})]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (run / "state.json").write_text(json.dumps({"finished_stages": ["sft"], "evaluations": {
+        "rl/after/h": {"greedy_success": 0.5, "sampled_success": 0.25}}}))
+    (run / "report").mkdir()
+    (run / "report" / "loss.png").write_text("stale")  # replaced, not kept
+    assert main(["report", str(run)]) == 0
+    names = {Path(line).name for line in capsys.readouterr().out.split()}
+    assert {"loss.png", "reward.png", "masks.png", "mismatch.png", "staleness.png",
+            "evaluations.png"} <= names
+    assert all((run / "report" / n).stat().st_size > 1000 for n in names)
+
+    (run / "metrics.jsonl").unlink()
+    assert main(["report", str(run)]) == 1
+    assert "metrics.jsonl: not there" in capsys.readouterr().err
+    assert main(["report", str(tmp_path)]) == 1
+    assert "job.yaml: not there" in capsys.readouterr().err
+
+
+def test_the_trainers_own_report_from_its_step_log(tmp_path: Path) -> None:
+    """On a cluster the trainer draws report/*.png for spec.output from its step log: each
+    step once (a step taken again after a restart is the later record's), RL plots of the RL
+    stages' steps only."""
+    from kiln.api.spec import RLJob
+    from kiln.plots import LINES
+    from kiln.services.trainer.output import draw_report, logged_steps, record_step
+
+    job = RLJob.model_validate({
+        "apiVersion": "kiln.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "t"},
+        "spec": {"model": {"path": "m"}, "tasks": [{"name": "a", "env": "chain", "generate": {"count": 4}}],
+                 "stages": [{"name": "sft", "type": "sft", "tasks": ["a"]},
+                            {"name": "rl", "type": "rl", "tasks": ["a"]}]}})
+    for step in (1, 2):
+        record_step(tmp_path, "sft", StepMetrics(step=step, loss=2.0 / step))
+    for step, loss in ((3, 0.5), (4, 0.4), (4, 0.3)):  # step 4 again after a restart
+        record_step(tmp_path, "rl", StepMetrics(step=step, loss=loss, reward_mean=0.5, staleness={0: 4}))
+    with open(tmp_path / "steps.jsonl", "a") as f:
+        f.write('{"stage": "rl", "trainer": {"st')  # cut short by a kill
+    steps = logged_steps(tmp_path)
+    assert [(x, r["stage"], r["trainer"]["loss"]) for x, r in steps] == [
+        (1, "sft", 2.0), (2, "sft", 1.0), (3, "rl", 0.5), (4, "rl", 0.3)]
+    assert staleness_histogram([s for s in steps if s[1]["stage"] == "rl"]) == {0: 8.0}
+    out = draw_report(tmp_path, job)
+    assert {p.name for p in out.iterdir()} == set(LINES) | {"staleness.png"}
+    assert all(p.stat().st_size > 1000 for p in out.iterdir())

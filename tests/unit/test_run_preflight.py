@@ -40,7 +40,7 @@ def test_a_refused_pre_flight_writes_no_job_file(tmp_path, monkeypatch) -> None:
     job.write_text(yaml.safe_dump(_job({"path": str(tmp_path / "m"), "hub": {"id": "org/gone"}})))
     run = tmp_path / "run"
     code, _, err = _prepare(_args(job, run))
-    assert code == 2 and "no repository 'org/gone'" in err
+    assert code == 1 and "no repository 'org/gone'" in err
     assert not (run / "job.yaml").exists()
     # Fixed, the same command runs: not refused as "holds a previous run".
     model = checkpoint_config(tmp_path)
@@ -48,7 +48,7 @@ def test_a_refused_pre_flight_writes_no_job_file(tmp_path, monkeypatch) -> None:
     _, run_dir = _prepare(_args(job, run))[0]
     assert run_dir == run.resolve() and (run / "job.yaml").exists()
     code, _, err = _prepare(_args(job, run))
-    assert code == 2 and "holds a previous run" in err
+    assert code == 1 and "holds a previous run" in err
 
 
 @pytest.fixture()
@@ -87,5 +87,5 @@ def test_resume_refuses_what_a_running_job_cannot_change(started, tmp_path, fiel
     change(data, tmp_path)
     job.write_text(yaml.safe_dump(data))
     code, _, err = _prepare(_args(job, resume=run))
-    assert code == 2 and f"these cannot change: {field}: " in err
+    assert code == 1 and f"these cannot change: {field}: " in err
     assert (run / "job.yaml").read_text() == saved

@@ -15,24 +15,24 @@ from kiln.cli import export
 
 
 def _args(run: Path, out: Path, force: bool = False) -> argparse.Namespace:
-    return argparse.Namespace(run_dir=run, out=out, step=None, stage=None, force=force)
+    return argparse.Namespace(run_dir=run, out=out, step=None, stage=None, force=force, merge=False)
 
 
 def test_export_refuses_a_folder_with_files_unless_forced(tmp_path, capsys) -> None:
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    assert export.run(_args(tmp_path / "run", out)) == 2
+    assert export.run(_args(tmp_path / "run", out)) == 1
     assert "not empty" in capsys.readouterr().err
     assert (out / "keep.txt").read_text() == "mine"
     (tmp_path / "file").write_text("x")
-    assert export.run(_args(tmp_path / "run", tmp_path / "file")) == 2
+    assert export.run(_args(tmp_path / "run", tmp_path / "file")) == 1
     assert "not a folder" in capsys.readouterr().err
     # Forced, an empty folder or a new path: past the check (then refused: no run there).
     for target, force in ((out, True), (tmp_path / "empty", False), (tmp_path / "new", False)):
         if target.name == "empty":
             target.mkdir()
-        assert export.run(_args(tmp_path / "run", target, force)) == 2
+        assert export.run(_args(tmp_path / "run", target, force)) == 1
         assert "holds no job.yaml" in capsys.readouterr().err
 
 

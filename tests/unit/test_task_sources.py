@@ -50,8 +50,8 @@ def _job_text(task: dict) -> str:
 
 
 @pytest.mark.parametrize("task, field, message", [
-    ({"source": {**CM, **PVC}}, "spec.tasks[0].source", "exactly one of path, configMap, pvc or image"),
-    ({"source": {}}, "spec.tasks[0].source", "exactly one of path, configMap, pvc or image"),
+    ({"source": {**CM, **PVC}}, "spec.tasks[0].source", "exactly one of path, configMap, pvc, image or hfDataset"),
+    ({"source": {}}, "spec.tasks[0].source", "exactly one of path, configMap, pvc, image or hfDataset"),
     ({"source": {"configMap": {"name": "team-tasks"}}}, "spec.tasks[0].source.configMap.key",
      "required"),
     ({"source": {"configMap": {"name": "Team_Tasks", "key": "t.jsonl"}}},
@@ -162,7 +162,7 @@ def test_kiln_run_refuses_a_cluster_source_by_field_and_writes_nothing(tmp_path:
     out, err = io.StringIO(), io.StringIO()
     run = tmp_path / "run"
     code = prepare(argparse.Namespace(job=job, run_dir=run, resume=None), out, err)
-    assert code == 2
+    assert code == 1
     assert "spec.tasks[0].source.configMap: the ConfigMap 'team-tasks' is on a cluster" in err.getvalue()
     assert not run.exists()
 

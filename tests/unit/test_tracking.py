@@ -9,7 +9,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from kiln.api.spec import TrackingSpec, WandbSpec
-from kiln.services.common.tracking import Tracker
+from kiln.tracking import Tracker
 from kiln.metrics import StepMetrics
 
 

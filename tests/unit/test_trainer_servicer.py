@@ -23,6 +23,7 @@ from kiln.services.buffer.client import InProcessBufferClient
 from kiln.services.common.server import Registration, create_server
 from kiln.services.trainer.config import config_from_job
 from kiln.services.trainer.engine import TrainerEngine
+from kiln.services.trainer import metrics as trainer_metrics
 from kiln.services.trainer.loop import InMemoryPublisher
 from kiln.services.trainer.servicer import SERVICE_NAME, TrainerServicer, add_to_server
 from kiln.services.trainer.client import TrainerClient
@@ -62,7 +63,8 @@ def _traj(i: int) -> Trajectory:
                       logp_infer=[0.0] * 9, version_spans=[VersionSpan(3, 9, 0)])
 
 
-def test_run_stage_trains_through_the_buffer_and_reports(model_dir: Path, tmp_path: Path) -> None:
+def test_run_stage_trains_through_the_buffer_and_reports(model_dir: Path, tmp_path: Path,
+                                                         capsys) -> None:
     job = _job(model_dir, tmp_path)
     engine = TrainerEngine(config_from_job(job, run_dir=tmp_path))
     # A bound until the stage configures the buffer (SFT: none), so that is observable.
@@ -72,6 +74,8 @@ def test_run_stage_trains_through_the_buffer_and_reports(model_dir: Path, tmp_pa
     # The job's output folder (spec.output): each stage's model goes there too.
     stages = StageRunner(job, engine, lock, buffer, publisher, tmp_path, output_dir=tmp_path / "out")
     servicer = TrainerServicer(engine, lock, stages)
+    # The tau series of an earlier RL stage, which this supervised stage (no bound) removes.
+    trainer_metrics.observe_stage_tau("earlier-rl", 4)
 
     async def scenario() -> None:
         server, port = await create_server("127.0.0.1:0", [Registration(add_to_server, servicer, SERVICE_NAME)])
@@ -88,8 +92,9 @@ def test_run_stage_trains_through_the_buffer_and_reports(model_dir: Path, tmp_pa
             # Once the stage has configured the buffer (dropping what an earlier stage left),
             # its data arrives, as rollout would send it.
             deadline = time.monotonic() + 30
-            while buffer.status().tau is not None:
-                assert time.monotonic() < deadline
+            while buffer.status().tau is not None or list(trainer_metrics.FRESHNESS_TAU.collect())[0].samples:
+                assert time.monotonic() < deadline, "the stage did not configure the buffer " \
+                    "(no bound) and drop the earlier stage's tau series"
                 await asyncio.sleep(0.05)
             buffer.put([_traj(i) for i in range(6)], group_size=1)
             while True:
@@ -136,9 +141,22 @@ def test_run_stage_trains_through_the_buffer_and_reports(model_dir: Path, tmp_pa
             assert summary["stages"]["warmup"] == {"steps": 3, "selected_step": None,
                                                    "policy_version": 1}
             assert summary["final_stage"] == "warmup" and (output / "job.yaml").exists()
+            # Beside it the report, drawn from the trainer's own step log: the stage's loss.
+            logged = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+            assert [(r["stage"], r["trainer"]["step"]) for r in logged] == [("warmup", 1), ("warmup", 2),
+                                                                           ("warmup", 3)]
+            assert all(r["trainer"]["loss"] > 0 for r in logged)
+            assert (output / "report" / "loss.png").stat().st_size > 1000
             assert main(["export", str(output), "--out", str(tmp_path / "hf")]) == 0
             assert (tmp_path / "hf" / "model.safetensors").read_bytes() == (
                 export / "model.safetensors").read_bytes()
+            # And a sample of what it trained on (every rollout.sampleEvery-th: the first of
+            # six), which `kiln trajectories` reads from there with the exported tokenizer.
+            kept = [json.loads(line) for line in (output / "trajectories.jsonl").read_text().splitlines()]
+            assert [(r["stage"], r["id"], r["tokens"]) for r in kept] == [("warmup", "t0", _traj(0).tokens)]
+            capsys.readouterr()
+            assert main(["trajectories", str(output)]) == 0
+            assert "=== t0  stage warmup  task x" in capsys.readouterr().out
         finally:
             await channel.close()
             await server.stop(0)

@@ -202,7 +202,7 @@ def test_cli_names_the_new_place_of_an_old_field(tmp_path):
     old = tmp_path / "old.yaml"
     old.write_text(GOOD.replace("groupSize: 8", "groupSize: 8\n        lossMode: ppo"))
     res = _kiln("validate", str(old))
-    assert res.returncode == 2
+    assert res.returncode == 1
     assert "spec.stages[0].rl.lossMode: rl.lossMode moved to rl.loss.mode" in res.stderr
 
 
@@ -248,7 +248,7 @@ def test_cli_exit_codes_and_no_traceback(tmp_path):
     assert ok.returncode == 0, ok.stderr
     assert "OK" in ok.stdout
     res = _kiln("validate", str(good), str(bad), str(tmp_path / "missing.yaml"))
-    assert res.returncode == 2
+    assert res.returncode == 1
     assert "Traceback" not in res.stderr
     assert f"{bad}:" in res.stderr and "spec.stages[0].rl.groupSize" in res.stderr
     assert "spec.stages[0].rl.gropuSize: unknown field" in res.stderr
@@ -312,7 +312,7 @@ def test_validate_command_checks_the_plugin_example_job() -> None:
     assert ok.returncode == 0, ok.stderr
     bad = subprocess.run([sys.executable, "-m", "kiln.cli", "validate", str(job)],
                          capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
-    assert bad.returncode == 2
+    assert bad.returncode == 1
     assert "spec.tasks[0].env.plugin: 'echo_env:EchoFileEnv': cannot import module 'echo_env'" in bad.stderr
 
 

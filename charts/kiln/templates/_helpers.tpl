@@ -45,8 +45,24 @@ app.kubernetes.io/component: operator
 {{- end }}
 {{- end }}
 
+{{/* The operator's image: `image.repository` under `image.registry`, unless the repository
+names a registry host of its own (a first path part with a dot or a port, as Docker reads it). */}}
 {{- define "kiln.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- $repo := .Values.image.repository }}
+{{- $first := index (splitList "/" $repo) 0 }}
+{{- if and .Values.image.registry (not (and (contains "/" $repo) (or (contains "." $first) (contains ":" $first) (eq $first "localhost")))) }}
+{{- $repo = printf "%s/%s" (trimSuffix "/" .Values.image.registry) $repo }}
+{{- end }}
+{{- printf "%s:%s" $repo (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* Registries RLJobs' images may come from: the allowlist, and Kiln's own registry. */}}
+{{- define "kiln.imageRegistries" -}}
+{{- $allowed := .Values.operator.allowed.imageRegistries }}
+{{- if and .Values.image.registry (not (has "*" $allowed)) }}
+{{- $allowed = append $allowed (printf "%s/" (trimSuffix "/" .Values.image.registry)) | uniq }}
+{{- end }}
+{{- toJson $allowed }}
 {{- end }}
 
 {{/* Namespaced permissions the operator needs to reconcile RLJobs (rules of a Role or ClusterRole). */}}

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from kiln.api.base import Model, Quantity
+from kiln.api.base import ByteQuantity, Model, Quantity
 from kiln.api.openai_endpoint import OpenAIEndpointSpec
 from kiln.api.ports import RESERVED as RESERVED_PORTS
 from kiln.api.sampling import VLLM_MAX_TEMPERATURE, SamplingSpec
@@ -21,7 +21,7 @@ class Resources(Model):
 
     cpu: Quantity = "1"
     """CPU cores, as a Kubernetes quantity (e.g. `500m`, `4`)."""
-    memory: Quantity = "4Gi"
+    memory: ByteQuantity = "4Gi"
     """Memory, as a Kubernetes quantity (e.g. `512Mi`, `16Gi`)."""
     gpu: int = Field(0, ge=0)
     """Accelerators per pod, of the kind `gpuResource` names."""
@@ -30,7 +30,7 @@ class Resources(Model):
     """The extended resource `gpu` counts, as the node's device plugin advertises it:
     `nvidia.com/gpu`, `amd.com/gpu`, `gpu.intel.com/i915`, a MIG profile such as
     `nvidia.com/mig-1g.10gb`, ..."""
-    ephemeral_storage: Quantity = "8Gi"
+    ephemeral_storage: ByteQuantity = "8Gi"
     """Local disk the pod's containers may fill (their own layer, logs, caches, scratch
     folders); the kubelet evicts a pod that passes it rather than let the node's disk fill up.
     A model named by hub id is downloaded there: size it to fit, or use `model.pvc`. The
@@ -195,6 +195,9 @@ class TrainerSpec(Model):
     data_parallel: int = Field(1, ge=1)
     """Data-parallel replicas of the tensor-parallel group, one pod each (gloo on CPUs, NCCL on
     GPUs): each trains on a share of every batch and gradients are summed across them."""
+    expert_parallel: int = Field(1, ge=1)
+    """MoE models: data-parallel replicas each MoE layer's experts are split over (each holds
+    `experts / expertParallel`). Must divide `dataParallel` and the expert count."""
     pipeline_parallel: int = Field(1, ge=1)
     """Pipeline-parallel stages (only 1 is supported)."""
     checkpoint_interval: int = Field(50, ge=1)
@@ -242,11 +245,11 @@ class SandboxSpec(Model):
     """Root filesystem directory (bubblewrap backend); the host's read-only /usr when unset."""
     cpu: float = Field(1.0, gt=0)
     """CPU cores per sandbox."""
-    memory: Quantity = "512Mi"
+    memory: ByteQuantity = "512Mi"
     """Memory limit per sandbox; the process tree is OOM-killed beyond it."""
     pids: int = Field(256, ge=8)
     """Processes and threads alive at once per sandbox (holds fork bombs)."""
-    disk: Quantity = "1Gi"
+    disk: ByteQuantity = "1Gi"
     """Workspace size per sandbox: a write past it fails inside the sandbox with ENOSPC. A
     filesystem of its own (bubblewrap: see `workspace_fs`; docker: a tmpfs, which counts
     towards `memory`)."""
@@ -325,7 +328,7 @@ class WeightSyncSpec(Model):
 class StorageSpec(Model):
     """A PersistentVolumeClaim of the job."""
 
-    size: Quantity = "10Gi"
+    size: ByteQuantity = "10Gi"
     """Requested capacity."""
     storage_class: str | None = None
     """StorageClass; the cluster's default when unset."""
@@ -338,7 +341,7 @@ class BufferSpec(Model):
 
     capacity: int = Field(4096, ge=1)
     """Trajectories held before producers are told to back off."""
-    capacity_bytes: Quantity = "1Gi"
+    capacity_bytes: ByteQuantity = "1Gi"
     """Bytes of trajectories held (all in memory) before producers are told to back off; keep
     it well under `resources.memory`."""
     storage: StorageSpec = Field(default_factory=StorageSpec)

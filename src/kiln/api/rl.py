@@ -29,7 +29,7 @@ class RLSettings(Model):
     correction: Correction | None = None
     """Rollout correction: importance weights to the inference policy at the token, sequence or
     geometric level, truncated (TIS) or masked (rejection), on top of the loss's own masks;
-    null (the default): none. See the README's "Off-policy corrections"."""
+    null (the default): none. See "Off-policy corrections" in docs/concepts/algorithms.md."""
     # Not in the loss: the trainer splits a step's batch into this many updates in either mode,
     # and masked mode can use it too (a later update's ratio to the inference policy grows, and
     # its window bounds it); only ppo needs it, for its two ratios to differ.

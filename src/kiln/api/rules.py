@@ -48,6 +48,12 @@ _POD = ("!has(self.volumeMounts) || self.volumeMounts.all(m, has(self.volumes) &
         "every volumeMounts[].name must be one of volumes[].name")
 _GROUP = RLSettings.model_fields["group_size"].default
 
+
+def _exactly_one(*fields: str) -> str:
+    """CEL: exactly one of `fields` of `self` is given (a sum, not a list filter: cheap to
+    estimate)."""
+    return " + ".join(f"(has(self.{f}) ? 1 : 0)" for f in fields) + " == 1"
+
 RULES: dict[tuple[str, ...], list[tuple[str, str]]] = {
     ("spec", "stages", "[]"): [
         ("self.batchSize % self.microBatchSize == 0", "microBatchSize must divide batchSize"),
@@ -79,6 +85,19 @@ RULES: dict[tuple[str, ...], list[tuple[str, str]]] = {
     ("spec", "sandbox"): [
         ("self.backend != 'docker' || !has(self.rootfs)",
          "rootfs applies to the bubblewrap backend; use image with docker"),
+    ],
+    ("spec", "tasks", "[]"): [
+        (_exactly_one("path", "source", "generate"),
+         "exactly one of path, source or generate must be set"),
+    ],
+    ("spec", "tasks", "[]", "source"): [
+        (_exactly_one("path", "configMap", "pvc", "image", "hfDataset"),
+         "exactly one of path, configMap, pvc, image or hfDataset must be set"),
+    ],
+    ("spec", "output"): [
+        (_exactly_one("pvc", "uri"), "exactly one of pvc or uri must be set"),
+        ("has(self.uri) || !(has(self.endpoint) || has(self.credentialsSecret))",
+         "endpoint and credentialsSecret: only with uri (an S3 location), not with pvc"),
     ],
     ("spec", "tasks", "[]", "toolLatency"): [
         ("self.p99Seconds >= self.p50Seconds", "p99Seconds must be at least p50Seconds"),

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
-from kiln.api.base import Model, Quantity, quantity_value
+from kiln.api.base import ByteQuantity, Model, quantity_value
 from kiln.api.outputs import OUTPUT_ROOT
 
 RESERVED_LABEL_PREFIXES = ("app.kubernetes.io/", "kiln.dev/")
@@ -158,7 +158,7 @@ class PodSettings(Model):
 class EnginePodSettings(PodSettings):
     """Pod settings of the components that run a model (rollout's engines, the trainer)."""
 
-    shm_size: Quantity = "1Gi"
+    shm_size: ByteQuantity = "1Gi"
     """Size of the pod's memory-backed /dev/shm (vLLM's workers and NCCL exchange tensors
     through it; a container's own is 64Mi). What is used counts towards `resources.memory`,
     so it may not exceed it."""

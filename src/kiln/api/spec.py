@@ -19,7 +19,7 @@ from kiln.api.components import (BufferSpec, CheckpointSpec, Model, Quantity, Re
                                  ToolLatency, TrackingSpec, TrainerSpec, WandbSpec, WeightSyncSpec)
 from kiln.api.distillation import teacher_problems
 from kiln.api.guard import RegressionSpec, SelectSpec, guard_problems
-from kiln.api.model import HubModel, ModelInit, ModelSpec
+from kiln.api.model import HubModel, ModelInit, ModelSpec, lora_problems
 from kiln.api.outputs import OutputSpec
 from kiln.api.rewards import RewardRules
 from kiln.api.rl import RLSettings
@@ -95,7 +95,7 @@ class TaskSetSpec(_Model):
     `lookup`, the terminal quickstart's; `terminal`, `swe`, `search`, `code`), or a user's
     `{plugin: "module:Class"}`. It fixes the prompt, the tools offered and the grade."""
     path: str | None = None
-    """JSONL file of task records (format per environment, see the README); locally, a
+    """JSONL file of task records (format per environment: docs/guides/environments.md); locally, a
     relative path is relative to the job file's folder."""
     source: TaskSource | None = None
     """Where a cluster keeps the task file instead: a ConfigMap key, a file on a PVC or in an
@@ -203,8 +203,6 @@ class SFTStage(_StageBase):
 
     type: Literal["sft"]
     """`sft`."""
-    epochs: int = Field(1, ge=1)
-    """Unused: an SFT stage runs maxSteps steps over its finite demonstration pool."""
 
 
 class RLStage(_StageBase):
@@ -283,10 +281,12 @@ class RLJobSpec(_Model):
     active_deadline_seconds: int | None = Field(None, ge=1)
     """Wall-clock seconds the job may run, counted from `status.startTime` (set again on each
     resume): past it the job fails with reason DeadlineExceeded and its pods are stopped.
-    Cluster only."""
+    Under `kiln run`, counted from the run's (or resume's) start: the run stops as on Ctrl-C
+    and ends Failed, `summary.json` saying DeadlineExceeded."""
     ttl_seconds_after_finished: int | None = Field(None, ge=0)
     """Delete the RLJob this many seconds after it finished (`status.completionTime`),
-    Succeeded or Failed; its PVCs follow their `retain` settings. Unset: kept. Cluster only."""
+    Succeeded or Failed; its PVCs follow their `retain` settings. Unset: kept. Cluster only:
+    `kiln run` says so and keeps its run directory."""
     managed_by: str | None = Field(None, max_length=63,
                                    pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-A-Za-z0-9_.]+$")
     """The controller that runs this job, as a domain-prefixed name; unset or
@@ -326,7 +326,8 @@ class RLJobSpec(_Model):
         if self.rollout.sampling.tool_choice_temperature is not None and self.trainer.tensor_parallel > 1:
             raise ValueError("rollout.sampling.toolChoiceTemperature needs trainer.tensorParallel 1 "
                              "(a tool choice's log-softmax takes the whole vocabulary on one rank)")
-        problems = teacher_problems(self) + swarm_problems(self) + guard_problems(self)
+        problems = (teacher_problems(self) + swarm_problems(self) + guard_problems(self)
+                    + lora_problems(self.model.lora, stage_names))
         if problems:
             raise ValueError(problems[0])
         return self

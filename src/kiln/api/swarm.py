@@ -36,8 +36,8 @@ class SwarmSettings(Model):
     (r_finish is paid as before: it already asks that sub-tasks were completed, and it charges
     for assignments refused past the limit). It is for an orchestrator that can reach a wrong
     answer by a parallel route: with `always`, such an episode outscores a serial one cut off
-    by the latency budget, and RL can reinforce the wrong answers. Measured in the README
-    ("Agent swarms"): it kept answers that `always` lost on one seed, and left another seed's
+    by the latency budget, and RL can reinforce the wrong answers. Measured in the docs
+    (docs/results/swarm.md): it kept answers that `always` lost on one seed, and left another seed's
     greedy orchestrator serial. `collected`: the peak counts only subagents whose answers a
     `wait` later brought back, so an orchestrator that assigns everything and answers
     without waiting earns none of it (with `always` it earns it in full). Measured: it all but
@@ -54,15 +54,15 @@ class SwarmSettings(Model):
     a serial solver that would answer right answers too late. Evaluations run without it, so
     that held-out success and critical paths compare under the same conditions before and
     after training. Mind the shaping terms beside it: serial play cut off by the budget earns
-    them alone, and parallel moves that never answer can outscore it (measured in the README,
-    "Agent swarms"). Unset: no budget."""
+    them alone, and parallel moves that never answer can outscore it (measured in the docs,
+    docs/results/swarm.md). Unset: no budget."""
     end_on_refusal: bool = False
     """A training episode ends, unanswered (r_perf 0, flag `refused`), at the first assignment
     its limits refuse (past `maxSubagents`, an unknown or busy subagent); evaluations, and
     training with it off, get the refusal as an observation and go on. An assignment refused
     past the limit costs the critical path nothing while subagents run, and r_finish charges
     it only a fraction: a policy reinforced for assigning learned to assign past the limit
-    until its answer no longer fit the episode (README, "Agent swarms")."""
+    until its answer no longer fit the episode (docs/results/swarm.md)."""
     max_critical_steps_start: int | None = Field(None, ge=2)
     """A looser budget for the stage's first step, tightening linearly (in whole steps) to
     `maxCriticalSteps` at `annealStart`, while the shaping terms are at full weight: a budget
@@ -86,7 +86,7 @@ class SwarmSettings(Model):
     the limit is refused as an observation, and it costs nothing on the critical path while
     subagents run: in RL, the choice between it and `wait` hardly changed an episode's outcome,
     and the greedy orchestrator learned to assign past the limit until its answer no longer fit
-    the episode (README, "Agent swarms")."""
+    the episode (docs/results/swarm.md)."""
     shaping_credit: Literal["episode", "assignments"] = "episode"
     """Which tokens PARL's shaping terms (lambda1 r_parallel + lambda2 r_finish) are credited
     to. `episode`: the whole reward's group-relative advantage on every reply, as for any
@@ -94,9 +94,9 @@ class SwarmSettings(Model):
     started a subagent, the rest of the reward's (r_perf's) to every reply; so the answer,
     the waits and any assignment refused past the limit answer to the outcome alone. With the
     episode's credit, a wrong answer or a refused assignment in an episode that ran its
-    subagents side by side is reinforced with them. Measured on the README's example without
+    subagents side by side is reinforced with them. Measured on the docs' swarm example without
     `withdrawAtLimit`, it reinforced `assign` the more, and the greedy orchestrator assigned
-    past the limit on three seeds of three (README, "Agent swarms")."""
+    past the limit on three seeds of three (docs/results/swarm.md)."""
     anneal_start: int = Field(0, ge=0)
     """Step of the stage at which both lambdas start falling linearly..."""
     anneal_end: int | None = Field(None, ge=1)

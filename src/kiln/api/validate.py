@@ -21,11 +21,20 @@ checkpoints against the working directory). `kiln validate` and `kiln run` check
 operator does not, since user code lives in the job's image and the model on a PVC, not in
 the operator.
 
+Keys are the CRD's camelCase only (`groupSize`): a snake_case key (`group_size`) is refused
+naming the camelCase one, as the Kubernetes API server would drop it. Python code building the
+models by field name (`RLSettings(group_size=8)`) is unaffected.
+
+`overrides` (`--set PATH=VALUE`, `kiln.api.overrides`) edit each parsed document before it is
+validated; a problem at a field an override set names the override instead of a line.
+
 Not covered: checks that need a cluster (does the model PVC exist?).
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,8 +44,10 @@ from pydantic import ValidationError
 
 from kiln.api.capabilities import job_model_refusals, spec_refusals
 from kiln.api.loss import LOSS_MODES, modes_with
+from kiln.api.manifest_keys import REMOVED_STAGE_FIELDS, snake_case_hint
 from kiln.api.model import HUB_ID
 from kiln.api.names import job_name_problem
+from kiln.api.overrides import OverrideError, apply_overrides, format_path
 from kiln.api.paths import checkpoint_dir, checkpoint_refs, task_file
 from kiln.api.rl import MOVED_TO_LOSS
 from kiln.api.spec import API_GROUP, API_VERSION, KIND, RLJob
@@ -103,6 +114,10 @@ def _unknown_field(loc: tuple[Any, ...]) -> str:
     if mode in LOSS_MODES and modes_with(field):
         other = " or ".join(modes_with(field))
         return f"{field} applies to rl.loss.mode {other} only, not {mode} (set mode: {other})"
+    if len(written) >= 3 and written[-3] == "stages" and field in REMOVED_STAGE_FIELDS:
+        return REMOVED_STAGE_FIELDS[field]
+    if isinstance(field, str) and (hint := snake_case_hint(field)) is not None:
+        return hint
     return "unknown field (not part of the RLJob schema; check the spelling)"
 
 
@@ -176,7 +191,9 @@ def validate_document(data: Any, *, file: str, node: yaml.Node | None = None,
         # Without the right kind the rest of the schema does not apply.
         return None, problems
     try:
-        job = RLJob.model_validate(data)
+        # Aliases only: a manifest's keys are the CRD's camelCase (populate_by_name would
+        # accept snake_case too, which the API server drops silently).
+        job = RLJob.model_validate(data, by_alias=True, by_name=False)
     except ValidationError as exc:
         # loc -> messages, in order. A field that takes a name or a {plugin: ...} mapping gets
         # one line, not one per alternative pydantic tried.
@@ -283,10 +300,11 @@ def _join(messages: list[str]) -> str:
     return f"{head.replace(' or ', ', ')} or a {{plugin: \"module:Name\"}} mapping{sep}{found}"
 
 
-def validate_text(text: str, *, file: str, local: bool = False,
-                  job_file: Path | None = None) -> tuple[list[RLJob], list[Problem]]:
-    """Validate every document of `text`; `job_file` is where relative task paths start
-    (with `local`; default the working directory)."""
+def validate_text(text: str, *, file: str, local: bool = False, job_file: Path | None = None,
+                  overrides: Sequence[str] = ()) -> tuple[list[RLJob], list[Problem]]:
+    """Validate every document of `text`, each edited by `overrides` (`PATH=VALUE`) first;
+    `job_file` is where relative task paths start (with `local`; default the working
+    directory)."""
     try:
         nodes = list(yaml.compose_all(text, Loader=yaml.SafeLoader))
         docs = list(yaml.safe_load_all(text))
@@ -301,6 +319,15 @@ def validate_text(text: str, *, file: str, local: bool = False,
     problems: list[Problem] = []
     multi = len(docs) > 1
     for i, (data, node) in enumerate(zip(docs, nodes)):
+        set_paths: list[tuple[str, str]] = []
+        if overrides:
+            try:
+                set_paths = [(format_path(p), s) for p, s in
+                             zip(apply_overrides(data, overrides), overrides)]
+            except OverrideError as exc:
+                where = f"{file} (document {i + 1})" if multi else file
+                problems.append(Problem(where, None, "", str(exc)))
+                continue
         job, probs = validate_document(data, file=file, node=node, doc_index=i if multi else None)
         if job is not None and local:
             probs = (plugin_problems(job, file=file, node=node)
@@ -308,11 +335,24 @@ def validate_text(text: str, *, file: str, local: bool = False,
                      + path_problems(job, file=file, node=node, job_file=job_file))
         if job is not None and not probs:
             jobs.append(job)
-        problems.extend(probs)
+        problems.extend(_name_overrides(probs, set_paths))
     return jobs, problems
 
 
-def validate_file(path: str | Path, *, local: bool = False) -> tuple[list[RLJob], list[Problem]]:
+def _name_overrides(problems: list[Problem], set_paths: list[tuple[str, str]]) -> list[Problem]:
+    """Point a problem at the `--set` that wrote its field (the file's line would mislead)."""
+    out = []
+    for problem in problems:
+        setting = next((s for path, s in reversed(set_paths)
+                        if problem.path == path or problem.path.startswith((path + ".", path + "["))),
+                       None)
+        out.append(problem if setting is None else dataclasses.replace(
+            problem, line=None, message=f"{problem.message} (set by --set {setting})"))
+    return out
+
+
+def validate_file(path: str | Path, *, local: bool = False,
+                  overrides: Sequence[str] = ()) -> tuple[list[RLJob], list[Problem]]:
     path = Path(path)
     try:
         text = path.read_text()
@@ -320,12 +360,13 @@ def validate_file(path: str | Path, *, local: bool = False) -> tuple[list[RLJob]
         return [], [Problem(str(path), None, "", f"cannot read file: {exc.strerror}")]
     except UnicodeDecodeError:
         return [], [Problem(str(path), None, "", "not a UTF-8 text file")]
-    return validate_text(text, file=str(path), local=local, job_file=path)
+    return validate_text(text, file=str(path), local=local, job_file=path, overrides=overrides)
 
 
-def load_job(path: str | Path, *, local: bool = False) -> RLJob:
-    """The single valid RLJob in `path`, or ManifestError naming every problem."""
-    jobs, problems = validate_file(path, local=local)
+def load_job(path: str | Path, *, local: bool = False, overrides: Sequence[str] = ()) -> RLJob:
+    """The single valid RLJob in `path` (edited by `overrides`, `PATH=VALUE`), or ManifestError
+    naming every problem."""
+    jobs, problems = validate_file(path, local=local, overrides=overrides)
     if problems:
         raise ManifestError(problems)
     if len(jobs) != 1:

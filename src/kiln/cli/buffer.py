@@ -3,7 +3,7 @@
 DIR is a buffer's store (`side.log` and `segments/seg-*.log`) or the buffer service's run
 directory holding it (`RUN_DIR/buffer` of `kiln run`, the buffer PVC on a cluster). `check` reads every record and reports, per
 file, how many verify, a torn tail (an interrupted append the buffer truncates when it opens:
-healthy), or damage with its offset; it exits 0 when nothing is damaged, 1 otherwise. `repair`
+healthy), or damage with its offset; it exits 0 when nothing is damaged, 3 otherwise. `repair`
 shows what salvaging would keep and drop, and with `--yes` does it: the damaged file is kept
 beside as `<name>.damaged`, and a new file holds every record that still verifies. Records in
 a damaged stretch are lost, and a trajectory recorded as consumed in a lost side-log record may
@@ -17,21 +17,24 @@ import os
 import sys
 from pathlib import Path
 
+from kiln.cli.exits import Exit
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("buffer", help="check or repair a buffer directory",
                        description=__doc__.split("\n\n")[1])
     cmds = p.add_subparsers(dest="action", required=True)
-    check = cmds.add_parser("check", help="verify every record; exit 1 on damage",
+    check = cmds.add_parser("check", help="verify every record; exit 3 on damage",
                             description="Verify every record of a buffer directory: exit 0 when "
-                                        "nothing is damaged (a torn tail is not damage), 1 naming "
+                                        "nothing is damaged (a torn tail is not damage), 3 naming "
                                         "the file and offset otherwise.")
     check.add_argument("directory", type=Path, metavar="DIR", help="buffer store or service run directory")
     check.set_defaults(func=run_check)
     repair = cmds.add_parser("repair", help="salvage damaged files (asks for --yes)",
                              description="Show what salvaging the damaged files of a buffer "
                                          "directory keeps and drops; with --yes, keep the damaged "
-                                         "files as <name>.damaged and write the salvaged ones.")
+                                         "files as <name>.damaged and write the salvaged ones. "
+                                         "Exits 3 when damage was found and nothing written.")
     repair.add_argument("directory", type=Path, metavar="DIR", help="buffer store or service run directory")
     repair.add_argument("--yes", action="store_true", help="write the salvaged files")
     repair.set_defaults(func=run_repair)
@@ -74,7 +77,7 @@ def run_check(args: argparse.Namespace) -> int:
     files = _files(args.directory)
     if isinstance(files, str):
         print(f"kiln buffer check: {files}", file=sys.stderr)
-        return 2
+        return Exit.REFUSED
     damaged = 0
     for path in files:
         line, bad = _inspect(path)
@@ -83,9 +86,9 @@ def run_check(args: argparse.Namespace) -> int:
     if damaged:
         print(f"{damaged} damaged file(s); `kiln buffer repair {args.directory}` shows what can be "
               "salvaged", file=sys.stderr)
-        return 1
+        return Exit.PROBLEMS_FOUND
     print(f"{args.directory}: OK ({len(files)} file(s))")
-    return 0
+    return Exit.OK
 
 
 def run_repair(args: argparse.Namespace) -> int:
@@ -94,14 +97,14 @@ def run_repair(args: argparse.Namespace) -> int:
     files = _files(args.directory)
     if isinstance(files, str):
         print(f"kiln buffer repair: {files}", file=sys.stderr)
-        return 2
+        return Exit.REFUSED
     lock = os.open(_store_dir(args.directory) / "lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         print(f"kiln buffer repair: {args.directory} is in use by a buffer process; stop it first",
               file=sys.stderr)
-        return 2
+        return Exit.FAILED
     try:
         plans = []
         for path in files:
@@ -121,7 +124,7 @@ def run_repair(args: argparse.Namespace) -> int:
         if not args.yes:
             print("nothing written; run again with --yes to salvage (the damaged files are kept "
                   "beside as <name>.damaged)", file=sys.stderr)
-            return 1
+            return Exit.PROBLEMS_FOUND
         for path, kept in plans:
             os.replace(path, path.with_name(path.name + ".damaged"))
             with open(path, "ab") as f:

@@ -11,6 +11,11 @@ RUN_DIR may also be a cluster job's output (`spec.output`, `kiln.api.outputs`), 
 holds each finished stage's Hugging Face checkpoint already, and the newest (or `--stage
 NAME`'s) is copied to --out; it keeps no trainer checkpoints, so `--step` does not apply there.
 
+A LoRA job's checkpoint (`spec.model.lora`) is written as a PEFT adapter (adapter_config.json,
+adapter_model.safetensors, and the tokenizer), which `peft.PeftModel.from_pretrained` puts on
+the base model; `--merge` writes the merged model as a Hugging Face checkpoint instead (what
+`RUN_DIR/final-hf/` and the stages' folders hold for such a job).
+
 Not covered: checkpoints of tensorParallel > 1 (each rank holds a shard; the trainer's own
 stage exports gather them).
 """
@@ -21,6 +26,8 @@ import json
 import shutil
 import sys
 from pathlib import Path
+
+from kiln.cli.exits import Exit
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,6 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="replace --out even when it holds files")
     p.add_argument("--step", type=int, default=None,
                    help="optimizer step of the checkpoint to export (default: the newest)")
+    p.add_argument("--merge", action="store_true",
+                   help="LoRA jobs: write the base with the adapter merged in, a whole Hugging Face "
+                        "checkpoint, instead of the PEFT adapter")
     p.add_argument("--stage", default=None,
                    help="from a cluster job's output folder: the stage whose model to copy "
                         "(default: the newest finished)")
@@ -72,9 +82,11 @@ def check_out(out: Path, force: bool) -> None:
                          "give --force to replace it, or another folder")
 
 
-def export_run(run_dir: Path, out: Path, step: int | None = None, *, force: bool = False) -> Path:
+def export_run(run_dir: Path, out: Path, step: int | None = None, *, force: bool = False,
+               merge: bool = False) -> Path:
     """Export checkpoint `step` of the run in `run_dir` to `out`; returns `out`. ValueError
-    when `out` holds files and `force` is not given."""
+    when `out` holds files and `force` is not given. A LoRA checkpoint gives a PEFT adapter,
+    or with `merge` the merged model."""
     check_out(out, force)
     import torch
 
@@ -95,9 +107,22 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, *, force: bool
     engine = TrainerEngine(TrainerConfig(model_dir=job.spec.model.local_path(), params_dtype=dtype,
                                          checkpoint_dir=ckpt.parent, seed=job.spec.seed),
                            resume=False)
-    engine.load_checkpoint(ckpt)
+    engine.load_checkpoint(ckpt)  # a LoRA checkpoint puts its adapter on (its meta says which)
     with torch.no_grad():
+        if engine.adapter is not None and not merge:  # PEFT's adapter files
+            return engine.adapter.write_peft(out, engine.config.model_dir, _adapter_base(run_dir, job))
         return engine.export_hf(out)
+
+
+def _adapter_base(run_dir: Path, job) -> str:
+    """The model a LoRA job's adapter goes on: `spec.model.path`, or the weights of the last
+    stage that trained every weight (`lora.stages`), in RUN_DIR/trainer/stages/."""
+    from kiln.services.trainer.stages import stage_export_dir
+
+    full = [s.name for s in job.spec.stages if not job.spec.model.lora.trains(s.name)]
+    if not full:
+        return str(job.spec.model.local_path().absolute())
+    return str(stage_export_dir(run_dir / "trainer", full[-1]))
 
 
 def is_output_dir(path: Path) -> bool:
@@ -187,9 +212,9 @@ def run(args: argparse.Namespace) -> int:
                              "in RUN_DIR/trainer/stages/ (export a step with --step)")
         else:
             out = export_run(args.run_dir.resolve(), args.out.absolute(), args.step,
-                             force=args.force)
+                             force=args.force, merge=args.merge)
     except ValueError as exc:
         print(f"kiln export: {exc}", file=sys.stderr)
-        return 2
+        return Exit.REFUSED
     print(out)
     return 0

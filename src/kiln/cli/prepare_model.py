@@ -1,4 +1,4 @@
-"""`kiln prepare-model --job FILE`: get the job's model to `spec.model.path` if it is not there
+"""`kiln prepare-model JOB`: get the job's model to `spec.model.path` if it is not there
 yet: download it from the Hugging Face Hub (`spec.model.hub`) or create it (`spec.model.init`).
 `kiln run` does this before it starts the services; in a cluster the operator runs it as an init
 container of the trainer and rollout pods.
@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import fcntl
 import sys
-from pathlib import Path
+
+from kiln.cli.conventions import add_job
+from kiln.cli.exits import Exit
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,8 +23,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "(spec.model.init) the job's model if missing",
                        description="Download the checkpoint a job's spec.model.hub names, or "
                                    "create the model its spec.model.init describes, at "
-                                   "spec.model.path, unless it is already there.")
-    p.add_argument("--job", type=Path, required=True, help="the RLJob manifest")
+                                   "spec.model.path, unless it is already there. Exits 1 "
+                                   "for a job or model that cannot work as written, 2 for a "
+                                   "download that stopped (run again to resume it).")
+    add_job(p, "the RLJob manifest")
+    p.usage = "kiln prepare-model [-h] JOB"  # JOB is required; argparse would show [JOB]
     p.set_defaults(func=run)
 
 
@@ -33,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         job = load_job(args.job, local=True)
     except ManifestError as exc:
         print(exc, file=sys.stderr)
-        return 2
+        return Exit.REFUSED
     path = job.spec.model.local_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     from kiln.cli.local.hub import HubError
@@ -45,9 +50,10 @@ def run(args: argparse.Namespace) -> int:
             prepare_model(job)
         except ValueError as exc:
             print(f"kiln prepare-model: {exc}", file=sys.stderr)
-            return 2
+            return Exit.REFUSED
         except HubError as exc:
-            # 1: a rerun resumes the download (an init container is restarted); 2: it cannot help.
+            # A rerun resumes a download that stopped (an init container is restarted); it
+            # cannot help one the Hub refused (no such repository, no access).
             print(f"kiln prepare-model: {exc}", file=sys.stderr)
-            return 1 if exc.retry else 2
-    return 0
+            return Exit.FAILED if exc.retry else Exit.REFUSED
+    return Exit.OK

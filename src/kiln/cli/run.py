@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kiln.cli.conventions import add_job, add_set
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -14,13 +16,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "directory gets the resolved job, metrics.jsonl, TensorBoard event files, "
                     "checkpoints, the buffer's log, service logs, report/*.png and "
                     "summary.json. Ctrl-C stops the services in order (the trainer "
-                    "checkpoints); --resume continues. Exits 2 for a job that cannot run as "
-                    "written (nothing is written to the run directory then), 1 when the run "
+                    "checkpoints); --resume continues. Exits 1 for a job that cannot run as "
+                    "written (nothing is written to the run directory then), 2 when the run "
                     "stopped on a failure (--resume continues), 130 when interrupted.")
-    p.add_argument("job", nargs="?", type=Path,
-                   help="RLJob manifest; with --resume, an edited job to continue with (what a "
-                        "running job cannot change, such as the model or the parallelism, is "
-                        "refused)")
+    add_job(p, "RLJob manifest; with --resume, an edited job to continue with (what a running "
+               "job cannot change, such as the model or the parallelism, is refused)",
+            required=False)
+    add_set(p)
     p.add_argument("--run-dir", type=Path,
                    help="run directory (default: runs/<metadata.name> under the working "
                         "directory); must not hold a previous run")

@@ -7,13 +7,17 @@
     kiln sandbox reap [--owner NAME]   (remove sandboxes a killed process left behind)
 
 `exec` exits with the command's exit code, 124 after a timeout and 137 after an OOM kill (each
-with a one-line explanation on stderr). Heavy imports happen inside the handlers so `kiln
---help` stays fast. `register(subparsers)` is what the top-level `kiln` command calls.
+with a one-line explanation on stderr). Sizes are Kubernetes quantities, as in the manifest's
+`sandbox` limits (`256Mi`; `256m` is refused: `m` is milli there). Heavy imports happen inside
+the handlers so `kiln --help` stays fast. `register(subparsers)` is what the top-level `kiln` command calls.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+
+from kiln.cli.conventions import byte_quantity
+from kiln.cli.exits import Exit
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -38,23 +42,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "exit code (124 after a timeout, 137 after an OOM kill).")
     backend_args(p)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds (default 60)")
-    p.add_argument("--memory", default="512m", help="memory limit, e.g. 256m, 1g")
-    p.add_argument("--disk", default="1g",
-                   help="workspace size (a tmpfs; writes past it fail with ENOSPC), default 1g")
+    p.add_argument("--memory", type=byte_quantity("--memory"), default="512Mi",
+                   help="memory limit, a Kubernetes quantity (default 512Mi; e.g. 256Mi, 1Gi)")
+    p.add_argument("--disk", type=byte_quantity("--disk"), default="1Gi",
+                   help="workspace size (a tmpfs; writes past it fail with ENOSPC), a Kubernetes "
+                        "quantity (default 1Gi)")
     p.add_argument("--pids", type=int, default=256,
                    help="processes and threads alive at once (default 256)")
     p.add_argument("--cpu", type=float, default=1.0, help="CPU cores (default 1)")
     p.add_argument("--network", action="store_true", help="give the sandbox the host network")
     p.add_argument("--workdir", default=None, help="folder inside /workspace to run in")
-    p.add_argument("--output-limit", default="1m",
-                   help="bytes kept of stdout and of stderr each (default 1m)")
+    p.add_argument("--output-limit", type=byte_quantity("--output-limit"), default="1Mi",
+                   help="bytes kept of stdout and of stderr each, a Kubernetes quantity "
+                        "(default 1Mi)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     p.set_defaults(func=_run_exec)
 
     p = sub.add_parser(
         "verify", help="run each task's reference solution through its verifier",
         description="For every task of a task set: set a sandbox up, play the task's reference "
-                    "solution, run the verifier; prints PASS or FAIL per task and exits 1 if "
+                    "solution, run the verifier; prints PASS or FAIL per task and exits 3 if "
                     "any fails.")
     backend_args(p)
     p.add_argument("taskset", help="TaskSet JSONL file")
@@ -107,7 +114,7 @@ def _run_exec(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         print("kiln sandbox exec: no command given (put it after --)", file=sys.stderr)
-        return 2
+        return Exit.REFUSED
     config = _config(args, {"memory_bytes": args.memory, "disk_bytes": args.disk,
                             "pids": args.pids, "cpu": args.cpu,
                             "timeout_seconds": args.timeout, "network": args.network,
@@ -126,8 +133,8 @@ def _run_exec(args: argparse.Namespace) -> int:
         print(f"kiln sandbox: killed after the {args.timeout:g} s timeout (exit 124)",
               file=sys.stderr)
     elif result.oom_killed:
-        print(f"kiln sandbox: killed by the OOM killer at the {args.memory} memory limit "
-              "(exit 137)", file=sys.stderr)
+        print(f"kiln sandbox: killed by the OOM killer at the {args.memory / 2**20:g}Mi memory "
+              "limit (exit 137)", file=sys.stderr)
     return result.exit_code
 
 
@@ -150,7 +157,7 @@ def _run_verify(args: argparse.Namespace) -> int:
                             f"{o.result.output.strip().splitlines()[-1:] or ''}"
         print(f"FAIL {o.task_id} {detail}")
     print(f"{len(outcomes) - failed}/{len(outcomes)} tasks pass")
-    return 1 if failed else 0
+    return Exit.PROBLEMS_FOUND if failed else Exit.OK
 
 
 def _run_image(args: argparse.Namespace) -> int:
@@ -170,7 +177,8 @@ def _run_reap(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kiln")
+    from kiln.cli.exits import KilnParser
+    parser = KilnParser(prog="kiln")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return args.func(args)

@@ -6,7 +6,7 @@ The rollout engine (vLLM, or the trainer's model code for DSA checkpoints) serve
 as `Authorization: Bearer KEY`); `POST /v1/kiln/episodes` opens an episode, each request names
 it in an `X-Kiln-Episode` header (a request naming none gets one issued, in that response
 header), and `POST /v1/kiln/episodes/ID/reward` ends it, appending its trajectories to
-`--trajectories FILE` when given. Stops cleanly on SIGTERM or Ctrl-C; exits 1 when the engine
+`--trajectories FILE` when given. Stops cleanly on SIGTERM or Ctrl-C; exits 2 when the engine
 dies or wedges. The API is described in `kiln.services.rollout.openai_server`.
 """
 from __future__ import annotations
@@ -16,6 +16,8 @@ import asyncio
 import logging
 import sys
 from pathlib import Path
+
+from kiln.cli.exits import Exit
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -53,20 +55,21 @@ def run(args: argparse.Namespace) -> int:
     if not (args.model_dir / "config.json").is_file():
         print(f"kiln serve: {args.model_dir} holds no config.json (expected a Hugging Face "
               "checkpoint directory)", file=sys.stderr)
-        return 2
+        return Exit.REFUSED
     kind = engine_kind(args.engine, args.model_dir)
     problems = model_problems(args.model_dir, engine=kind, dtype=args.dtype)
     if problems:
         print(f"kiln serve: {args.model_dir}: {problems[0]}", file=sys.stderr)
-        return 2
+        return Exit.REFUSED
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from kiln.services.rollout.standalone import serve
     try:
-        return asyncio.run(serve(
+        died = asyncio.run(serve(
             args.model_dir, port=args.openai_port, api_key_file=args.api_key_file,
             host=args.host, engine=kind, tool_call_format=args.tool_call_format, dtype=args.dtype,
             max_tokens_per_turn=args.max_tokens_per_turn, trajectories=args.trajectories,
             ready_file=args.ready_file))
     except (ValueError, OSError) as exc:
         print(f"kiln serve: {exc}", file=sys.stderr)
-        return 2
+        return Exit.REFUSED
+    return Exit.FAILED if died else Exit.OK  # serve: 1 when the engine died or wedged

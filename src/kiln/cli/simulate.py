@@ -29,8 +29,9 @@ import math
 import random
 import statistics
 import sys
-from pathlib import Path
 
+from kiln.cli.conventions import add_job, add_set
+from kiln.cli.exits import Exit
 from kiln.cli.simulation import (EngineModel, JobModel, Result, Workload, nominal_episode_seconds,
                                  zipf_calls)
 from kiln.cli.simulator import simulate
@@ -40,7 +41,8 @@ from kiln.services.sandbox.latency import log_normal
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="simulate an RL stage's throughput and staleness",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("job", type=Path, help="RLJob manifest")
+    add_job(p, "RLJob manifest")
+    add_set(p)
     p.add_argument("--stage", help="the RL stage to simulate (default: the first)")
     p.add_argument("--steps", type=int, help="optimizer steps (default: the stage's maxSteps)")
     p.add_argument("--seeds", type=int, default=3, help="runs averaged per configuration")
@@ -201,8 +203,12 @@ def search(w: Workload, e: EngineModel, job, stage, args, out) -> dict | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kiln.api.validate import load_job
-    job = load_job(args.job)
+    from kiln.api.validate import ManifestError, load_job
+    try:
+        job = load_job(args.job, overrides=args.overrides)
+    except ManifestError as exc:
+        print(exc, file=sys.stderr)
+        return Exit.REFUSED
     stage = _stage(job, args.stage)
     w = workload(job, stage, args)
     e = EngineModel(args.step_base, args.step_per_seq, args.prefill_cost, args.max_seqs)
@@ -216,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
         best = search(w, e, job, stage, args, out)
         if best is None:
             out.write(f"no configuration kept staleness within {args.max_staleness}\n")
-            return 1
+            return Exit.PROBLEMS_FOUND
         out.write(f"\nbest within max staleness {args.max_staleness}: {best['rollout_accelerators']} "
                   f"accelerators on rollout ({best['replicas']} replicas), "
                   f"{best['train_accelerators']} on training (step {best['train_step']:.1f} s), "
@@ -225,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
                   f"max staleness {best['max_staleness']}, trainer idle {best['trainer_idle']:.2f}, "
                   f"engine idle {best['engine_idle']:.2f}; episodes p50 {best['episode_p50']:.0f} s, "
                   f"p99 {best['episode_p99']:.0f} s\n")
-        return 0
+        return Exit.OK
     results = {mode: averaged(w, e, job_model(job, stage, args, mode == "async"), args.seeds)
                for mode in ("sync", "async")}
     out.write(f"{job.metadata.name} / {stage.name}: simulated, mean of {args.seeds} seeds\n")
@@ -236,4 +242,4 @@ def run(args: argparse.Namespace) -> int:
     ratio = results["async"]["trajectories_per_minute"] / results["sync"]["trajectories_per_minute"]
     out.write(f"async/sync: {ratio:.2f}x (max staleness {results['async']['max_staleness']}, "
               f"tau {stage.rl.tau})\n")
-    return 0
+    return Exit.OK

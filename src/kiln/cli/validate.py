@@ -6,6 +6,8 @@ import sys
 from pathlib import Path
 
 from kiln.api.validate import validate_file
+from kiln.cli.conventions import add_set
+from kiln.cli.exits import Exit
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -13,14 +15,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         "validate", help="check RLJob manifests against the schema",
         description="Check RLJob manifests: YAML syntax, schema, value ranges and cross-field "
                     "rules. Prints FILE:LINE: FIELD: what was expected and found, one line per "
-                    "problem; exits 0 when every file is valid, 2 otherwise (as `kiln run` does "
-                    "for a job it cannot run as written). Plugins a job names (env or reward "
+                    "problem; exits 0 when every file is valid, 1 otherwise (as `kiln run` does "
+                    "for a job it cannot run as written). --set edits every job before it is "
+                    "checked, as it would edit the job of `kiln run`. Plugins a job names (env or reward "
                     "`{plugin: module:Name}`) are imported and checked: put their folder on "
                     "PYTHONPATH. Task files and checkpoints must be here: relative task paths "
                     "are read from the job file's folder, relative model and teacher "
                     "checkpoints from the working directory.")
     p.add_argument("files", nargs="+", type=Path, metavar="FILE", help="RLJob manifest(s)")
     p.add_argument("-q", "--quiet", action="store_true", help="print problems only")
+    add_set(p)
     p.set_defaults(func=run)
 
 
@@ -47,7 +51,7 @@ def _download_note(job) -> str | None:  # type: ignore[no-untyped-def]
 def run(args: argparse.Namespace) -> int:
     failed = 0
     for path in args.files:
-        jobs, problems = validate_file(path, local=True)
+        jobs, problems = validate_file(path, local=True, overrides=args.overrides)
         for problem in problems:
             print(problem, file=sys.stderr)
         if problems:
@@ -60,4 +64,4 @@ def run(args: argparse.Namespace) -> int:
                     print(f"  {job.metadata.name}: {note}")
     if failed:
         print(f"{failed} of {len(args.files)} file(s) invalid", file=sys.stderr)
-    return 2 if failed else 0
+    return Exit.REFUSED if failed else Exit.OK

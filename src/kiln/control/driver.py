@@ -18,10 +18,10 @@ the trainer's checkpoint has it. Errors of the `transient` kinds (a service unre
 it restarts) are waited out up to `unavailable_seconds`.
 
 What is done is kept in a `RunState` (finished stages, evaluations, the checkpoint each guarded
-stage ended with) through a `StateStore`:
-a JSON file for `kiln run` (`state.json`, read by `--resume`), the RLJob's status in a cluster.
-Progress goes to a `progress` callback (the launcher's live line and metrics.jsonl, the
-operator's log) and an optional tracker.
+stage ended with) through a `StateStore`: a JSON file for `kiln run` (`state.json`, read by
+`--resume`), the RLJob's status in a cluster. Progress goes to a `progress` callback (the
+launcher's live line and metrics.jsonl, the operator's log) and an optional tracker; a
+held-out evaluation's progress (tasks done) to `say` every few seconds while it runs.
 
 The driver talks to the services through `kiln.control`'s Protocols; it knows nothing of
 processes, pods or gRPC.
@@ -40,6 +40,7 @@ from kiln.control.autoscale import Autoscaler, StepSignals
 from kiln.control.guard import Guard, Selection
 from kiln.control.records import (BufferControl, ModeRequest, RolloutControl, RolloutMode,
                                   RolloutScaler, RolloutStatus, TrainerControl, TrainerStatus)
+from kiln.control.progress import evaluate_reporting, progress_scalars
 from kiln.metrics import PASS_AT_K, STATUS, StepMetrics
 
 
@@ -213,9 +214,9 @@ class Driver:
             if key in self.state.evaluations:
                 out[task_set] = self.state.evaluations[key]
                 continue
-            self.say(f"stage {stage.name}: evaluating {task_set} ({when})")
-            ev = self._call(lambda: self.rollout.evaluate(task_set, samples=stage.eval.samples,
-                                                          greedy=True))
+            ev = self._call(lambda: evaluate_reporting(
+                self.rollout, task_set, samples=stage.eval.samples, say=self.say,
+                label=f"stage {stage.name}: evaluating {task_set} ({when})", transient=self.transient))
             result = out[task_set] = ev.recorded()
             self.state.evaluations[key] = result
             self.state.save()
@@ -280,6 +281,7 @@ class Driver:
             self.on_progress(progress)
             if self.tracker is not None:
                 self.tracker.log(t.step, {
+                    **progress_scalars(self.job, stage.name, progress.step),
                     **{f"rollout/{k}": getattr(r, k) for k in STATUS["rollout"]},
                     **{f"buffer/{k}": getattr(b, k) for k in STATUS["buffer"]},
                     # -1: no batch acknowledged yet

@@ -65,6 +65,10 @@ class RolloutStatus:
     """On-policy distillation: seconds spent waiting for the teachers' scores, in all."""
     teacher_tokens: int = 0
     """On-policy distillation: tokens the teachers scored, in all."""
+    eval_tasks_done: int = 0
+    """The held-out evaluation in progress: tasks whose every attempt has finished..."""
+    eval_tasks: int = 0
+    """...of its tasks (both 0 when none runs)."""
 
 
 def combined_status(replicas: list[RolloutStatus],
@@ -91,7 +95,9 @@ def combined_status(replicas: list[RolloutStatus],
         stopped_stale=sum(r.stopped_stale for r in replicas),
         generating=sum(r.generating for r in replicas),
         teacher_seconds=sum(r.teacher_seconds for r in replicas),
-        teacher_tokens=sum(r.teacher_tokens for r in replicas))
+        teacher_tokens=sum(r.teacher_tokens for r in replicas),
+        eval_tasks_done=sum(r.eval_tasks_done for r in replicas),
+        eval_tasks=sum(r.eval_tasks for r in replicas))
 
 
 @dataclass

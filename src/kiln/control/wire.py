@@ -34,7 +34,8 @@ def rollout_status_to_proto(s: RolloutStatus) -> rpb.RolloutStatus:
         mean_reward=s.mean_reward, in_flight=s.in_flight,
         engine_fingerprint=s.engine_fingerprint, shipped=s.shipped,
         stopped_stale=s.stopped_stale, generating=s.generating,
-        teacher_seconds=s.teacher_seconds, teacher_tokens=s.teacher_tokens)
+        teacher_seconds=s.teacher_seconds, teacher_tokens=s.teacher_tokens,
+        eval_tasks_done=s.eval_tasks_done, eval_tasks=s.eval_tasks)
 
 
 def rollout_status_from_proto(msg: rpb.RolloutStatus) -> RolloutStatus:
@@ -42,7 +43,7 @@ def rollout_status_from_proto(msg: rpb.RolloutStatus) -> RolloutStatus:
         RolloutMode(msg.mode), msg.stage, msg.policy_version, msg.episodes,
         msg.tokens_generated, msg.tokens_per_second, msg.mean_reward, msg.in_flight,
         msg.engine_fingerprint, msg.shipped, msg.stopped_stale, msg.generating,
-        msg.teacher_seconds, msg.teacher_tokens)
+        msg.teacher_seconds, msg.teacher_tokens, msg.eval_tasks_done, msg.eval_tasks)
 
 
 def evaluation_to_proto(e: Evaluation) -> rpb.EvaluateResponse:

@@ -13,6 +13,7 @@ import os
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kiln.api.images import DEFAULT_REGISTRY
 from kiln.operator.policy import ANY, Allowlist, check_registry_prefix
 from kiln.operator.status import DEFAULT_ADDRESS
 from kiln.operator.tls import Lifetimes
@@ -40,6 +41,11 @@ class OperatorConfig(BaseModel):
     address_map: str = ""
     """A JSON file mapping "namespace/service" to host:port, consulted before the template
     (written by the development cluster's node agent; empty in a real cluster)."""
+    tracking_dir: str = "/tmp/kiln-tracking"
+    """Where the stage driver writes each job's TensorBoard event files
+    (`<namespace>/<job>/driver` inside it); the chart mounts an emptyDir at
+    /var/lib/kiln-tracking and points this there (a persistent volume keeps them past a restart
+    of the operator). Empty: the driver writes none (W&B, when a job asks for it, still runs)."""
     dind_image: str = DIND_IMAGE
     """Docker-in-pod sidecar image for sandboxes with the docker backend."""
     allow_privileged_sandboxes: bool = False
@@ -61,6 +67,9 @@ class OperatorConfig(BaseModel):
     """How long a job's new CA is trusted before it signs: must outlast one restart of all the
     job's pods (they pick up the trust bundle that holds it)."""
 
+    image_registry: str = Field(DEFAULT_REGISTRY, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?(:[0-9]+)?(/[-a-z0-9._]+)*$")
+    """Registry of Kiln's images (the chart's `image.registry`): an RLJob whose image is Kiln's
+    default runs it from there (`kiln.api.images.from_registry`)."""
     allowed_service_accounts: list[str] = [ANY]
     """ServiceAccounts (names or globs) RLJobs may run their pods as (`pod.serviceAccountName`);
     `*`: any. A JSON list in the environment."""

@@ -12,6 +12,13 @@ takes over) resumes where the last one was: `status.finishedStages` and `status.
 rollout that restarted. A suspend (`spec.suspend`), deletion or operator shutdown stops it
 between polls (`Stopped`); nothing is lost, the trainer keeps its checkpoints.
 
+The driver logs to the job's trackers as `kiln run`'s does (`spec.tracking`, `kiln.tracking`):
+each held-out evaluation (`eval/<task set>/...`), and every poll the job's progress
+(`progress/...`) and rollout's and the buffer's figures, at the trainer's global step, so they
+line up with the trainer's own `train/...` scalars. W&B runs are grouped under the job's name
+beside the trainer's (run `driver`). TensorBoard event files go to the operator's tracking
+folder, `<KILN_OPERATOR_TRACKING_DIR>/<namespace>/<job>/driver` (`job_tracker`).
+
 When every stage is done the daemon records `phase: Succeeded`; a driver error that a retry will
 not fix (the trainer failed, a service stayed away for `unavailable_seconds`) records `Failed`
 with the reason in the `Driving` condition.
@@ -19,7 +26,9 @@ with the reason in the `Driving` condition.
 from __future__ import annotations
 
 import logging
+import tempfile
 import threading
+from pathlib import Path
 from typing import Any, Callable
 
 from kiln.api.spec import API_GROUP, API_VERSION, KIND, RLJob
@@ -31,6 +40,7 @@ from kiln.operator.replicas import TRANSIENT, Controls
 from kiln.operator.kube import Kube
 from kiln.operator.naming import JobRef
 from kiln.operator.status import rfc3339, set_condition
+from kiln.tracking import Tracker
 
 log = logging.getLogger("kiln.operator")
 
@@ -97,6 +107,20 @@ class SpecReplicas:
         self.kube.merge_patch(self.ref, {"spec": {"rollout": {"replicas": replicas}}})
 
 
+def job_tracker(job: RLJob, ref: JobRef, tracking_dir: Path | None) -> Tracker:
+    """The driver's tracker of one job: TensorBoard event files in
+    `tracking_dir/<namespace>/<name>/driver` (none without a `tracking_dir`, or with
+    `spec.tracking.tensorboard` off) and a W&B run when `spec.tracking.wandb` is set.
+    ValueError when W&B is asked for and the `wandb` package is missing, OSError when the
+    folder cannot be made."""
+    spec = job.spec.tracking
+    if tracking_dir is None:  # W&B keeps its files (offline mode's run) in a scratch folder
+        spec = spec.model_copy(update={"tensorboard": False})
+        tracking_dir = Path(tempfile.gettempdir()) / "kiln-tracking"
+    return Tracker(Path(tracking_dir) / ref.namespace / ref.name / "driver", run_name="driver",
+                   group=job.metadata.name, spec=spec)
+
+
 def drive(job: RLJob, ref: JobRef, kube: Kube, address: Callable[[str], str],
           current_status: Callable[[], dict[str, Any]], stopped: threading.Event | Any,
           suspended: Callable[[], bool], *, poll_seconds: float = 2.0,
@@ -104,19 +128,27 @@ def drive(job: RLJob, ref: JobRef, kube: Kube, address: Callable[[str], str],
           credentials: Callable[[], Any] = lambda: None,
           rollout_replicas: Callable[[], int] | None = None,
           on_stage_finished: Callable[[list[str]], None] = lambda finished: None,
-          on_event: Callable[[str, str], None] = lambda reason, message: None) -> str:
+          on_event: Callable[[str, str], None] = lambda reason, message: None,
+          tracking_dir: Path | None = None) -> str:
     """Run the job's remaining stages; returns the outcome: succeeded, failed or stopped.
     `rollout_replicas()`: the live spec's rollout replica count (autoscaling changes it).
     `on_stage_finished(finished)`: called once a stage is recorded done (frozen deployments
     made by that stage can start now, without waiting for the next drift repair).
     `on_event(reason, message)`: posts a Kubernetes event on the RLJob (a guarded stage's
-    checkpoint selection, `CheckpointSelected` or `StoppedOnRegression`)."""
+    checkpoint selection, `CheckpointSelected` or `StoppedOnRegression`).
+    `tracking_dir`: where the job's TensorBoard files go (`job_tracker`); None: nowhere."""
     store = StatusStore(kube, ref, current_status, on_stage_finished)
     state = RunState.load(store)
     names = [s.name for s in job.spec.stages]
     if all(n in state.finished_stages for n in names):
         return "succeeded"
     controls = Controls.open(address, credentials=credentials)
+    tracker = None
+    try:
+        tracker = job_tracker(job, ref, tracking_dir)
+    except (ValueError, OSError) as exc:  # W&B not installed, a folder not writable: untracked
+        log.error("%s/%s: not tracked: %s", ref.namespace, ref.name, exc)
+        on_event("TrackingUnavailable", str(exc))
     last_logged = [0.0]
 
     def on_progress(p: Progress) -> None:
@@ -136,7 +168,7 @@ def drive(job: RLJob, ref: JobRef, kube: Kube, address: Callable[[str], str],
         job, ControlPlane(controls.trainer, controls.rollout, controls.buffer, scaler), state,
         DriverHooks(say=lambda s: log.info("%s/%s %s", ref.namespace, ref.name, s.strip()),
                     on_progress=on_progress, on_event=event,
-                    should_stop=lambda: bool(stopped.is_set()) or suspended()),
+                    should_stop=lambda: bool(stopped.is_set()) or suspended(), tracker=tracker),
         DriverOptions(poll_seconds=poll_seconds, transient=TRANSIENT,
                       unavailable_seconds=unavailable_seconds))
     try:
@@ -153,6 +185,8 @@ def drive(job: RLJob, ref: JobRef, kube: Kube, address: Callable[[str], str],
         return "failed"
     finally:
         controls.close()
+        if tracker is not None:
+            tracker.close()
     now, status = rfc3339(), current_status()
     generation = status.get("observedGeneration")
     conditions = set_condition(list(status.get("conditions") or []), "Driving",

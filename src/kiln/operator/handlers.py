@@ -147,7 +147,7 @@ def _refuse(body: kopf.Body, patch: kopf.Patch, status: dict[str, Any], reason: 
 def reconcile_job(body: kopf.Body, name: str, namespace: str, uid: str, patch: kopf.Patch,
                   memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     status = dict(body.get("status") or {})
-    spec, problems = parse_spec(name, dict(body.spec))
+    spec, problems = parse_spec(name, dict(body.spec), memo.config.image_registry)
     if spec is None:
         # A spec that fails validation will not pass on retry; the user has to edit it.
         _refuse(body, patch, status, "InvalidSpec", problems, "Failed")
@@ -278,7 +278,7 @@ def _repair(body: kopf.Body, name: str, job: JobRef, status: dict[str, Any],
             memo: kopf.Memo) -> None:
     """Re-apply the children (level-triggered drift repair)."""
     memo.last_repair = time.monotonic()
-    spec, _problems = parse_spec(name, dict(body.spec))
+    spec, _problems = parse_spec(name, dict(body.spec), memo.config.image_registry)
     if spec is None or memo.config.refusals(spec):
         return
     result = reconcile(memo.kube, job, spec, hosting=memo.config.hosting,
@@ -336,7 +336,7 @@ def _drive_until_stopped(stopped: kopf.DaemonStopped, body: kopf.Body, job: JobR
         ready = (status.get("phase") in ("Pending", "Running") and _valid(status)
                  and status.get("observedGeneration") == body.meta.get("generation")
                  and not body.meta.get("deletionTimestamp"))
-        spec = parse_spec(job.name, dict(body.spec))[0] if ready else None
+        spec = parse_spec(job.name, dict(body.spec), memo.config.image_registry)[0] if ready else None
         if spec is None or spec.suspend:
             _pause(stopped, _DRIVE_POLL)
             continue
@@ -362,7 +362,8 @@ def _drive_until_stopped(stopped: kopf.DaemonStopped, body: kopf.Body, job: JobR
                 rollout_replicas=lambda: int((body.spec.get("rollout") or {}).get("replicas", 1)),
                 on_stage_finished=stage_finished,
                 on_event=lambda reason, message: kopf.event(body, type="Normal", reason=reason,
-                                                            message=message))
+                                                            message=message),
+                tracking_dir=memo.config.tracking_dir or None)
         except Exception:  # noqa: BLE001 - an API error must not end this job's driving for good
             logger.exception("driver stopped on an error; starting again")
             _pause(stopped, 10 * _DRIVE_POLL)
@@ -386,7 +387,7 @@ def _drive_until_stopped(stopped: kopf.DaemonStopped, body: kopf.Body, job: JobR
 def delete_job(body: kopf.Body, name: str, namespace: str, uid: str, memo: kopf.Memo,
                logger: kopf.Logger, **_: Any) -> None:
     job = JobRef(name=name, namespace=namespace, uid=uid)
-    spec, _problems = parse_spec(name, dict(body.spec))
+    spec, _problems = parse_spec(name, dict(body.spec), memo.config.image_registry)
     if spec is None:
         spec = accepted_spec(memo.kube, job)
     outcome = finalize(memo.kube, job, spec)

@@ -115,6 +115,9 @@ def _pods(spec: RLJobSpec) -> Iterator[tuple[str, Any]]:
 def _secrets(spec: RLJobSpec) -> Iterator[tuple[str, str]]:
     if spec.model.hub is not None and spec.model.hub.token_secret:
         yield "model.hub.tokenSecret", spec.model.hub.token_secret
+    for i, ts in enumerate(spec.tasks):
+        if ts.source is not None and ts.source.hf_dataset is not None and ts.source.hf_dataset.token_secret:
+            yield f"tasks[{i}].source.hfDataset.tokenSecret", ts.source.hf_dataset.token_secret
     if spec.rollout.openai.api_key_secret:
         yield "rollout.openai.apiKeySecret", spec.rollout.openai.api_key_secret
     for field, pod in _pods(spec):

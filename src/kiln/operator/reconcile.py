@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from kiln.api.images import from_registry
 from kiln.api.spec import API_GROUP, API_VERSION, KIND, RLJobSpec
 from kiln.api.validate import validate_document
 from kiln.operator import adoption, children, frozen
@@ -28,14 +29,16 @@ from kiln.operator.workloads import SandboxHosting
 log = logging.getLogger("kiln.operator")
 
 
-def parse_spec(name: str, spec: dict[str, Any]) -> tuple[RLJobSpec | None, list[str]]:
-    """The validated spec, or None and one "field: reason" line per problem."""
+def parse_spec(name: str, spec: dict[str, Any],
+               image_registry: str | None = None) -> tuple[RLJobSpec | None, list[str]]:
+    """The validated spec, or None and one "field: reason" line per problem. Kiln's default
+    image is taken from `image_registry` (the chart's `image.registry`, `kiln.api.images`)."""
     document = {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
                 "metadata": {"name": name}, "spec": spec}
     job, problems = validate_document(document, file=name)
     if job is None:
         return None, [f"{p.path}: {p.message}" if p.path else p.message for p in problems]
-    return job.spec, []
+    return from_registry(job.spec, image_registry), []
 
 
 @dataclass

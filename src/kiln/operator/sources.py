@@ -11,6 +11,10 @@ and those containers get `TASKS_ROOT_ENV`, so the service finds the file there:
 
 An image source is copied, not mounted: an init container of that image, first in the pod,
 copies its `/tasks` folder into an emptyDir (`IMAGE_TASKS`), which the readers mount read-only.
+A Hub dataset (`hfDataset`) is fetched the same way, by an init container of the job's image
+running `kiln fetch-tasks` for that task set alone (its token, if any, from the Secret as
+HF_TOKEN, to that container only; the pod's other `HF_*` variables, such as a mirror's
+HF_ENDPOINT, too).
 
 The job file the services read keeps `source` as written: where it is mounted is the pod's
 business, not the job's. The output PVC (`spec.output`, `kiln.api.outputs`) is mounted into the
@@ -24,6 +28,7 @@ from typing import Any
 from kiln.api.outputs import OUTPUT_DIR_ENV, OUTPUT_ROOT
 from kiln.api.spec import RLJobSpec
 from kiln.api.task_sources import TASKS_ROOT, TASKS_ROOT_ENV
+from kiln.operator.naming import JOB_FILE
 from kiln.operator.pods import service_security
 
 #: Containers that read task files.
@@ -48,6 +53,8 @@ def task_source_volumes(spec: RLJobSpec) -> tuple[list[dict[str, Any]], list[dic
                 "name": cm.name, "items": [{"key": cm.key, "path": cm.key}]}})
         elif source.image is not None:
             volumes.append({"name": name, "emptyDir": {"sizeLimit": source.image.size}})
+        elif source.hf_dataset is not None:
+            volumes.append({"name": name, "emptyDir": {"sizeLimit": source.hf_dataset.size}})
         else:
             volumes.append({"name": name, "persistentVolumeClaim": {
                 "claimName": source.pvc.claim, "readOnly": True}})
@@ -75,6 +82,39 @@ def image_copiers(spec: RLJobSpec) -> list[dict[str, Any]]:
     return out
 
 
+def dataset_fetchers(spec: RLJobSpec, hub_env: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """One init container per Hub dataset source: `kiln fetch-tasks` writes the task set's
+    rows as its task file into the set's folder (a restarted container finds it recorded).
+    `hub_env`: the pod's own `HF_*` variables (a mirror's HF_ENDPOINT, ...), which it gets too."""
+    out = []
+    for i, ts in enumerate(spec.tasks):
+        if ts.source is None or ts.source.hf_dataset is None:
+            continue
+        src = ts.source.hf_dataset
+        folder = f"{COPY_TARGET}/{ts.name}"
+        # The download's cache inside the folder (the root file system may be read-only);
+        # `kiln fetch-tasks` removes it once the task file is written.
+        env: list[dict[str, Any]] = [*hub_env, {"name": "HF_HOME", "value": f"{folder}/.cache"}]
+        if src.token_secret:
+            env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+                "name": src.token_secret, "key": "token"}}})
+        amounts = {"cpu": "500m", "memory": "1Gi", "ephemeral-storage": src.size}
+        out.append({
+            "name": f"tasks-{i}",
+            "image": spec.image,
+            "imagePullPolicy": "IfNotPresent",
+            "command": ["kiln", "fetch-tasks", JOB_FILE, "--task-set", ts.name,
+                        "--out", COPY_TARGET],
+            "env": env,
+            "resources": {"requests": amounts, "limits": amounts},
+            "volumeMounts": [{"name": "job", "mountPath": JOB_FILE, "subPath": "job.yaml",
+                              "readOnly": True},
+                             {"name": f"tasks-{i}", "mountPath": folder}],
+            "securityContext": service_security(),
+        })
+    return out
+
+
 def mount_task_sources(template: dict[str, Any], spec: RLJobSpec) -> dict[str, Any]:
     """`template` (a pod template) with the task sources mounted into its readers; the same
     object, changed in place, for chaining."""
@@ -90,13 +130,25 @@ def mount_task_sources(template: dict[str, Any], spec: RLJobSpec) -> dict[str, A
         return template
     pod["volumes"] = [*pod.get("volumes", []), *volumes]
     # Copies first: every reader, a prepare-model init container too, finds the files there.
-    pod["initContainers"] = [*image_copiers(spec), *pod.get("initContainers", [])]
+    pod["initContainers"] = [*image_copiers(spec), *dataset_fetchers(spec, _hub_env(pod)),
+                             *pod.get("initContainers", [])]
     if not pod["initContainers"]:
         del pod["initContainers"]
     for container in readers:
         container["volumeMounts"] = [*container.get("volumeMounts", []), *mounts]
         container["env"] = [*container.get("env", []), {"name": TASKS_ROOT_ENV, "value": TASKS_ROOT}]
     return template
+
+
+def _hub_env(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    """The `HF_*` variables the pod's containers are given (`spec.<component>.pod.env`), each
+    once; not HF_TOKEN (a dataset's token is its own `tokenSecret`) nor HF_HOME."""
+    seen: dict[str, dict[str, Any]] = {}
+    for container in pod["containers"]:
+        for var in container.get("env", []):
+            if var["name"].startswith("HF_") and var["name"] not in ("HF_TOKEN", "HF_HOME"):
+                seen.setdefault(var["name"], var)
+    return list(seen.values())
 
 
 def mount_output(template: dict[str, Any], spec: RLJobSpec) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import urllib.request
 from pathlib import Path
 
 from kiln.cli.devcluster.apiclient import free_port
+from kiln.cli.exits import Exit
 
 OPERATOR_SETTINGS = {
     # Quick reactions for a one-machine cluster.
@@ -114,7 +115,9 @@ def up(root: Path, timeout: float) -> None:
         port = free_port()
         (root / "operator.port").write_text(str(port))
         op_env = {**env, **OPERATOR_SETTINGS, "KUBECONFIG": str(root / "kubeconfig"),
-                  "KILN_OPERATOR_ADDRESS_MAP": str(root / "addresses.json")}
+                  "KILN_OPERATOR_ADDRESS_MAP": str(root / "addresses.json"),
+                  # The stage driver's TensorBoard files: DIR/tracking/<namespace>/<job>/driver.
+                  "KILN_OPERATOR_TRACKING_DIR": str(root / "tracking")}
         _spawn(root, "operator", [str(bin_dir / "kiln-operator"), "--namespace", "default",
                                   "--liveness", f"http://127.0.0.1:{port}/healthz",
                                   "--metrics-port", "0"], op_env)
@@ -167,5 +170,5 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(status(args.dir)))
     except RuntimeError as exc:
         print(f"kiln dev-cluster {args.action}: {exc}", file=sys.stderr)
-        return 1
-    return 0
+        return Exit.FAILED
+    return Exit.OK

@@ -1,4 +1,4 @@
-"""`kiln eval MODEL_DIR --job JOB --task-set NAME --samples N --out DIR`: one checkpoint's
+"""`kiln eval JOB MODEL_DIR --task-set NAME --samples N --out DIR`: one checkpoint's
 held-out numbers, without a training run.
 
 The job gives the task sets, the sandbox and the rollout settings (engine, format, sampling);
@@ -19,6 +19,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TextIO
 
 import yaml
@@ -27,6 +28,7 @@ from kiln.api.distillation import teacher_refs
 from kiln.api.paths import resolve
 from kiln.api.spec import RLJob
 from kiln.api.validate import ManifestError, load_job
+from kiln.cli.exits import Exit
 
 #: Started in this order (each after those it talks to), stopped in the reverse one.
 SERVICES = ("buffer", "sandbox", "weight_sync", "rollout")
@@ -58,7 +60,7 @@ def refusals(job: RLJob, model_dir: Path, task_set: str, samples: int) -> list[s
     if samples < 1:
         out.append(f"--samples: {samples} must be 1 or more")
     if teacher_refs(job.spec):
-        out.append(f"--job: the job needs frozen deployments ({teacher_refs(job.spec)}: teachers, "
+        out.append(f"JOB: the job needs frozen deployments ({teacher_refs(job.spec)}: teachers, "
                    "swarm subagents or reward models), which kiln eval does not start")
     return out
 
@@ -67,7 +69,7 @@ def load(job_file: Path, err: TextIO) -> RLJob | None:
     try:
         return resolve(load_job(job_file, local=True), job_file)
     except ManifestError as exc:
-        print(f"kiln eval: --job {job_file}: invalid job:\n{exc}", file=err)
+        print(f"kiln eval: {job_file}: invalid job:\n{exc}", file=err)
         return None
 
 
@@ -77,10 +79,10 @@ def main(model_dir: Path, job_file: Path, task_set: str, samples: int, out_dir: 
 
     job = load(job_file, err)
     if job is None:
-        return 2
+        return Exit.REFUSED
     if problems := refusals(job, model_dir, task_set, samples):
         print("kiln eval: " + "\n".join(problems), file=err)
-        return 2
+        return Exit.REFUSED
     job = eval_job(job, model_dir)
     run_dir = (out_dir / "services").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -94,10 +96,10 @@ def main(model_dir: Path, job_file: Path, task_set: str, samples: int, out_dir: 
         ev = _evaluate(job, run_dir, task_set, samples, max_tasks, out)
     except KeyboardInterrupt:
         out.write("\ninterrupted: services stopped\n")
-        return 130
+        return Exit.INTERRUPTED
     except RuntimeError as exc:  # ServiceFailed, an Evaluate that failed: the logs say more
         print(f"kiln eval: {exc}\nlogs: {run_dir / 'logs'}", file=err)
-        return 1
+        return Exit.FAILED
     report = eval_report(
         ev.task_counts, model=str(model_dir.resolve()), job=str(job_file.resolve()),
         task_set=task_set, samples=samples, temperature=job.spec.rollout.sampling.temperature,
@@ -109,7 +111,7 @@ def main(model_dir: Path, job_file: Path, task_set: str, samples: int, out_dir: 
         figures.append(f"greedy {report['greedy']:.3f}")
     out.write(f"{task_set}: {len(ev.task_counts)} tasks x {samples} samples: "
               f"{', '.join(figures)}\nwrote {path}\n")
-    return 0
+    return Exit.OK
 
 
 def _evaluate(job: RLJob, run_dir: Path, task_set: str, samples: int, max_tasks: int,
@@ -119,6 +121,8 @@ def _evaluate(job: RLJob, run_dir: Path, task_set: str, samples: int, max_tasks:
 
     from kiln.cli.local import processes
     from kiln.control.clients import RolloutControlClient
+    from kiln.control.progress import evaluate_reporting
+    from kiln.control.retry import ServiceUnavailable
 
     job_file = run_dir / "job.yaml"
     job_file.write_text(yaml.safe_dump(job.model_dump(mode="json", by_alias=True, exclude_none=True),
@@ -132,12 +136,21 @@ def _evaluate(job: RLJob, run_dir: Path, task_set: str, samples: int, max_tasks:
             services[name] = processes.start(name, job_file, run_dir,
                                              {n: s.address for n, s in services.items()}, args=args)
             processes.wait_ready(services[name])
-        out.write(f"services ready; evaluating {task_set} ({samples} samples per task and one "
-                  "greedy)\n")
-        out.flush()
         client = RolloutControlClient(services["rollout"].address)
+        # Rollout's Evaluate, with its tasks-done figures every few seconds while it runs.
+        limited = SimpleNamespace(status=client.status, evaluate=lambda task_set, *, samples, greedy:
+                                  client.evaluate(task_set, samples=samples, greedy=greedy,
+                                                  max_tasks=max_tasks))
+
+        def say(text: str) -> None:
+            out.write(text + "\n")
+            out.flush()
+        say("services ready")
         try:
-            return client.evaluate(task_set, samples=samples, greedy=True, max_tasks=max_tasks)
+            return evaluate_reporting(
+                limited, task_set, samples=samples, say=say,
+                label=f"evaluating {task_set} ({samples} samples per task and one greedy)",
+                transient=(ServiceUnavailable,))
         except grpc.RpcError as exc:
             raise RuntimeError(f"rollout's Evaluate failed: {exc.code().name}: {exc.details()}") from exc
     finally:

@@ -25,6 +25,8 @@ from pathlib import Path
 import grpc
 
 from kiln.api.spec import RLJob
+from kiln.cli.exits import Exit
+from kiln.cli.local.deadline import DEADLINE_EXCEEDED, Deadline, mark_failed, ttl_note
 from kiln.cli.local.preflight import prepare
 
 
@@ -48,11 +50,12 @@ def main(args: argparse.Namespace) -> int:
     from kiln.cli.local import openai_access, processes
     from kiln.cli.local.fleet import RolloutFleet
     from kiln.cli.local.progress import LocalProgress
-    from kiln.control.driver import ControlPlane, Driver, DriverHooks, DriverOptions, FileStore, RunState
+    from kiln.control.driver import (ControlPlane, Driver, DriverHooks, DriverOptions, FileStore,
+                                     RunState, Stopped)
     from kiln.cli.local.report import write_report, write_summary
     from kiln.control.clients import BufferStatusClient, RolloutControlClient, TrainerControlClient
     from kiln.control.retry import ServiceUnavailable
-    from kiln.services.common.tracking import Tracker
+    from kiln.tracking import Tracker
 
     out = sys.stdout
     started = time.time()
@@ -61,16 +64,19 @@ def main(args: argparse.Namespace) -> int:
         return prepared
     job, run_dir = prepared
     job_file = run_dir / "job.yaml"
+    deadline = Deadline(job.spec, time.monotonic())  # spec.activeDeadlineSeconds, from now
+    if note := ttl_note(job.spec):
+        out.write(note + "\n")
     teachers = teachers_of(job, run_dir)
     try:
         tracker = Tracker(run_dir / "tensorboard", run_name="driver", group=job.metadata.name,
                           spec=job.spec.tracking)
     except ValueError as exc:
         print(f"kiln run: {exc}", file=sys.stderr)
-        return 2
+        return Exit.REFUSED
     services: dict[str, processes.ServiceProcess] = {}
     fleet = None
-    interrupted = failed = False
+    interrupted = failed = expired = False
 
     def _interrupt(signum, frame):  # noqa: ARG001
         raise KeyboardInterrupt
@@ -122,16 +128,20 @@ def main(args: argparse.Namespace) -> int:
                     services[name] = processes.restart(services[name], job_file, run_dir, addrs)
             return dead
 
-        shown = LocalProgress(run_dir, out)
+        shown = LocalProgress(run_dir, out, job)
         fleet = RolloutFleet(services, start_worker, lambda svc: RolloutControlClient(svc.address),
                              drain_seconds=job.spec.rollout.episode_timeout_seconds, say=shown.say)
         fleet.scale(max(1, job.spec.rollout.replicas))  # the others join once healthy
         driver = Driver(job, ControlPlane(trainer, fleet, buffer, scaler=fleet),
                         RunState.load(FileStore(run_dir / "state.json")),
                         DriverHooks(say=shown.say, on_progress=shown.progress, on_event=shown.event,
-                                    supervise=supervise, tracker=tracker),
+                                    supervise=supervise, tracker=tracker,
+                                    should_stop=deadline.passed),
                         DriverOptions(transient=(ServiceUnavailable,)))
         state = driver.run()
+    except Stopped:  # only the deadline stops the driver here
+        expired = True
+        out.write(f"\nkiln run: {deadline.message()}\n")
     except KeyboardInterrupt:
         interrupted = True
         out.write(f"\ninterrupted: stopping services (the trainer checkpoints); continue with\n"
@@ -145,10 +155,21 @@ def main(args: argparse.Namespace) -> int:
             fleet.close()  # workers already retired by autoscaling, still on their way out
         _stop_all(services)
         tracker.close()
+    from kiln.cli.local.progress import run_table
+
+    if failed or interrupted or expired:
+        out.write("\n" + run_table(job, run_dir) + "\n")
+        _report_so_far(run_dir, out)
+    if expired:
+        # What was done, from the recorded state; then the reason it ended.
+        write_summary(job, run_dir, RunState.load(FileStore(run_dir / "state.json")),
+                      wall_seconds=time.time() - started)
+        mark_failed(run_dir, DEADLINE_EXCEEDED, deadline.message())
+        return Exit.FAILED
     if failed:
-        return 1
+        return Exit.FAILED
     if interrupted:
-        return 130
+        return Exit.INTERRUPTED
     from kiln.cli.export import final_hf
 
     final = final_hf(run_dir, job)
@@ -157,8 +178,24 @@ def main(args: argparse.Namespace) -> int:
     summary = write_summary(job, run_dir, state, wall_seconds=time.time() - started)
     write_report(run_dir, rl_stages={s.name for s in job.spec.stages if s.type != "sft"},
                  evaluations=summary["evaluations"])
-    out.write(json.dumps(summary, indent=2) + "\n")
-    return 0
+    out.write(json.dumps(summary, indent=2) + "\n\n" + run_table(job, run_dir) + "\n")
+    return Exit.OK
+
+
+def _report_so_far(run_dir: Path, out) -> None:
+    """report/*.png of a run that failed or was interrupted, from the steps it recorded (a
+    second Ctrl-C while it draws skips it; `kiln report RUN_DIR` draws it again)."""
+    from kiln.cli.local.report import remake
+
+    try:
+        written = remake(run_dir)
+    except ValueError as exc:  # stopped before the first progress record
+        out.write(f"no report: {exc}\n")
+        return
+    except KeyboardInterrupt:
+        out.write(f"report skipped; draw it with kiln report {run_dir}\n")
+        return
+    out.write(f"report of the steps so far: {written[0].parent}\n")
 
 
 def _stop_all(services) -> None:

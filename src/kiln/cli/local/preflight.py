@@ -12,14 +12,21 @@ what changed may change on a running job: what an RLJob on a cluster may change
 (`kiln.operator.children.IMMUTABLE_FIELDS` may not: the model, the parallelism, the storage
 classes) and not its name (the run's identity). Otherwise it refuses, naming the fields.
 
-Exit codes: 2 for a job that cannot run as written (as `kiln validate` and `kiln
-prepare-model`), 1 for a download that stopped (running the same command again resumes it).
+`--set PATH=VALUE` overrides (`kiln.api.overrides`) edit the job before it is validated; with
+`--resume` they edit the job the run continues with, as an edited job file would.
+
+Exit codes (`kiln.cli.exits`): REFUSED for a job that cannot run as written (as `kiln validate`
+and `kiln prepare-model`), FAILED for a download that stopped (running the same command again
+resumes it).
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
+import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -28,8 +35,9 @@ import yaml
 from kiln.api.paths import resolve
 from kiln.api.spec import RLJob
 from kiln.api.outputs import local_refusals as output_refusals
-from kiln.api.task_sources import local_refusals
+from kiln.api.task_sources import TASKS_ROOT_ENV, local_refusals
 from kiln.api.validate import ManifestError, load_job
+from kiln.cli.exits import Exit
 
 
 def dump(job: RLJob) -> str:
@@ -70,9 +78,9 @@ def _dig(data: Any, path: tuple[str, ...]) -> Any:
     return data
 
 
-def _load(path: Path, err: TextIO) -> RLJob | None:
+def _load(path: Path, err: TextIO, overrides: Sequence[str] = ()) -> RLJob | None:
     try:
-        job = resolve(load_job(path, local=True), path)
+        job = resolve(load_job(path, local=True, overrides=overrides), path)
     except ManifestError as exc:
         print(f"kiln run: invalid job:\n{exc}", file=err)
         return None
@@ -82,55 +90,98 @@ def _load(path: Path, err: TextIO) -> RLJob | None:
     return job
 
 
-def prepare(args: argparse.Namespace, out: TextIO = sys.stdout,
-            err: TextIO = sys.stderr) -> tuple[RLJob, Path] | int:
+def prepare(args: argparse.Namespace, out: TextIO | None = None,
+            err: TextIO | None = None) -> tuple[RLJob, Path] | int:
     """(the job to run, its run directory, whose job.yaml now holds it), or an exit code."""
+    # Looked up now, not when the module was imported: the streams may have been replaced since.
+    out, err = out or sys.stdout, err or sys.stderr
     if args.resume:
         run_dir = args.resume.resolve()
         saved = run_dir / "job.yaml"
         if not saved.exists():
             print(f"kiln run: --resume {args.resume}: no job.yaml there; not a run directory", file=err)
-            return 2
+            return Exit.REFUSED
         job = _load(saved, err)
         if job is None:
-            return 2
-        if args.job is not None:
-            new = _load(args.job, err)
+            return Exit.REFUSED
+        overrides = getattr(args, "overrides", [])
+        if args.job is not None or overrides:
+            edited = args.job if args.job is not None else saved
+            new = _load(edited, err, overrides)
             if new is None:
-                return 2
+                return Exit.REFUSED
             if refused := resume_refusals(job, new):
-                print(f"kiln run: --resume {args.resume} {args.job}: a resumed run keeps what "
+                print(f"kiln run: --resume {args.resume} {edited}: a resumed run keeps what "
                       f"its checkpoints and buffer were made with; these cannot change: "
                       f"{'; '.join(refused)}. Restore them, or start a new run (another "
                       "--run-dir)", file=err)
-                return 2
+                return Exit.REFUSED
             diff = changes(_tree(job), _tree(new))
-            out.write(f"resuming with {args.job}: " + ("; ".join(diff) if diff else "no changes")
-                      + "\n")
+            out.write(f"resuming with {edited}{' and --set' if overrides else ''}: "
+                      + ("; ".join(diff) if diff else "no changes") + "\n")
             job = new
     elif args.job is None:
         print("kiln run: give a job file, or --resume RUN_DIR", file=err)
-        return 2
+        return Exit.REFUSED
     else:
-        job = _load(args.job, err)
+        job = _load(args.job, err, getattr(args, "overrides", []))
         if job is None:
-            return 2
+            return Exit.REFUSED
         run_dir = (args.run_dir or Path("runs") / job.metadata.name).resolve()
         # A run stopped during its first stage has no state.json yet, but its job.yaml (and
         # maybe checkpoints) would be mixed into this one's.
         if (run_dir / "state.json").exists() or (run_dir / "job.yaml").exists():
             print(f"kiln run: {run_dir} holds a previous run; use --resume {run_dir} or another "
                   "--run-dir", file=err)
-            return 2
+            return Exit.REFUSED
+    fetched = _fetch_tasks(job, run_dir, out, err)
+    if isinstance(fetched, int):
+        return fetched
     if (code := _check_model(job, out, err)) is not None:
+        _unfetch(run_dir, fetched)
         return code
     if job.spec.tracking.wandb is not None and importlib.util.find_spec("wandb") is None:
         print("kiln run: spec.tracking.wandb is set but the `wandb` package is not installed "
               "(pip install wandb), or unset spec.tracking.wandb", file=err)
-        return 2
+        return Exit.REFUSED
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "job.yaml").write_text(dump(job))
     return job, run_dir
+
+
+def _fetch_tasks(job: RLJob, run_dir: Path, out: TextIO, err: TextIO) -> list[Path] | int:
+    """Fetch the Hub dataset task sets into `RUN_DIR/tasks/<set>/` (a resumed run finds them
+    recorded there) and tell the services to read them there, as a pod's init container and
+    TASKS_ROOT_ENV do. The folders it made (removed again if the pre-flight fails), or an exit
+    code, having removed them."""
+    from kiln.cli.hf_tasks import DatasetError, fetch, hub_task_sets
+
+    root, made = run_dir / "tasks", []
+    for i, ts in hub_task_sets(job.spec.tasks):
+        if not (root / ts.name).exists():
+            made.append(root / ts.name)
+        try:
+            fetch(ts, root, out, where=f"spec.tasks[{i}].source.hfDataset")
+        except DatasetError as exc:
+            _unfetch(run_dir, made)
+            print(f"kiln run: {exc}" + ("; run the same command again to retry"
+                                        if exc.retry else ""), file=err)
+            return Exit.FAILED if exc.retry else Exit.REFUSED
+    if hub_task_sets(job.spec.tasks):
+        os.environ[TASKS_ROOT_ENV] = str(root)
+    return made
+
+
+def _unfetch(run_dir: Path, made: list[Path]) -> None:
+    """Leave nothing of a refused run behind: the task folders it fetched, and the folders above
+    them it made."""
+    for folder in made:
+        shutil.rmtree(folder, ignore_errors=True)
+    for folder in (run_dir / "tasks", run_dir):
+        try:
+            folder.rmdir()  # only if empty: a resumed run's folder stays
+        except OSError:
+            pass
 
 
 def _check_model(job: RLJob, out: TextIO, err: TextIO) -> int | None:
@@ -143,13 +194,13 @@ def _check_model(job: RLJob, out: TextIO, err: TextIO) -> int | None:
     if model.init is None and model.hub is None and not (Path(model.path) / "config.json").exists():
         print(f"kiln run: spec.model.path: {model.path} holds no config.json, and neither "
               "spec.model.init nor spec.model.hub is set to get one there", file=err)
-        return 2
+        return Exit.REFUSED
     try:
         prepare_model(job, out)
     except HubError as exc:
         print(f"kiln run: {exc}" + ("; run the same command again to continue the download"
                                     if exc.retry else ""), file=err)
-        return 1 if exc.retry else 2
+        return Exit.FAILED if exc.retry else Exit.REFUSED
     # The model capabilities once more: spec.model.init may just have made the checkpoint.
     try:
         problems = [r.message for r in job_model_refusals(job.spec)]
@@ -157,5 +208,5 @@ def _check_model(job: RLJob, out: TextIO, err: TextIO) -> int | None:
         problems = [str(exc)]
     if problems:
         print(f"kiln run: spec.model.path: {model.path}: {problems[0]}", file=err)
-        return 2
+        return Exit.REFUSED
     return None

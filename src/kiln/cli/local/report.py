@@ -1,4 +1,6 @@
 """What a finished run leaves behind: `summary.json` and `report/*.png`, from `metrics.jsonl`.
+The report is drawn also when a run fails or is interrupted, and again by `kiln report RUN_DIR`
+(`remake`); its per-step plots are `kiln.plots`'.
 
 The summary holds the figures a user asks first: wall time, steps, final policy version, and
 for each evaluation the held-out success rate (greedy and sampled); for a job with one SFT and
@@ -17,6 +19,7 @@ from typing import Any
 
 from kiln.api.spec import RLJob, RLStage
 from kiln.cli.local.reward_report import plot_reward_parts, reward_parts
+from kiln.plots import draw_steps
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
@@ -88,8 +91,33 @@ def write_summary(job: RLJob, run_dir: Path, state, *, wall_seconds: float) -> d
     scoring = teacher_scoring(job, recs)
     if scoring:
         summary["teacher_scoring"] = scoring
+    summary.update(sync_sizes(job, run_dir))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def sync_sizes(job: RLJob, run_dir: Path) -> dict[str, int]:
+    """`weight_sync_bytes_per_version` (what the trainer's last publish carried: a LoRA job's
+    adapter alone) and `model_bytes` (the policy's weights in the job's dtype), once a version
+    was published."""
+    record = run_dir / "trainer" / "weight_sync.json"
+    model = job.spec.model.local_path()
+    if not record.exists() or not any(model.glob("*.safetensors")):
+        return {}
+    from safetensors import safe_open
+
+    width = {"float32": 4, "bfloat16": 2, "float16": 2}[job.spec.model.dtype]
+    elements = 0
+    for f in model.glob("*.safetensors"):
+        with safe_open(str(f), "np") as st:
+            for name in st.keys():
+                shape = st.get_slice(name).get_shape()
+                n = 1
+                for d in shape:
+                    n *= d
+                elements += n
+    return {"weight_sync_bytes_per_version": json.loads(record.read_text())["bytes_per_version"],
+            "model_bytes": elements * width}
 
 
 def teacher_scoring(job: RLJob, progress: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -141,93 +169,21 @@ def steps_seen(progress: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]
     return sorted(steps.items())
 
 
-def staleness_histogram(steps: list[tuple[int, dict[str, Any]]]) -> dict[int, float]:
-    """Trajectories trained on, by how many policy versions their oldest token was behind the
-    trainer, summed over `steps` (from `steps_seen`)."""
-    hist: dict[int, float] = {}
-    for _, r in steps:
-        for k, v in (r["trainer"].get("staleness") or {}).items():
-            hist[int(k)] = hist.get(int(k), 0.0) + v
-    return dict(sorted(hist.items()))
-
-
 def write_report(run_dir: Path, rl_stages: set[str] | None = None,
                  evaluations: dict[str, dict[str, float]] | None = None) -> list[Path]:
-    """PNG plots: reward and pass rate per step, mask fractions, mismatch (per step), and a
-    staleness histogram. With `rl_stages` the per-step plots show those stages' steps only (an
-    SFT stage's "reward" is its demonstrations', and it has no masks or mismatch). With
-    `evaluations` ({stage: {task set: success}}, the summary's) also `evaluations.png`: each held-out
-    set's greedy success after each stage, the table of a chain of stages at a glance. And
-    `reward_parts.png` where the RL stages' kept trajectories carry reward components."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """PNG plots (`kiln.plots`): the loss per step over every stage; reward and pass rate, mask
+    fractions and mismatch per step, and a staleness histogram. With `rl_stages` those show
+    the RL stages' steps only (an SFT stage's "reward" is its demonstrations', and it has no
+    masks or mismatch). With `evaluations` ({stage: {task set: success}}, the summary's) also
+    `evaluations.png`: each held-out set's greedy success after each stage, the table of a
+    chain of stages at a glance. And `reward_parts.png` where the RL stages' kept trajectories
+    carry reward components."""
     recs = [r for r in _records(run_dir) if r.get("event") == "progress"]
     out_dir = run_dir / "report"
-    out_dir.mkdir(exist_ok=True)
-    written: list[Path] = []
-
-    ordered = steps_seen(recs)
-    if rl_stages is not None:
-        ordered = [(x, r) for x, r in ordered if r["stage"] in rl_stages]
-
-    def series(key_fn):
-        pairs = [(x, key_fn(r)) for x, r in ordered]
-        pairs = [(x, v) for x, v in pairs if v is not None]
-        return [x for x, _ in pairs], [v for _, v in pairs]
-
-    boundaries = [x for (x, r), (_, prev) in zip(ordered[1:], ordered) if r["stage"] != prev["stage"]]
-
-    plots = {
-        "reward.png": ("Reward and rollout pass rate per step", [
-            ("train batch reward", lambda r: r["trainer"].get("reward_mean")),
-            ("rollout pass rate (last 256)", lambda r: r["rollout"].get("mean_reward"))]),
-        "masks.png": ("Masked token fractions (exclusive, and each mask in all)", [
-            ("ratio only", lambda r: r["trainer"].get("ratio_only_frac")),
-            ("IcePop only", lambda r: r["trainer"].get("icepop_only_frac")),
-            ("both", lambda r: r["trainer"].get("both_masked_frac")),
-            ("ratio (all)", lambda r: r["trainer"].get("ratio_mask_frac")),
-            ("IcePop (all)", lambda r: r["trainer"].get("icepop_mask_frac"))]),
-        "mismatch.png": ("Train/inference log-prob mismatch, and KL to a frozen model", [
-            ("mean |diff|", lambda r: r["trainer"].get("mismatch_abs")),
-            ("KL estimate", lambda r: r["trainer"].get("mismatch_kl")),
-            ("KL to the reference (klCoef)", lambda r: r["trainer"].get("kl_ref") or None),
-            ("KL to the teacher's top k (teacherTopK)",
-             lambda r: r["trainer"].get("dense_kl") or None),
-            ("MoE routing flips (fraction of token-layer pairs)",
-             lambda r: r["trainer"].get("routing_flip_frac"))]),
-    }
-    for name, (title, lines) in plots.items():
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        for label, fn in lines:
-            xs, ys = series(fn)
-            if xs:
-                ax.plot(xs, ys, label=label)
-        for x in boundaries:
-            ax.axvline(x, color="grey", linestyle=":", linewidth=1)
-        ax.set_title(title)
-        ax.set_xlabel("optimizer step (dotted: a new stage)")
-        ax.legend(loc="best")
-        fig.tight_layout()
-        fig.savefig(out_dir / name, dpi=80)
-        plt.close(fig)
-        written.append(out_dir / name)
-
-    hist = staleness_histogram(ordered)
     dropped = max((r["buffer"].get("dropped_stale") or 0 for r in recs), default=0)
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    if hist:
-        ax.bar(list(hist), list(hist.values()), width=0.6)
-        ax.set_xticks(sorted(hist))
-    ax.set_title(f"Staleness of trained trajectories (dropped as stale: {dropped})")
-    ax.set_xlabel("policy versions behind the trainer (oldest token)")
-    ax.set_ylabel("trajectories (steps seen)")
-    fig.tight_layout()
-    fig.savefig(out_dir / "staleness.png", dpi=80)
-    plt.close(fig)
-    written.append(out_dir / "staleness.png")
+    written = draw_steps(out_dir, steps_seen(recs), rl_stages, dropped_stale=dropped)
+    import matplotlib.pyplot as plt
+
     if evaluations:
         written.append(_plot_evaluations(plt, out_dir / "evaluations.png", evaluations))
     per_version, _ = reward_parts(run_dir, rl_stages or set())
@@ -256,3 +212,26 @@ def _plot_evaluations(plt, path: Path, evaluations: dict[str, dict[str, float]])
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
+
+
+def remake(run_dir: Path) -> list[Path]:
+    """`report/*.png` of the run in `run_dir` from what it recorded (its job.yaml, metrics.jsonl
+    and state.json's evaluations): at the end of a run, after one that failed or was
+    interrupted, and for `kiln report`. ValueError naming the file when job.yaml is missing or
+    not a job."""
+    import yaml
+
+    from kiln.control.driver import FileStore
+
+    job_file = run_dir / "job.yaml"
+    if not job_file.is_file():
+        raise ValueError(f"{job_file}: not there; a `kiln run` run directory holds its job.yaml")
+    try:
+        job = RLJob.model_validate(yaml.safe_load(job_file.read_text()))
+    except Exception as exc:  # yaml or pydantic: either way not the job a run writes
+        raise ValueError(f"{job_file}: not an RLJob a run wrote: {exc}") from exc
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise ValueError(f"{run_dir / 'metrics.jsonl'}: not there; the run recorded no progress")
+    evaluations = FileStore(run_dir / "state.json").load().get("evaluations", {})
+    return write_report(run_dir, rl_stages={s.name for s in job.spec.stages if s.type != "sft"},
+                        evaluations=stage_evaluations(job, evaluations))

@@ -26,6 +26,8 @@ import re
 import sys
 from pathlib import Path
 
+from kiln.cli.exits import Exit
+
 from .report import Report
 from .reverts import mask_reverted
 from .sandboxes import synth_sandboxes
@@ -58,12 +60,12 @@ def run(args: argparse.Namespace) -> int:
     if args.samples < 1 or not 0 <= args.min_rate < args.max_rate <= 1:
         print("kiln synth difficulty: need --samples >= 1 and 0 <= --min-rate < --max-rate <= 1",
               file=sys.stderr)
-        return 2
+        return Exit.REFUSED
     try:
         tasks = load_taskset(taskset)
     except (OSError, TaskSetError) as exc:
         print(f"kiln synth difficulty: {exc}", file=sys.stderr)
-        return 2
+        return Exit.REFUSED
     records = {}
     for line in taskset.read_text().splitlines():
         if line.strip():

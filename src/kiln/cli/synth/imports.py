@@ -27,6 +27,8 @@ import re
 import sys
 from pathlib import Path
 
+from kiln.cli.exits import Exit
+
 from .report import Report
 from .sandboxes import synth_sandboxes
 from .swe import write_json_line
@@ -49,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     source = Path(args.source)
     if not source.exists():
         print(f"kiln synth import: {source} does not exist", file=sys.stderr)
-        return 2
+        return Exit.REFUSED
     out = Path(args.out)
     report = Report(out, f"import {args.import_format}", STEPS)
     (out / "solutions").mkdir(exist_ok=True)
@@ -61,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         items = convert(args, out, report)
     except ValueError as exc:
         print(f"kiln synth import: {exc}", file=sys.stderr)
-        return 2
+        return Exit.REFUSED
     done = _written_ids(out / "tasks.jsonl")
     asyncio.run(_verify_all(args, out, report, items, done))
     summary = report.write()

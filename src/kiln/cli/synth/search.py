@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import shutil
 import sys
 from pathlib import Path
+
+from kiln.cli.exits import Exit
 
 from .filters import near_duplicates
 from .ledger import Ledger
@@ -66,10 +67,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError:
         print("kiln synth search: --hops takes positive integers (e.g. 2,3); --questions and "
               "--one-search-k must be at least 1", file=sys.stderr)
-        return 2
+        return Exit.REFUSED
     if not args.corpus.is_dir():
         print(f"kiln synth search: --corpus {args.corpus}: not a folder", file=sys.stderr)
-        return 2
+        return Exit.REFUSED
     summary = asyncio.run(SearchPipeline(args, hops).run())
     f = summary["funnel"]
     print(f"kiln synth search: {f['kept']} questions kept of {f['attempts']} attempts in "

@@ -33,6 +33,8 @@ import json
 import sys
 from pathlib import Path
 
+from kiln.cli.exits import Exit
+
 STEPS = ["commits", "candidates", "environment", "F2P non-empty", "stable", "statement", "distinct",
          "kept"]
 
@@ -66,12 +68,12 @@ def run(args: argparse.Namespace) -> int:
     from .swe_pipeline import SwePipeline
     if args.max_tasks < 1 or args.runs < 1 or args.jobs < 1:
         print("kiln synth swe: --max-tasks, --runs and --jobs must be at least 1", file=sys.stderr)
-        return 2
+        return Exit.REFUSED
     try:
         pipeline = SwePipeline(args)
     except (ValueError, RuntimeError) as exc:
         print(f"kiln synth swe: {exc}", file=sys.stderr)
-        return 2
+        return Exit.REFUSED
     summary = asyncio.run(pipeline.run())
     f = summary["funnel"]
     print(f"kiln synth swe: {f['kept']} tasks kept of {f['candidates']} candidates "

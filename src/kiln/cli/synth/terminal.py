@@ -28,6 +28,8 @@ import asyncio
 import sys
 from pathlib import Path
 
+from kiln.cli.exits import Exit
+
 from .filters import near_duplicates
 from .ledger import Ledger
 from .report import Report
@@ -73,12 +75,12 @@ def run(args: argparse.Namespace) -> int:
     from .terminal_seeds import load_pages, load_seeds
     if args.max_rounds < 1 or args.runs < 1:
         print("kiln synth terminal: --max-rounds and --runs must be at least 1", file=sys.stderr)
-        return 2
+        return Exit.REFUSED
     try:
         seeds = load_seeds(args.seeds) if args.seeds else load_pages(args.pages)
     except ValueError as exc:
         print(f"kiln synth terminal: {exc}", file=sys.stderr)
-        return 2
+        return Exit.REFUSED
     summary = asyncio.run(TerminalPipeline(args).run(seeds))
     f = summary["funnel"]
     print(f"kiln synth terminal: {f['kept']} tasks kept of {f['seeds']} seeds in "

@@ -1,16 +1,33 @@
 """Structured (JSON-lines) logging shared by every Kiln process.
 
 One line per record with time, level, service, logger, message, and the gRPC request id when the
-record is emitted while a request is being served. Set KILN_LOG_FORMAT=text for plain lines.
+record is emitted while a request is being served. `KILN_LOG_FORMAT` is `json` (the default) or
+`text` (plain lines); `KILN_LOG_LEVEL` the root level (`DEBUG`, `INFO` the default, `WARNING`,
+`ERROR`).
+
+In JSON, the libraries' records are JSON lines too: Python warnings (`warnings.warn`, how
+Megatron and torch say "Apex is not installed") go through logging (`logging.captureWarnings`),
+and so do uncaught and unraisable exceptions; vLLM, which configures logging itself in every
+process that imports it (the engine-core processes it starts included), is given a logging
+config file (`VLLM_LOGGING_CONFIG_PATH`) that installs this JSON handler; and a library logger
+that has a stderr handler of its own (transformers') is made to hand its records to the root
+handler instead. What still reaches stderr as plain text is what never passes through Python's
+logging: C++ warnings of torch and vLLM's kernels (`[W... utils.cpp] Warning: ...`), progress
+bars (tqdm's "Loading safetensors checkpoint shards"), a library's bare `print`, and whatever a
+process writes before this setup runs or after the interpreter tears logging down.
 """
 from __future__ import annotations
 
+import atexit
 import contextvars
 import json
 import logging
 import os
 import sys
+import tempfile
+import threading
 import time
+from pathlib import Path
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 
@@ -26,7 +43,8 @@ class JsonFormatter(logging.Formatter):
             "level": record.levelname.lower(),
             "service": self.service,
             "logger": record.name,
-            "msg": record.getMessage(),
+            # A captured warning's text ends with a newline of its own.
+            "msg": record.getMessage().rstrip("\n"),
         }
         rid = request_id_var.get()
         if rid:
@@ -38,15 +56,99 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+FORMATS = ("json", "text")
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+VLLM_CONFIG_ENV = "VLLM_LOGGING_CONFIG_PATH"
+
+
 def setup_logging(service: str, level: str | None = None) -> None:
-    """Configure the root logger once per process."""
-    level = level or os.environ.get("KILN_LOG_LEVEL", "INFO")
+    """Configure the root logger once per process. ValueError naming the variable for a
+    `KILN_LOG_FORMAT` or `KILN_LOG_LEVEL` it does not know."""
+    level = (level or os.environ.get("KILN_LOG_LEVEL") or "INFO").upper()
+    if level not in LEVELS:
+        raise ValueError(f"KILN_LOG_LEVEL: {level!r} is not a level (expected one of {', '.join(LEVELS)})")
+    fmt = os.environ.get("KILN_LOG_FORMAT") or "json"
+    if fmt not in FORMATS:
+        raise ValueError(f"KILN_LOG_FORMAT: {fmt!r} is not a format (expected json or text)")
     handler = logging.StreamHandler(sys.stderr)
-    if os.environ.get("KILN_LOG_FORMAT") == "text":
+    if fmt == "text":
         handler.setFormatter(logging.Formatter(f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s"))
     else:
         handler.setFormatter(JsonFormatter(service))
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level.upper())
+    root.setLevel(level)
     logging.Formatter.converter = time.gmtime
+    if fmt == "json":
+        _route_to_logging()
+        adopt_library_loggers()
+        _configure_vllm(service, level)
+
+
+def json_formatter(service: str) -> JsonFormatter:
+    """The formatter of a process a library starts and configures from `_configure_vllm`'s
+    file (vLLM's engine core): its warnings, uncaught errors and unraisable exceptions go
+    through logging there too."""
+    _route_to_logging()
+    return JsonFormatter(service)
+
+
+def _configure_vllm(service: str, level: str) -> None:
+    """vLLM configures logging itself in every process that imports it, this one and the engine
+    processes it starts, from `VLLM_LOGGING_CONFIG_PATH` when set: a file that gives the root
+    logger this process's JSON handler (a user's own file or `VLLM_CONFIGURE_LOGGING=0` wins;
+    one a parent Kiln process wrote names the parent's service, and is replaced)."""
+    given = os.environ.get(VLLM_CONFIG_ENV, "")
+    if (given and not Path(given).name.startswith("kiln-")) \
+            or os.environ.get("VLLM_CONFIGURE_LOGGING") == "0":
+        return
+    config = {
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"kiln": {"()": f"{__name__}.json_formatter", "service": service}},
+        "handlers": {"kiln": {"class": "logging.StreamHandler", "formatter": "kiln",
+                              "stream": "ext://sys.stderr"}},
+        "root": {"handlers": ["kiln"], "level": level},
+    }
+    fd, path = tempfile.mkstemp(prefix=f"kiln-{service}-logging-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(config, f)
+    os.environ[VLLM_CONFIG_ENV] = path
+    # The engine processes read it as they start, long before this process exits.
+    atexit.register(lambda: os.path.exists(path) and os.remove(path))
+
+
+def _route_to_logging() -> None:
+    """Python warnings, uncaught exceptions (main thread and others) and unraisable ones
+    (an error in a `__del__` at shutdown) as log records rather than bare stderr text."""
+    logging.captureWarnings(True)
+    crash = logging.getLogger("kiln.uncaught")
+
+    def excepthook(kind, value, tb) -> None:
+        crash.critical("uncaught %s: %s", kind.__name__, value, exc_info=(kind, value, tb))
+
+    def thread_excepthook(args) -> None:
+        if args.exc_type is SystemExit:
+            return
+        crash.error("uncaught %s in thread %s: %s", args.exc_type.__name__,
+                    args.thread.name if args.thread else "?", args.exc_value,
+                    exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+
+    def unraisablehook(u) -> None:
+        crash.warning("%s: %s: %s", u.err_msg or "Exception ignored", u.object, u.exc_value,
+                      exc_info=(u.exc_type, u.exc_value, u.exc_traceback) if u.exc_type else None)
+
+    sys.excepthook, threading.excepthook, sys.unraisablehook = excepthook, thread_excepthook, unraisablehook
+
+
+def adopt_library_loggers() -> None:
+    """Loggers with a stderr/stdout handler of their own (a library's plain-text one) lose it
+    and pass their records up to the root handler, which writes them as JSON."""
+    for logger in list(logging.root.manager.loggerDict.values()):
+        if not isinstance(logger, logging.Logger):
+            continue  # a placeholder for a logger not created yet
+        own = [h for h in logger.handlers if type(h) is logging.StreamHandler
+               and getattr(h, "stream", None) in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)]
+        for h in own:
+            logger.removeHandler(h)
+        if own:
+            logger.propagate = True

@@ -43,7 +43,7 @@ from kiln.api.validate import ManifestError, load_job
 from kiln.control.channels import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES
 from kiln.services.common import metrics
 from kiln.services.common.interceptors import ObservabilityInterceptor
-from kiln.services.common.logs import setup_logging
+from kiln.services.common.logs import adopt_library_loggers, setup_logging
 from kiln.services.common.tls import INSECURE_ENV, AuthorizationInterceptor, server_credentials
 from kiln.tls import TLS_DIR_ENV, Bundle, own_bundle
 
@@ -325,6 +325,8 @@ async def _serve(service: str, build: BuildFn, job: RLJob | None, args: argparse
         await served.server.stop(0)
         http.shutdown()
         raise
+    # Libraries imported while building (transformers) may have added plain-text handlers.
+    adopt_library_loggers()
     await served.register(registrations, ready=True)
     UP.labels(service).set(1)
     log.info("%s serving %s", service, ", ".join(r.name for r in registrations))

@@ -137,6 +137,7 @@ class Producer:
         self.teacher_seconds = 0.0
         self.teacher_tokens = 0
         """Time waited for, and tokens of, teachers' scores: the cost of distillation."""
+        self.eval_progress = (0, 0)  # (tasks done, tasks) of the evaluation running; 0s: none
         self.recent_rewards: collections.deque[float] = collections.deque(maxlen=256)
         self._token_times: collections.deque[tuple[float, int]] = collections.deque(maxlen=512)
         self._main: asyncio.Task | None = None
@@ -362,6 +363,9 @@ class Producer:
         outcome = self.extensions[stage].outcome if stage else plain_outcome
         version = self.engine.policy_version  # the version the evaluation reports
         task_ids: dict[int, str] = {}
+        # Task by task (greedy, then the samples): tasks finish in turn, the progress moves early.
+        temperatures = [0.0] * (1 if greedy else 0) + [self.config.sampling.temperature] * samples
+        finished, self.eval_progress = collections.Counter(), (0, n)  # attempts done, by task
 
         async def one(index: int, temperature: float) -> Outcome:
             async with sem:
@@ -372,11 +376,16 @@ class Producer:
                     limits=self.config.limits)
                 self.samples.keep_evaluation(task_set, temperature, version, trajs[0])
                 task_ids[index] = trajs[0].task_id
+                finished[index] += 1
+                self.eval_progress = (sum(k == len(temperatures) for k in finished.values()), n)
                 return outcome(trajs[0])
 
-        greedy_runs = await asyncio.gather(*[one(i, 0.0) for i in range(n)]) if greedy else []
-        sampled = await asyncio.gather(*[one(i, self.config.sampling.temperature)
-                                         for i in range(n) for _ in range(samples)])
+        try:
+            runs = await asyncio.gather(*[one(i, t) for i in range(n) for t in temperatures])
+        finally:
+            self.eval_progress = (0, 0)
+        greedy_runs = runs[::len(temperatures)] if greedy else []
+        sampled = [o for k, o in enumerate(runs) if not (greedy and k % len(temperatures) == 0)]
         g = sum(o.reward >= 1.0 for o in greedy_runs) / len(greedy_runs) if greedy_runs else 0.0
         s = sum(o.reward >= 1.0 for o in sampled) / len(sampled) if sampled else 0.0
         runs = greedy_runs or sampled

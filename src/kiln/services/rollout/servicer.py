@@ -31,7 +31,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             mean_reward=sum(rewards) / len(rewards) if rewards else 0.0, in_flight=p.in_flight,
             engine_fingerprint=p.engine.fingerprint, shipped=p.shipped,
             stopped_stale=p.stopped_stale, generating=p.engine.generating,
-            teacher_seconds=p.teacher_seconds, teacher_tokens=p.teacher_tokens)
+            teacher_seconds=p.teacher_seconds, teacher_tokens=p.teacher_tokens,
+            eval_tasks_done=p.eval_progress[0], eval_tasks=p.eval_progress[1])
 
     async def SetMode(self, request, context):
         req = control_wire.mode_from_proto(request)

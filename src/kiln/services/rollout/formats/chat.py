@@ -98,24 +98,27 @@ class ChatConversation:
     def append(self, messages: list[dict[str, Any]]) -> list[int]:
         """The tokens that follow the last reply when `messages` (tool results, a user's next
         message) come after it: the rest of the reply's message as the template closes it, the
-        messages, and the next reply's header."""
-        before = self._render(add_generation_prompt=False)
-        if not before.startswith(self._rendered):
-            raise ValueError("the chat template renders earlier turns differently once a reply "
-                             "is added; its conversations cannot be kept token-exact")
-        assistant = before[len(self._rendered):]
-        if not assistant.startswith(self._reply_text):
-            raise ValueError("the chat template does not write an assistant reply as sampled "
-                             f"(it wrote {assistant[:80]!r} for {self._reply_text[:80]!r}); its "
-                             "conversations cannot be kept token-exact")
+        messages, and the next reply's header. One rendering of the conversation per call: the
+        new tokens are what that rendering holds past the prompt and the reply as the model
+        saw them, which is token-exact only where it starts with both (ValueError otherwise,
+        and the conversation is left as it was)."""
         self.messages.extend(messages)
-        after = self._render(add_generation_prompt=True)
-        if not after.startswith(before):
-            raise ValueError("the chat template renders earlier turns differently once a "
-                             f"{messages[0]['role'] if messages else ''} message is added; its "
-                             "conversations cannot be kept token-exact")
+        try:
+            after = self._render(add_generation_prompt=True)
+            if not after.startswith(self._rendered):
+                raise ValueError("the chat template renders earlier turns differently once a "
+                                 "reply and the messages after it are added; its conversations "
+                                 "cannot be kept token-exact")
+            written = after[len(self._rendered):]
+            if not written.startswith(self._reply_text):
+                raise ValueError("the chat template does not write an assistant reply as sampled "
+                                 f"(it wrote {written[:80]!r} for {self._reply_text[:80]!r}); its "
+                                 "conversations cannot be kept token-exact")
+        except BaseException:
+            del self.messages[len(self.messages) - len(messages):]
+            raise
         self._rendered = after
-        return self.fmt.encode(assistant[len(self._reply_text):] + after[len(before):])
+        return self.fmt.encode(written[len(self._reply_text):])
 
 
 class ChatFormat:

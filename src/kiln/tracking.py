@@ -2,7 +2,7 @@
 job asks for it.
 
 `Tracker(log_dir, run_name=..., spec=job.spec.tracking)` is what a process that tracks (the
-trainer, and `kiln run`'s driver) holds; `log(step, {"train/loss": 0.3, ...})` records one step.
+trainer, and the stage driver: `kiln run`'s, the operator's) holds; `log(step, {"train/loss": 0.3, ...})` records one step.
 The TensorBoard side is TensorBoard's own event-file writer (no TensorFlow, no torch), one
 directory per process (`tensorboard --logdir RUN_DIR` shows them side by side). The W&B side
 logs one run per process, grouped under the job's name; `mode: offline` keeps it under
