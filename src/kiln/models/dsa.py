@@ -121,6 +121,31 @@ class LightningIndexer(torch.nn.Module):
         return topk_indices(scores, d.index_topk, backend=backend)
 
 
+class _SelectsKeys:
+    """What DSA's attention layers (plain and MLA) share: a lightning indexer that chooses each
+    query's keys, handed to the layer's core attention for one forward pass. Mixed in before
+    Megatron's attention class, whose forward it wraps."""
+
+    def _add_indexer(self, config, dsa: DSAConfig, backend: str) -> None:
+        self.indexer = LightningIndexer(config.hidden_size, dsa, config.params_dtype)
+        self.dsa_backend = backend
+        self.core_attention.backend = backend
+        self.recorder: dict[int, torch.Tensor] | None = None
+
+    def forward(self, hidden_states, attention_mask, *args, inference_context=None, **kwargs):
+        if inference_context is not None or kwargs.get("inference_params") is not None:
+            raise ValueError("DSA attention does not support Megatron inference contexts; "
+                             "run full forward passes")
+        indices = self.indexer.select(hidden_states, self.dsa_backend)
+        if self.recorder is not None:
+            self.recorder[self.layer_number] = indices
+        self.core_attention.indices = indices
+        try:
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        finally:
+            self.core_attention.indices = None
+
+
 @functools.cache
 def _attention_classes():
     """DSASelfAttention and DSACoreAttention, built once on first use (Megatron imports are heavy)."""
@@ -145,30 +170,14 @@ def _attention_classes():
             # [b, s, heads, d] -> [s, b, heads * d], contiguous for the output projection.
             return ctx.transpose(0, 1).reshape(ctx.shape[1], ctx.shape[0], self.hidden_size_per_partition).contiguous()
 
-    class DSASelfAttention(SelfAttention):
+    class DSASelfAttention(_SelectsKeys, SelfAttention):
         """Megatron's SelfAttention with a lightning indexer choosing each query's keys."""
 
         def __init__(self, config, submodules, layer_number, attn_mask_type=None, cp_comm_type=None,
                      pg_collection=None, *, dsa: DSAConfig, backend: str = "auto"):
             super().__init__(config, submodules, layer_number, attn_mask_type=attn_mask_type,
                              cp_comm_type=cp_comm_type, pg_collection=pg_collection)
-            self.indexer = LightningIndexer(config.hidden_size, dsa, config.params_dtype)
-            self.dsa_backend = backend
-            self.core_attention.backend = backend
-            self.recorder: dict[int, torch.Tensor] | None = None
-
-        def forward(self, hidden_states, attention_mask, *args, inference_context=None, **kwargs):
-            if inference_context is not None or kwargs.get("inference_params") is not None:
-                raise ValueError("DSA attention does not support Megatron inference contexts; "
-                                 "run full forward passes")
-            indices = self.indexer.select(hidden_states, self.dsa_backend)
-            if self.recorder is not None:
-                self.recorder[self.layer_number] = indices
-            self.core_attention.indices = indices
-            try:
-                return super().forward(hidden_states, attention_mask, *args, **kwargs)
-            finally:
-                self.core_attention.indices = None
+            self._add_indexer(config, dsa, backend)
 
     return DSASelfAttention, DSACoreAttention
 
@@ -208,28 +217,12 @@ def _mla_attention_classes():
             b, s = ctx.shape[:2]
             return ctx[..., :v_dim].transpose(0, 1).reshape(s, b, -1).contiguous()
 
-    class DSAMLASelfAttention(MLASelfAttention):
+    class DSAMLASelfAttention(_SelectsKeys, MLASelfAttention):
         def __init__(self, config, submodules, layer_number, attn_mask_type=None, cp_comm_type=None,
                      pg_collection=None, *, dsa: DSAConfig, backend: str = "auto"):
             super().__init__(config, submodules, layer_number, cp_comm_type=cp_comm_type,
                              pg_collection=pg_collection)
-            self.indexer = LightningIndexer(config.hidden_size, dsa, config.params_dtype)
-            self.dsa_backend = backend
-            self.core_attention.backend = backend
-            self.recorder: dict[int, torch.Tensor] | None = None
-
-        def forward(self, hidden_states, attention_mask, *args, inference_context=None, **kwargs):
-            if inference_context is not None or kwargs.get("inference_params") is not None:
-                raise ValueError("DSA attention does not support Megatron inference contexts; "
-                                 "run full forward passes")
-            indices = self.indexer.select(hidden_states, self.dsa_backend)
-            if self.recorder is not None:
-                self.recorder[self.layer_number] = indices
-            self.core_attention.indices = indices
-            try:
-                return super().forward(hidden_states, attention_mask, *args, **kwargs)
-            finally:
-                self.core_attention.indices = None
+            self._add_indexer(config, dsa, backend)
 
     return DSAMLASelfAttention, DSAMLACoreAttention
 
