@@ -18,7 +18,7 @@ from kiln.cli.exits import Exit
 
 pytestmark = pytest.mark.slow
 
-DEADLINE_S = 240
+DEADLINE_S = 120  # past start-up and into training on an idle CI machine
 
 
 def test_a_run_past_its_deadline_ends_failed_and_keeps_what_it_did(tmp_path: Path) -> None:
@@ -33,7 +33,7 @@ def test_a_run_past_its_deadline_ends_failed_and_keeps_what_it_did(tmp_path: Pat
     out = proc.stdout + proc.stderr
     assert proc.returncode == Exit.FAILED, out[-4000:]
     assert "spec.ttlSecondsAfterFinished (60s) applies on a cluster only" in out
-    assert "ran past spec.activeDeadlineSeconds (240s)" in out
+    assert f"ran past spec.activeDeadlineSeconds ({DEADLINE_S}s)" in out
     summary = json.loads((run / "summary.json").read_text())
     assert (summary["phase"], summary["reason"]) == ("Failed", "DeadlineExceeded")
     assert "kiln run --resume continues it" in summary["message"]
