@@ -36,6 +36,7 @@ REVIEWED: dict[str, set[str]] = {
     "/kiln.v1.Trainer/GetTrainerStatus": {O},
     "/kiln.v1.Trainer/ContinueStage": {O},
     "/kiln.v1.Trainer/RestoreCheckpoint": {O},
+    "/kiln.v1.Trainer/RecordScalars": {O},
     # Only a frozen deployment (teacher, reference, judge, ...) fetches a stage's weights; its
     # identity may call nothing else.
     "/kiln.v1.Trainer/FetchStageExport": {TE},

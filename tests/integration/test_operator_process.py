@@ -109,6 +109,12 @@ def test_operator_process_serves_liveness_metrics_and_reconciles(tmp_path: Path)
         finally:
             out = _stop(proc)
         assert proc.returncode == 0, out[-3000:]
+    # Its log (JSON, the default) is JSON lines throughout, kopf's own records included, each
+    # naming the object it is about.
+    records = [json.loads(line) for line in out.splitlines()]
+    assert any(r.get("object") == "proc-ns/proc" and r["logger"].startswith("kopf")
+               for r in records), out[-3000:]
+    assert all(r["service"] == "operator" for r in records)
 
 
 def test_sandboxes_are_refused_unless_the_admin_allows_them(tmp_path: Path) -> None:

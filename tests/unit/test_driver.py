@@ -308,3 +308,48 @@ def test_a_long_evaluation_tells_its_progress_while_it_runs() -> None:
     with pytest.raises(RuntimeError, match="Evaluate failed"):
         evaluate_reporting(SlowRollout(fail=True), "h", samples=2, say=said.append, label="x",
                            transient=(Down,), every=0.01)
+
+
+def test_with_an_output_the_operators_driver_sends_its_scalars_to_the_trainer(tmp_path) -> None:
+    """With `spec.output` the operator's driver hands its scalars to the trainer (which writes
+    them to the output location, `test_trainer_servicer.py`), besides its own tracker; a
+    trainer that cannot take them costs a gap in a plot, never the job."""
+    from kiln.operator.driving import TrainerScalars
+
+    class Recording:
+        def __init__(self, fail: bool) -> None:
+            self.fail, self.calls = fail, []
+
+        def record_scalars(self, step: int, scalars: dict) -> None:
+            if self.fail:
+                raise Down("trainer unreachable")
+            self.calls.append((step, scalars))
+
+    class Inner:
+        def __init__(self) -> None:
+            self.calls, self.closed = [], False
+
+        def log(self, step, scalars) -> None:
+            self.calls.append(step)
+
+        def close(self) -> None:
+            self.closed = True
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    sink, inner = Recording(fail=False), Inner()
+    tracker = TrainerScalars(sink, inner, "ns/j")
+    trainer = FakeTrainer()
+    _driver(tmp_path / "a", trainer, FakeRollout(trainer), tracker=tracker).run()
+    tracker.close()
+    evals = [(step, s["eval/h/greedy_success"]) for step, s in sink.calls
+             if "eval/h/greedy_success" in s]
+    assert [v for _, v in evals] == [0.6, 0.7]  # before and after the RL stage
+    assert all(v is not None for _, s in sink.calls for v in s.values())
+    left = [s["progress/steps_left"] for _, s in sink.calls if "progress/steps_left" in s]
+    assert left[-1] == 0 and len(inner.calls) == len(sink.calls)
+    assert inner.closed
+    failing = TrainerScalars(Recording(fail=True), None, "ns/j")
+    trainer = FakeTrainer()
+    state = _driver(tmp_path / "b", trainer, FakeRollout(trainer), tracker=failing).run()
+    assert state.finished_stages == ["sft", "rl"] and failing.failures > 0

@@ -29,7 +29,7 @@ from kiln.api.validate import validate_text
 from kiln.cli.local.preflight import prepare
 from kiln.cli.main import main
 from kiln.operator import children
-from kiln.services.trainer.output import write_stage_output
+from kiln.services.trainer.output import write_stage_output, write_tensorboard
 
 from helpers.operator_jobs import JOB, SMALL, spec, workload
 
@@ -152,6 +152,7 @@ def s3_server():
 def _export(folder: Path, files: dict[str, str]) -> Path:
     folder.mkdir(parents=True)
     for name, text in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_text(text)
     return folder
 
@@ -207,6 +208,13 @@ def test_stages_go_to_s3_and_kiln_export_reads_them_back(s3_server, tmp_path, mo
     assert sorted(k.rsplit("/", 1)[1] for k in fs.find("results/run-1/final-hf")) == [
         "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     assert fs.cat_file("results/run-1/trajectories.jsonl").decode() == line
+    # The job's TensorBoard files, the trainer's and the driver's, copied as they are.
+    board = _export(tmp_path / "tensorboard", {"events.out.tfevents.1": "t",
+                                                "driver/events.out.tfevents.2": "d"})
+    write_tensorboard("s3://results/run-1", board)
+    fs.invalidate_cache()
+    assert fs.cat_file("results/run-1/tensorboard/driver/events.out.tfevents.2") == b"d"
+    assert fs.cat_file("results/run-1/tensorboard/events.out.tfevents.1") == b"t"
     # `kiln trajectories` reads them from there, decoded with the exported tokenizer.
     capsys.readouterr()
     assert main(["trajectories", "s3://results/run-1"]) == 0

@@ -15,7 +15,7 @@ import pytest
 
 SCRIPT = """
 import logging, os, sys, warnings
-from kiln.services.common.logs import adopt_library_loggers, setup_logging
+from kiln.logs import adopt_library_loggers, setup_logging
 
 early = logging.getLogger("early_lib")          # a library configured before the service
 early.addHandler(logging.StreamHandler(sys.stderr)); early.propagate = False
@@ -74,7 +74,7 @@ def test_an_uncaught_error_and_vllm_processes_log_json_too(tmp_path) -> None:
     assert crash["logger"] == "kiln.uncaught" and "RuntimeError: boom" in crash["exc"]
     # The file a service hands vLLM (removed when the service exits: read while it lives).
     config = json.loads(subprocess.run(
-        [sys.executable, "-c", "import json, os; from kiln.services.common.logs import setup_logging;"
+        [sys.executable, "-c", "import json, os; from kiln.logs import setup_logging;"
          "setup_logging('rollout'); print(open(os.environ['VLLM_LOGGING_CONFIG_PATH']).read())"],
         capture_output=True, text=True, timeout=60, check=True,
         env={k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}).stdout)
@@ -100,3 +100,42 @@ def test_text_format_stays_text() -> None:
 def test_unknown_format_or_level_is_refused_by_name(env: dict, named: str) -> None:
     res = _run(**env)
     assert res.returncode != 0 and named in res.stderr
+
+
+RELAYED = r"""
+import logging, os, subprocess, sys
+from kiln.logs import setup_logging
+
+setup_logging("rollout", relay=True)
+logging.getLogger("kopf.objects").info("handled", extra={"k8s_ref": {"name": "job",
+                                                                      "namespace": "team"}})
+print("Triton is installed, but doesn't include CPU backend.")       # a library's bare print
+sys.stdout.flush()
+os.write(2, b"[W1207 19:05:09.33 utils.cpp:68] Warning: NUMA binding\n")  # C++, below Python
+os.write(2, b"Loading shards:   0% | 0/1\rLoading shards: 100% | 1/1\n")  # a progress bar
+# A child that inherited the pipe: its plain line is wrapped, its JSON record passed through.
+subprocess.run([sys.executable, "-c", "import os; os.write(2, b'child plain\\n');"
+                "os.write(2, b'{\"ts\": 1.0, \"level\": \"info\", \"msg\": \"child record\"}\\n')"])
+os.write(2, b"last words, unterminated")
+os._exit(3)                       # dies without flushing or tearing anything down
+"""
+
+
+def test_relay_turns_every_stray_line_into_json() -> None:
+    """A service's stdout and stderr below Python's logging (C++ warnings, progress bars, bare
+    prints, its children's output, what it writes as it dies) arrive as JSON records."""
+    res = subprocess.run([sys.executable, "-c", RELAYED], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "KILN_LOG_FORMAT": "json"})
+    assert res.returncode == 3
+    assert res.stdout == ""
+    records = [json.loads(line) for line in res.stderr.splitlines()]  # fails on plain text
+    by_msg = {r["msg"]: r for r in records}
+    assert by_msg["handled"]["object"] == "team/job"
+    stray = {m: r for m, r in by_msg.items() if r.get("logger") == "stdout"}
+    assert set(stray) == {"Triton is installed, but doesn't include CPU backend.",
+                          "[W1207 19:05:09.33 utils.cpp:68] Warning: NUMA binding",
+                          "Loading shards:   0% | 0/1", "Loading shards: 100% | 1/1",
+                          "child plain", "last words, unterminated"}
+    assert stray["[W1207 19:05:09.33 utils.cpp:68] Warning: NUMA binding"]["level"] == "warning"
+    assert all(r["service"] == "rollout" for r in stray.values())
+    assert by_msg["child record"] == {"ts": 1.0, "level": "info", "msg": "child record"}

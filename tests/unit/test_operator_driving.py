@@ -138,9 +138,13 @@ class FailingControls:
         from kiln.control import RolloutStatus, TrainerStatus
 
         self.closed, self.polls, self.stage = False, 0, ""
+        self.scalars: list[dict] = []
         controls = self
 
         class Trainer:
+            def record_scalars(self, step: int, scalars: dict) -> None:
+                controls.scalars.append(scalars)
+
             def start_stage(self, name: str):
                 controls.stage = name
                 return self.status()
@@ -197,3 +201,27 @@ def test_a_stage_the_trainer_failed_makes_the_job_failed_with_the_reason(monkeyp
     assert (driving_condition["status"], driving_condition["reason"]) == ("False", "StageFailed")
     assert "CUDA error: out of memory" in driving_condition["message"]
     assert not kube.status.get("finishedStages") and controls.closed
+
+
+def test_with_an_output_the_drivers_tensorboard_scalars_go_to_the_trainer(monkeypatch,
+                                                                          tmp_path) -> None:
+    """TensorBoard of the operator's driver: with `spec.output` its scalars go to the trainer
+    (which writes them into the output location), none into the operator's folder; without,
+    into the operator's folder, none to the trainer."""
+    import threading
+
+    from kiln.operator import driving
+
+    for output, sent, local in ((None, False, True), ({"pvc": {"claim": "results"}}, True, False)):
+        kube, controls = StatusKube(), FailingControls(steps=4)
+        monkeypatch.setattr(driving.Controls, "open", classmethod(lambda cls, *a, **k: controls))
+        job = _job(False)
+        job.spec.output = None if output is None else type(job.spec).model_validate(
+            {**job.spec.model_dump(by_alias=True, exclude_none=True), "output": output}).output
+        folder = tmp_path / ("out" if output else "plain")
+        driving.drive(job, JOB, kube, lambda component: "unused:0", lambda: kube.status,
+                      threading.Event(), lambda: controls.polls > 200, poll_seconds=0.0,
+                      tracking_dir=folder)
+        assert bool(controls.scalars) is sent
+        assert any("progress/steps_left" in s for s in controls.scalars) is sent
+        assert any(folder.rglob("events.out.tfevents.*")) is local

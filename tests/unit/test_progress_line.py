@@ -77,6 +77,38 @@ def test_eta_counts_the_steps_left_in_every_later_stage(tmp_path: Path, monkeypa
     assert alone.eta(_progress(1, 2, 12)) == 16.0
 
 
+EVALUATED = RLJob.model_validate({**JOB.model_dump(by_alias=True, exclude_none=True), "spec": {
+    **JOB.model_dump(by_alias=True, exclude_none=True)["spec"],
+    "tasks": [{"name": "t", "env": "chain", "generate": {"count": 4}},
+              {"name": "small", "env": "chain", "generate": {"count": 2}},
+              {"name": "big", "env": "chain", "generate": {"count": 8}}],
+    "stages": [{"name": "sft", "type": "sft", "tasks": ["t"], "maxSteps": 10,
+                "eval": {"tasks": ["small"]}},
+               {"name": "rl", "type": "rl", "tasks": ["t"], "maxSteps": 10, "rl": {"groupSize": 2},
+                "eval": {"tasks": ["small", "big"], "every": 4}}]}})
+
+
+def test_eta_counts_the_evaluations_still_to_come(tmp_path: Path, monkeypatch) -> None:
+    from kiln.control.progress import evaluations_left
+
+    # SFT at step 3: its "after" (small); RL: before, at steps 4 and 8, after, of both sets.
+    assert sorted(evaluations_left(EVALUATED, "sft", 3)) == ["big"] * 4 + ["small"] * 5
+    # RL at step 4: step 8 and after.
+    assert sorted(evaluations_left(EVALUATED, "rl", 4)) == ["big"] * 2 + ["small"] * 2
+    clock = [100.0]
+    monkeypatch.setattr("kiln.cli.local.progress.time.monotonic", lambda: clock[0])
+    shown = LocalProgress(tmp_path, io.StringIO(), EVALUATED)
+    for step in (1, 2, 3):
+        clock[0] += 2.0
+        shown.progress(_progress(0, step, step))
+    assert shown.eta(_progress(0, 3, 3)) == 34.0  # no evaluation has ended: steps only
+    shown.event({"event": "eval", "task_set": "small", "seconds": 3.0})
+    # 17 steps at 2 s; 5 of small at 3 s; big, never evaluated, at the mean of all (3 s) x 4.
+    assert shown.eta(_progress(0, 3, 3)) == 34.0 + 15.0 + 12.0
+    shown.event({"event": "eval", "task_set": "big", "seconds": 9.0})
+    assert shown.eta(_progress(0, 3, 3)) == 34.0 + 15.0 + 36.0
+
+
 def test_final_table_sums_up_each_stage(tmp_path: Path) -> None:
     from kiln.cli.local.progress import run_table
 

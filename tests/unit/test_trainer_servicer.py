@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from kiln.api.validate import load_job
+from kiln.control.clients import TrainerControlClient
 from kiln.cli.main import main
 from kiln.models.tiny import make_tiny_checkpoint
 from kiln.protos.kiln.v1 import trainer_pb2, trainer_pb2_grpc
@@ -29,6 +30,7 @@ from kiln.services.trainer.servicer import SERVICE_NAME, TrainerServicer, add_to
 from kiln.services.trainer.client import TrainerClient
 from kiln.services.trainer.stages import StageRunner, stage_export_dir
 from kiln.services.trainer.wire import ExportError, ExportWriter, export_chunks
+from kiln.tracking import Tracker
 from kiln.trajectory import Trajectory, VersionSpan
 
 JOB = """
@@ -71,8 +73,11 @@ def test_run_stage_trains_through_the_buffer_and_reports(model_dir: Path, tmp_pa
     buffer = InProcessBufferClient(TrajectoryBuffer.open(tmp_path / "buffer", BufferConfig(tau=3)))
     publisher = InMemoryPublisher()
     lock = threading.Lock()
-    # The job's output folder (spec.output): each stage's model goes there too.
-    stages = StageRunner(job, engine, lock, buffer, publisher, tmp_path, output_dir=tmp_path / "out")
+    # The job's output folder (spec.output): each stage's model goes there too, and the job's
+    # TensorBoard files (the trainer's, and the driver's it is sent).
+    tracker = Tracker(tmp_path / "tensorboard", run_name="trainer", group="servicer")
+    stages = StageRunner(job, engine, lock, buffer, publisher, tmp_path, tracker,
+                         output_dir=tmp_path / "out")
     servicer = TrainerServicer(engine, lock, stages)
     # The tau series of an earlier RL stage, which this supervised stage (no bound) removes.
     trainer_metrics.observe_stage_tau("earlier-rl", 4)
@@ -157,6 +162,21 @@ def test_run_stage_trains_through_the_buffer_and_reports(model_dir: Path, tmp_pa
             capsys.readouterr()
             assert main(["trajectories", str(output)]) == 0
             assert "=== t0  stage warmup  task x" in capsys.readouterr().out
+            # The trainer's TensorBoard files reached the output at the stage's end; the
+            # driver's scalars (the operator's, over RecordScalars) reach it after each
+            # held-out evaluation.
+            assert _scalars(output / "tensorboard", "train/loss")[-1][0] == 3
+            control = TrainerControlClient(f"127.0.0.1:{port}")
+            try:
+                await asyncio.to_thread(control.record_scalars, 3, {"progress/steps_left": 0.0})
+                assert not _tags(output / "tensorboard" / "driver")  # no evaluation yet
+                await asyncio.to_thread(control.record_scalars, 3,
+                                        {"eval/h/greedy_success": 0.75, "progress/steps_left": 0.0})
+            finally:
+                control.close()
+            assert _scalars(output / "tensorboard" / "driver", "eval/h/greedy_success") == [(3, 0.75)]
+            assert [s for s, _ in _scalars(output / "tensorboard" / "driver",
+                                           "progress/steps_left")] == [3, 3]
         finally:
             await channel.close()
             await server.stop(0)
@@ -168,6 +188,22 @@ def test_run_stage_trains_through_the_buffer_and_reports(model_dir: Path, tmp_pa
     asyncio.run(scenario())
     stages.stop()
     buffer.close()
+
+
+def _accumulator(folder: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return acc
+
+
+def _tags(folder: Path) -> list[str]:
+    return _accumulator(folder).Tags()["scalars"] if folder.exists() else []
+
+
+def _scalars(folder: Path, tag: str) -> list[tuple[int, float]]:
+    return [(e.step, e.value) for e in _accumulator(folder).Scalars(tag)]
 
 
 def test_run_stage_without_a_stage_runner_is_failed_precondition(model_dir: Path, tmp_path: Path) -> None:

@@ -107,6 +107,12 @@ class TrainerControlClient(ServiceClient):
         req = trainer_pb2.ContinueStageRequest(stage=name, step=step, keep_step=keep_step)
         return wire.trainer_status_from_proto(self._call("ContinueStage", req))
 
+    def record_scalars(self, step: int, scalars: dict[str, float]) -> None:
+        """The driver's scalars for the job's TensorBoard files in its output location; once,
+        not retried (a lost point is a gap in a plot)."""
+        self._call("RecordScalars", trainer_pb2.RecordScalarsRequest(step=step, scalars=scalars),
+                   retry=False)
+
     def restore_checkpoint(self, name: str, step: int, reason: str) -> TrainerStatus:
         # Restoring and exporting a model takes longer than a status call.
         req = trainer_pb2.RestoreCheckpointRequest(stage=name, step=step, reason=reason)

@@ -1,5 +1,5 @@
-"""Where a job is among its stages, in steps: what `kiln run`'s ETA counts and what the stage
-driver tracks as `progress/<name>` (`kiln.metrics.PROGRESS`). Stages run in spec order, so
+"""Where a job is among its stages, in steps and held-out evaluations: what `kiln run`'s ETA
+counts and what the stage driver tracks as `progress/<name>` (`kiln.metrics.PROGRESS`). Stages run in spec order, so
 every stage after the running one is still to come. And where a held-out evaluation is, told
 every few seconds while it runs (`evaluate_reporting`)."""
 from __future__ import annotations
@@ -19,6 +19,25 @@ def steps_left(job: RLJob, stage: str, stage_step: int) -> int:
     index = names.index(stage)
     return (max(0, job.spec.stages[index].max_steps - stage_step)
             + sum(s.max_steps for s in job.spec.stages[index + 1:]))
+
+
+def evaluations_left(job: RLJob, stage: str, stage_step: int) -> list[str]:
+    """The held-out evaluations still to come while `stage` has taken `stage_step` of its
+    steps, one task-set name per evaluation: this stage's `eval.every` ones past the step and
+    its "after" ones, then every later stage's ("before" when asked, `every`, "after")."""
+    index = [s.name for s in job.spec.stages].index(stage)
+    left: list[str] = []
+    for offset, s in enumerate(job.spec.stages[index:]):
+        ev = s.eval
+        if ev is None or not ev.tasks:
+            continue
+        count = 1 + (offset > 0 and ev.before)
+        if ev.every and s.type == "rl":
+            # Held at the multiples of `every` before the last step (the "after" covers it).
+            done = stage_step if offset == 0 else 0
+            count += len(range((done // ev.every + 1) * ev.every, s.max_steps, ev.every))
+        left += list(ev.tasks) * count
+    return left
 
 
 def progress_scalars(job: RLJob, stage: str, stage_step: int) -> dict[str, float]:

@@ -16,8 +16,11 @@ The driver logs to the job's trackers as `kiln run`'s does (`spec.tracking`, `ki
 each held-out evaluation (`eval/<task set>/...`), and every poll the job's progress
 (`progress/...`) and rollout's and the buffer's figures, at the trainer's global step, so they
 line up with the trainer's own `train/...` scalars. W&B runs are grouped under the job's name
-beside the trainer's (run `driver`). TensorBoard event files go to the operator's tracking
-folder, `<KILN_OPERATOR_TRACKING_DIR>/<namespace>/<job>/driver` (`job_tracker`).
+beside the trainer's (run `driver`). TensorBoard: with `spec.output` the scalars go to the
+trainer (`RecordScalars`), which writes them beside its own and copies both to the output
+location (`tensorboard/`), where the job's other results are; the operator cannot write there.
+Without an output they go to the operator's tracking folder,
+`<KILN_OPERATOR_TRACKING_DIR>/<namespace>/<job>/driver` (`job_tracker`).
 
 When every stage is done the daemon records `phase: Succeeded`; a driver error that a retry will
 not fix (the trainer failed, a service stayed away for `unavailable_seconds`) records `Failed`
@@ -26,6 +29,7 @@ with the reason in the `Driving` condition.
 from __future__ import annotations
 
 import logging
+import math
 import tempfile
 import threading
 from pathlib import Path
@@ -121,6 +125,35 @@ def job_tracker(job: RLJob, ref: JobRef, tracking_dir: Path | None) -> Tracker:
                    group=job.metadata.name, spec=spec)
 
 
+class TrainerScalars:
+    """The driver's tracker when the job has an output location: each call's scalars also go to
+    the trainer (`RecordScalars`), which keeps them for the output's TensorBoard files; `inner`
+    (W&B) gets them as well. A failed call is logged and dropped: tracking never stops a job."""
+
+    def __init__(self, trainer: Any, inner: Tracker | None, name: str) -> None:
+        self.trainer, self.inner, self.name = trainer, inner, name
+        self.failures = 0
+
+    def log(self, step: int, scalars: dict[str, float | None]) -> None:
+        if self.inner is not None:
+            self.inner.log(step, scalars)
+        values = {k: float(v) for k, v in scalars.items()
+                  if v is not None and math.isfinite(float(v))}
+        if not values:
+            return
+        try:
+            self.trainer.record_scalars(step, values)
+        except Exception as exc:  # any failure of the call: a gap in a plot, never a stop
+            self.failures += 1
+            if self.failures in (1, 10, 100) or self.failures % 1000 == 0:
+                log.warning("%s: scalars at step %d not recorded by the trainer (%d so far): %s",
+                            self.name, step, self.failures, exc)
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()
+
+
 def drive(job: RLJob, ref: JobRef, kube: Kube, address: Callable[[str], str],
           current_status: Callable[[], dict[str, Any]], stopped: threading.Event | Any,
           suspended: Callable[[], bool], *, poll_seconds: float = 2.0,
@@ -144,11 +177,15 @@ def drive(job: RLJob, ref: JobRef, kube: Kube, address: Callable[[str], str],
         return "succeeded"
     controls = Controls.open(address, credentials=credentials)
     tracker = None
+    to_output = job.spec.output is not None and job.spec.tracking.tensorboard
     try:
-        tracker = job_tracker(job, ref, tracking_dir)
+        # With an output location, TensorBoard's files are the trainer's to write (there).
+        tracker = job_tracker(job, ref, None if to_output else tracking_dir)
     except (ValueError, OSError) as exc:  # W&B not installed, a folder not writable: untracked
         log.error("%s/%s: not tracked: %s", ref.namespace, ref.name, exc)
         on_event("TrackingUnavailable", str(exc))
+    if to_output:
+        tracker = TrainerScalars(controls.trainer, tracker, f"{ref.namespace}/{ref.name}")
     last_logged = [0.0]
 
     def on_progress(p: Progress) -> None:

@@ -3,13 +3,15 @@
     kiln-operator --all-namespaces
     kiln-operator --namespace team-a --namespace team-b --liveness http://0.0.0.0:8080/healthz
 
-Settings other than these flags come from `KILN_OPERATOR_*` variables (`kiln.operator.config`).
+Settings other than these flags come from `KILN_OPERATOR_*` variables (`kiln.operator.config`);
+logs are JSON lines unless `KILN_LOG_FORMAT=text` (`kiln.logs`).
 
 Not covered: the handlers themselves (`kiln.operator.handlers`).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -40,6 +42,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kiln.operator import handlers  # noqa: F401
 
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.FULL)
+    if (os.environ.get("KILN_LOG_FORMAT") or "json") == "json":
+        # One format for every Kiln process: kopf's records (and the object each is about)
+        # through Kiln's JSON handler, in place of the one kopf just installed; kopf's events
+        # poster is a handler of its own and stays.
+        from kiln.logs import setup_logging
+
+        setup_logging("operator", "DEBUG" if args.verbose else None, relay=True)
     kopf.run(
         clusterwide=args.all_namespaces,
         namespaces=tuple(args.namespaces or ()),

@@ -3,9 +3,11 @@ messages and progress as a live line on a terminal (a line every 10 s in a log),
 progress record and event appended to RUN_DIR/metrics.jsonl (what the report plots).
 
 The line has the columns of the stage's type (`columns`): an SFT stage has no reward, rollout
-pass rate or staleness worth showing, an RL stage has all of them. The ETA is the whole job's
-training steps (this stage's and the later stages'), at the pace of the last steps; held-out
-evaluations are not in it. When the run ends or stops, `stage_table` sums each stage up."""
+pass rate or staleness worth showing, an RL stage has all of them. The ETA is the whole job's:
+its training steps (this stage's and the later stages') at the pace of the last steps, plus its
+held-out evaluations still to come, each at the time that task set's evaluations have taken so
+far (the mean of all evaluations for a task set not evaluated yet; none before the first ends).
+When the run ends or stops, `stage_table` sums each stage up."""
 from __future__ import annotations
 
 import json
@@ -18,7 +20,7 @@ from typing import Any
 
 from kiln.api.spec import RLJob, SFTStage
 from kiln.control.driver import Progress
-from kiln.control.progress import steps_left
+from kiln.control.progress import evaluations_left, steps_left
 
 
 class LocalProgress:
@@ -34,6 +36,8 @@ class LocalProgress:
         self._open_line = False
         # (monotonic time, global step) whenever the global step changed: the recent pace.
         self._pace: deque[tuple[float, int]] = deque(maxlen=PACE_STEPS + 1)
+        # Seconds each finished held-out evaluation took, by task set.
+        self._eval_seconds: dict[str, list[float]] = {}
 
     def say(self, text: str) -> None:
         if self._open_line:
@@ -43,6 +47,8 @@ class LocalProgress:
         self.out.flush()
 
     def event(self, record: dict[str, Any]) -> None:
+        if record.get("event") == "eval" and record.get("seconds") is not None:
+            self._eval_seconds.setdefault(record["task_set"], []).append(float(record["seconds"]))
         with open(self.metrics_file, "a") as f:
             f.write(json.dumps(record, default=str) + "\n")
 
@@ -69,14 +75,26 @@ class LocalProgress:
             self._last_step, self._last_print = step, time.monotonic()
 
     def eta(self, p: Progress) -> float | None:
-        """Seconds until the job's last step: the steps left in this stage and every later one,
-        at the mean time of the last `PACE_STEPS` steps (None before two steps were seen)."""
+        """Seconds until the job's end: the steps left in this stage and every later one, at the
+        mean time of the last `PACE_STEPS` steps, and the evaluations still to come (module
+        docstring). None before two steps were seen."""
         if len(self._pace) < 2 or self._pace[-1][1] == self._pace[0][1]:
             return None
         (t0, s0), (t1, s1) = self._pace[0], self._pace[-1]
         left = (steps_left(self.job, p.stage.name, p.step) if self.job is not None
                 else max(0, p.stage.max_steps - p.step))
-        return left * (t1 - t0) / (s1 - s0)
+        return left * (t1 - t0) / (s1 - s0) + self._evaluations_eta(p)
+
+    def _evaluations_eta(self, p: Progress) -> float:
+        if self.job is None or not self._eval_seconds:
+            return 0.0
+        every = [t for times in self._eval_seconds.values() for t in times]
+        overall = sum(every) / len(every)
+        total = 0.0
+        for task_set in evaluations_left(self.job, p.stage.name, p.step):
+            times = self._eval_seconds.get(task_set)
+            total += sum(times) / len(times) if times else overall
+        return total
 
 
 #: How many recent steps the ETA's pace is measured over.

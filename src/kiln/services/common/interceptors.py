@@ -13,7 +13,7 @@ from typing import Any, Awaitable, Callable
 
 import grpc
 
-from kiln.services.common.logs import request_id_var
+from kiln.logs import request_id_var
 from kiln.services.common.metrics import RPC_SECONDS, RPC_TOTAL
 from kiln.services.common.ratelimit import LogLimiter
 

@@ -43,7 +43,7 @@ from kiln.api.validate import ManifestError, load_job
 from kiln.control.channels import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES
 from kiln.services.common import metrics
 from kiln.services.common.interceptors import ObservabilityInterceptor
-from kiln.services.common.logs import adopt_library_loggers, setup_logging
+from kiln.logs import adopt_library_loggers, setup_logging
 from kiln.services.common.tls import INSECURE_ENV, AuthorizationInterceptor, server_credentials
 from kiln.tls import TLS_DIR_ENV, Bundle, own_bundle
 
@@ -261,7 +261,7 @@ def run_service(service: str, build: BuildFn, argv: Sequence[str] | None = None,
     """Parse flags, load the job, serve until SIGTERM/SIGINT. Returns the process exit code."""
     parser = parser or service_argparser(service)
     args = parser.parse_args(argv)
-    setup_logging(service)
+    setup_logging(service, relay=True)
     job = None
     if args.job is not None:
         try:

@@ -49,7 +49,8 @@ CALLERS: dict[str, frozenset[str]] = {
     # The stage driver (the operator's, or `kiln run`'s under the operator's certificate): it
     # also holds a stage at a held-out evaluation and rolls it back to its best checkpoint.
     **{f"/kiln.v1.Trainer/{m}": frozenset({"operator"})
-       for m in ("RunStage", "GetTrainerStatus", "ContinueStage", "RestoreCheckpoint")},
+       for m in ("RunStage", "GetTrainerStatus", "ContinueStage", "RestoreCheckpoint",
+                 "RecordScalars")},
     # A frozen deployment (identity `teacher`, which may call nothing else) loads an earlier
     # stage's weights.
     "/kiln.v1.Trainer/FetchStageExport": frozenset({"teacher"}),

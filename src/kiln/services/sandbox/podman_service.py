@@ -10,6 +10,10 @@ CAP_SYS_RESOURCE); `DockerConfig.ulimits` carries the latter.
 coreutils, grep/sed/awk, git, python3 with its standard library) plus the shared libraries they
 link, imported with `podman import`. It needs no registry and no network.
 
+Several services may share one `root_dir` (two test runs, or `kiln run` beside a test run on
+one machine): podman locks its storage for concurrent users, and each service gets its own
+socket and configuration file, so starting or stopping one never touches another's.
+
 Not covered: rootless podman, registries, Dockerfiles.
 """
 from __future__ import annotations
@@ -21,6 +25,7 @@ import shutil
 import subprocess
 import tarfile
 import time
+import uuid
 from pathlib import Path
 
 DEFAULT_ROOT = Path(os.environ.get("KILN_PODMAN_ROOT", "/var/tmp/kiln-podman"))
@@ -46,11 +51,14 @@ def podman_base_args(root_dir: Path) -> list[str]:
 
 
 class PodmanService:
-    """Runs `podman system service` on `root_dir/api.sock` until `stop()`."""
+    """Runs `podman system service` on a socket of its own under `root_dir` until `stop()`."""
 
     def __init__(self, root_dir: Path = DEFAULT_ROOT) -> None:
         self.root_dir = Path(root_dir)
-        self.socket = self.root_dir / "api.sock"
+        # The pid in the name lets a later start remove the sockets of services whose process
+        # died without stop(); the random part separates services of one process.
+        self.name = f"api-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.socket = self.root_dir / f"{self.name}.sock"
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -62,11 +70,11 @@ class PodmanService:
             raise RuntimeError("podman not found: install podman and runc (not retryable)")
         for sub in ("storage", "run"):
             (self.root_dir / sub).mkdir(parents=True, exist_ok=True)
-        self.socket.unlink(missing_ok=True)
+        _remove_dead_sockets(self.root_dir)
         # By default each exec leaves two conmon processes waiting 300 s for someone to read
         # its exit code; we read it (exec_inspect) right after the output ends, so a few
         # seconds suffice (0 would remove the session before exec_inspect sees it).
-        conf = self.root_dir / "containers.conf"
+        conf = self.root_dir / f"{self.name}.conf"
         conf.write_text(f"[engine]\nexit_command_delay = {EXEC_EXIT_DELAY_S}\n")
         env = {**os.environ, "CONTAINERS_CONF": str(conf)}
         log = open(self.root_dir / "service.log", "ab")
@@ -111,12 +119,24 @@ class PodmanService:
                 self.proc.wait()
         self.proc = None
         self.socket.unlink(missing_ok=True)
+        (self.root_dir / f"{self.name}.conf").unlink(missing_ok=True)
 
     def __enter__(self) -> "PodmanService":
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _remove_dead_sockets(root_dir: Path) -> None:
+    """Remove the sockets and configuration files left by services whose process is gone."""
+    for path in [*root_dir.glob("api-*-*.sock"), *root_dir.glob("api-*-*.conf")]:
+        try:
+            pid = int(path.stem.split("-")[1])
+        except (IndexError, ValueError):
+            continue
+        if pid != os.getpid() and not Path(f"/proc/{pid}").exists():
+            path.unlink(missing_ok=True)
 
 
 # -- image from the host's /usr -------------------------------------------------------------
@@ -216,7 +236,8 @@ def build_host_image(root_dir: Path = DEFAULT_ROOT, tag: str = DEFAULT_IMAGE,
         if got.returncode == 0 and got.stdout.strip() == fingerprint:
             return tag
     (root_dir / "storage").mkdir(parents=True, exist_ok=True)
-    tar_path = root_dir / "rootfs.tar"
+    # Its own file: another process may be building the same image from the same root.
+    tar_path = root_dir / f"rootfs-{os.getpid()}-{uuid.uuid4().hex[:8]}.tar"
     write_host_rootfs_tar(tar_path)
     try:
         subprocess.run([*base, "import", "--change", f"LABEL kiln.fingerprint={fingerprint}",

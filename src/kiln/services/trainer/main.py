@@ -141,7 +141,7 @@ async def _follower(engine, children: list, args: argparse.Namespace):
 def _local_rank_main(args: argparse.Namespace) -> int:
     """Local ranks 1..tp-1: no server; the engine follows rank 0 until released."""
     from kiln.api.validate import load_job
-    from kiln.services.common.logs import setup_logging
+    from kiln.logs import setup_logging
 
     setup_logging("trainer")
     # SIGTERM goes to the replica's local rank 0, which releases this rank after its final

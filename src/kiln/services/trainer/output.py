@@ -7,6 +7,12 @@ trajectory a batch brought, `record_samples`), in the form `kiln trajectories` r
 cluster the rollout pods' own samples stay in their pods, so the trainer keeps its own. Each
 stage end writes the whole log so far (every stage's), each trajectory once.
 
+`tensorboard/` holds the job's TensorBoard event files: the trainer's own (`trainer/`) and the
+stage driver's (`driver/`: held-out evaluations, the job's progress, rollout's and the buffer's
+figures, which the operator's driver sends with `RecordScalars`, `DriverScalars`). They are
+copied out at each stage end and after each held-out evaluation, so the output lags the run by
+at most a stage or an evaluation; `tensorboard --logdir OUTPUT/tensorboard` reads them.
+
 The report is the run report's per-step plots (`kiln.plots`: loss over every stage, and the RL
 stages' reward, masked fractions, mismatch and staleness) drawn from the trainer's own step
 log, `<trainer dir>/steps.jsonl` (one line per optimizer step: the stage and its
@@ -32,6 +38,7 @@ import yaml
 from kiln.api.spec import RLJob, RLStage
 from kiln.metrics import StepMetrics
 from kiln.plots import draw_steps
+from kiln.tracking import Tracker
 
 
 def _replace_tree(src: Path, dst: Path) -> None:
@@ -177,3 +184,50 @@ def _upload_stage(uri: str, job: RLJob, stage: str, export: Path, record: dict[s
     summary = f"{root}/summary.json"
     previous = fs.cat_file(summary).decode() if fs.exists(summary) else None
     fs.pipe_file(summary, _summary(previous, job, stage, record).encode())
+
+
+def write_tensorboard(out: str | Path, tensorboard: Path) -> None:
+    """Copy the event files under `tensorboard` (the trainer's folder) to `out`'s
+    `tensorboard/`, replacing older copies (event files only grow)."""
+    files = sorted(p for p in Path(tensorboard).rglob("*") if p.is_file())
+    if not files:
+        return
+    if is_remote(out):
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(str(out))
+        for f in files:
+            fs.put_file(str(f), f"{root}/tensorboard/{f.relative_to(tensorboard).as_posix()}")
+        return
+    for f in files:
+        dst = Path(out) / "tensorboard" / f.relative_to(tensorboard)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+        shutil.copyfile(f, tmp)
+        os.replace(tmp, dst)  # a reader sees the old copy or the new one, never half
+
+
+class DriverScalars:
+    """The stage driver's scalars, kept by the trainer beside its own (`<trainer dir>/
+    tensorboard/driver`) and copied to the output after each held-out evaluation. W&B is not
+    written here: the driver logs to W&B itself."""
+
+    def __init__(self, job: RLJob, trainer_dir: Path, output_dir: str | Path | None) -> None:
+        self.folder = Path(trainer_dir) / "tensorboard"
+        self.output_dir = output_dir
+        self.tracker = (Tracker(self.folder / "driver", run_name="driver",
+                                group=job.metadata.name,
+                                spec=job.spec.tracking.model_copy(update={"wandb": None}))
+                        if job.spec.tracking.tensorboard else None)
+
+    def record(self, step: int, scalars: dict[str, float]) -> None:
+        if self.tracker is None:
+            return
+        self.tracker.log(step, scalars)
+        if self.output_dir is not None and any(k.startswith("eval/") for k in scalars):
+            self.tracker.flush()
+            write_tensorboard(self.output_dir, self.folder)
+
+    def close(self) -> None:
+        if self.tracker is not None:
+            self.tracker.close()

@@ -69,6 +69,16 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         except TimeoutError as exc:  # the stage did not stop in time: a retry may find it stopped
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
+    async def RecordScalars(self, request: trainer_pb2.RecordScalarsRequest,
+                            context: grpc.aio.ServicerContext) -> trainer_pb2.RecordScalarsReply:
+        if self.stages is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this trainer runs no stages, so it keeps no job scalars")
+        # A thread: after an evaluation the files are copied to the output location.
+        await asyncio.to_thread(self.stages.driver_scalars.record, request.step,
+                                dict(request.scalars))
+        return trainer_pb2.RecordScalarsReply()
+
     async def GetTrainerStatus(self, request: trainer_pb2.TrainerStatusRequest,
                                context: grpc.aio.ServicerContext) -> trainer_pb2.TrainerStatus:
         return control_wire.trainer_status_to_proto(self.status())

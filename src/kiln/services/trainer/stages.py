@@ -39,7 +39,8 @@ from kiln.services.trainer.config import config_from_job, stage_by_name
 from kiln.services.trainer import metrics as trainer_metrics
 from kiln.services.trainer.engine import TrainerEngine
 from kiln.services.trainer.loop import StageSettings, StepBatch, WeightPublisher, publish, run_stage
-from kiln.services.trainer.output import draw_report, record_samples, record_step, write_stage_output
+from kiln.services.trainer.output import (DriverScalars, draw_report, record_samples, record_step,
+                                         write_stage_output, write_tensorboard)
 from kiln.services.trainer.selection import StageGuard, restore_weights
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ class StageRunner:
         self.output_dir = output_dir
         self.buffer, self.publisher, self.run_dir = buffer, publisher, run_dir
         self.tracker = tracker
+        self.driver_scalars = DriverScalars(job, run_dir, output_dir)
         self.status = StageStatus()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -302,7 +304,11 @@ class StageRunner:
             "steps": self.engine.stage_steps.get(name, 0), "selected_step": selected_step,
             "policy_version": self.engine.policy_version}, report=draw_report(self.run_dir, self.job),
             samples=self.run_dir)
-        log.info("stage %s: its model, report and summary written to %s", name, self.output_dir)
+        if self.tracker is not None and hasattr(self.tracker, "flush"):
+            self.tracker.flush()
+        write_tensorboard(self.output_dir, self.run_dir / "tensorboard")
+        log.info("stage %s: its model, report, summary and TensorBoard files written to %s",
+                 name, self.output_dir)
 
 
 def stage_export_dir(run_dir: Path, stage: str) -> Path:

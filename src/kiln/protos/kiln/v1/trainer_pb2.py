@@ -24,33 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kiln/v1/trainer.proto\x12\x07kiln.v1\"F\n\x14\x43ontinueStageRequest\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x11\n\tkeep_step\x18\x03 \x01(\x04\"G\n\x18RestoreCheckpointRequest\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"(\n\x17\x46\x65tchStageExportRequest\x12\r\n\x05stage\x18\x01 \x01(\t\"G\n\x0b\x45xportChunk\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\t\" \n\x0fRunStageRequest\x12\r\n\x05stage\x18\x01 \x01(\t\"\x16\n\x14TrainerStatusRequest\"\xb6\x08\n\x0bStepMetrics\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12\x11\n\tgrad_norm\x18\x04 \x01(\x01\x12\n\n\x02lr\x18\x05 \x01(\x01\x12\x11\n\tsequences\x18\x06 \x01(\x04\x12\x0e\n\x06tokens\x18\x07 \x01(\x04\x12\x14\n\x0cstep_seconds\x18\x08 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\t \x01(\x01\x12\x14\n\x0cwait_seconds\x18\n \x01(\x01\x12\x18\n\x0breward_mean\x18\x0b \x01(\x01H\x00\x88\x01\x01\x12\x1c\n\x0fratio_mask_frac\x18\x0c \x01(\x01H\x01\x88\x01\x01\x12\x1d\n\x10icepop_mask_frac\x18\r \x01(\x01H\x02\x88\x01\x01\x12\x1c\n\x0fratio_only_frac\x18\x0e \x01(\x01H\x03\x88\x01\x01\x12\x1d\n\x10icepop_only_frac\x18\x0f \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10\x62oth_masked_frac\x18\x10 \x01(\x01H\x05\x88\x01\x01\x12\x16\n\tkept_frac\x18\x11 \x01(\x01H\x06\x88\x01\x01\x12\x17\n\nratio_mean\x18\x12 \x01(\x01H\x07\x88\x01\x01\x12\x19\n\x0cmismatch_abs\x18\x13 \x01(\x01H\x08\x88\x01\x01\x12\x18\n\x0bmismatch_kl\x18\x14 \x01(\x01H\t\x88\x01\x01\x12\x13\n\x06kl_ref\x18\x15 \x01(\x01H\n\x88\x01\x01\x12\x15\n\x08\x64\x65nse_kl\x18\x16 \x01(\x01H\x0b\x88\x01\x01\x12\x1e\n\x11routing_flip_frac\x18\x17 \x01(\x01H\x0c\x88\x01\x01\x12\x36\n\tstaleness\x18\x18 \x03(\x0b\x32#.kiln.v1.StepMetrics.StalenessEntry\x12!\n\x14\x63orrection_mask_frac\x18\x19 \x01(\x01H\r\x88\x01\x01\x12#\n\x16\x63orrection_weight_mean\x18\x1a \x01(\x01H\x0e\x88\x01\x01\x12\"\n\x15routing_straddle_frac\x18\x1b \x01(\x01H\x0f\x88\x01\x01\x1a\x30\n\x0eStalenessEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x42\x0e\n\x0c_reward_meanB\x12\n\x10_ratio_mask_fracB\x13\n\x11_icepop_mask_fracB\x12\n\x10_ratio_only_fracB\x13\n\x11_icepop_only_fracB\x13\n\x11_both_masked_fracB\x0c\n\n_kept_fracB\r\n\x0b_ratio_meanB\x0f\n\r_mismatch_absB\x0e\n\x0c_mismatch_klB\t\n\x07_kl_refB\x0b\n\t_dense_klB\x14\n\x12_routing_flip_fracB\x17\n\x15_correction_mask_fracB\x19\n\x17_correction_weight_meanB\x18\n\x16_routing_straddle_frac\"\x92\x03\n\rTrainerStatus\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\r\n\x05stage\x18\x03 \x01(\t\x12\'\n\tlast_step\x18\r \x01(\x0b\x32\x14.kiln.v1.StepMetrics\x12\x17\n\x0flast_checkpoint\x18\x05 \x01(\t\x12\x17\n\x0ftensor_parallel\x18\x06 \x01(\r\x12\x11\n\tmodel_dir\x18\x07 \x01(\t\x12\x12\n\nstage_step\x18\x08 \x01(\x04\x12\x17\n\x0fstage_max_steps\x18\t \x01(\x04\x12\x12\n\nstage_done\x18\n \x01(\x08\x12\x14\n\x0cstage_failed\x18\x0b \x01(\x08\x12\x0f\n\x07message\x18\x0c \x01(\t\x12\x17\n\x0fstage_eval_step\x18\x0e \x01(\x04\x12 \n\x13stage_selected_step\x18\x0f \x01(\x04H\x00\x88\x01\x01\x12\x1d\n\x15stage_selected_reason\x18\x10 \x01(\tB\x16\n\x14_stage_selected_stepJ\x04\x08\x04\x10\x05\x32\xf8\x02\n\x07Trainer\x12<\n\x08RunStage\x12\x18.kiln.v1.RunStageRequest\x1a\x16.kiln.v1.TrainerStatus\x12I\n\x10GetTrainerStatus\x12\x1d.kiln.v1.TrainerStatusRequest\x1a\x16.kiln.v1.TrainerStatus\x12L\n\x10\x46\x65tchStageExport\x12 .kiln.v1.FetchStageExportRequest\x1a\x14.kiln.v1.ExportChunk0\x01\x12\x46\n\rContinueStage\x12\x1d.kiln.v1.ContinueStageRequest\x1a\x16.kiln.v1.TrainerStatus\x12N\n\x11RestoreCheckpoint\x12!.kiln.v1.RestoreCheckpointRequest\x1a\x16.kiln.v1.TrainerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kiln/v1/trainer.proto\x12\x07kiln.v1\"\x91\x01\n\x14RecordScalarsRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12;\n\x07scalars\x18\x02 \x03(\x0b\x32*.kiln.v1.RecordScalarsRequest.ScalarsEntry\x1a.\n\x0cScalarsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x14\n\x12RecordScalarsReply\"F\n\x14\x43ontinueStageRequest\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x11\n\tkeep_step\x18\x03 \x01(\x04\"G\n\x18RestoreCheckpointRequest\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"(\n\x17\x46\x65tchStageExportRequest\x12\r\n\x05stage\x18\x01 \x01(\t\"G\n\x0b\x45xportChunk\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\t\" \n\x0fRunStageRequest\x12\r\n\x05stage\x18\x01 \x01(\t\"\x16\n\x14TrainerStatusRequest\"\xb6\x08\n\x0bStepMetrics\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12\x11\n\tgrad_norm\x18\x04 \x01(\x01\x12\n\n\x02lr\x18\x05 \x01(\x01\x12\x11\n\tsequences\x18\x06 \x01(\x04\x12\x0e\n\x06tokens\x18\x07 \x01(\x04\x12\x14\n\x0cstep_seconds\x18\x08 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\t \x01(\x01\x12\x14\n\x0cwait_seconds\x18\n \x01(\x01\x12\x18\n\x0breward_mean\x18\x0b \x01(\x01H\x00\x88\x01\x01\x12\x1c\n\x0fratio_mask_frac\x18\x0c \x01(\x01H\x01\x88\x01\x01\x12\x1d\n\x10icepop_mask_frac\x18\r \x01(\x01H\x02\x88\x01\x01\x12\x1c\n\x0fratio_only_frac\x18\x0e \x01(\x01H\x03\x88\x01\x01\x12\x1d\n\x10icepop_only_frac\x18\x0f \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10\x62oth_masked_frac\x18\x10 \x01(\x01H\x05\x88\x01\x01\x12\x16\n\tkept_frac\x18\x11 \x01(\x01H\x06\x88\x01\x01\x12\x17\n\nratio_mean\x18\x12 \x01(\x01H\x07\x88\x01\x01\x12\x19\n\x0cmismatch_abs\x18\x13 \x01(\x01H\x08\x88\x01\x01\x12\x18\n\x0bmismatch_kl\x18\x14 \x01(\x01H\t\x88\x01\x01\x12\x13\n\x06kl_ref\x18\x15 \x01(\x01H\n\x88\x01\x01\x12\x15\n\x08\x64\x65nse_kl\x18\x16 \x01(\x01H\x0b\x88\x01\x01\x12\x1e\n\x11routing_flip_frac\x18\x17 \x01(\x01H\x0c\x88\x01\x01\x12\x36\n\tstaleness\x18\x18 \x03(\x0b\x32#.kiln.v1.StepMetrics.StalenessEntry\x12!\n\x14\x63orrection_mask_frac\x18\x19 \x01(\x01H\r\x88\x01\x01\x12#\n\x16\x63orrection_weight_mean\x18\x1a \x01(\x01H\x0e\x88\x01\x01\x12\"\n\x15routing_straddle_frac\x18\x1b \x01(\x01H\x0f\x88\x01\x01\x1a\x30\n\x0eStalenessEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x42\x0e\n\x0c_reward_meanB\x12\n\x10_ratio_mask_fracB\x13\n\x11_icepop_mask_fracB\x12\n\x10_ratio_only_fracB\x13\n\x11_icepop_only_fracB\x13\n\x11_both_masked_fracB\x0c\n\n_kept_fracB\r\n\x0b_ratio_meanB\x0f\n\r_mismatch_absB\x0e\n\x0c_mismatch_klB\t\n\x07_kl_refB\x0b\n\t_dense_klB\x14\n\x12_routing_flip_fracB\x17\n\x15_correction_mask_fracB\x19\n\x17_correction_weight_meanB\x18\n\x16_routing_straddle_frac\"\x92\x03\n\rTrainerStatus\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\r\n\x05stage\x18\x03 \x01(\t\x12\'\n\tlast_step\x18\r \x01(\x0b\x32\x14.kiln.v1.StepMetrics\x12\x17\n\x0flast_checkpoint\x18\x05 \x01(\t\x12\x17\n\x0ftensor_parallel\x18\x06 \x01(\r\x12\x11\n\tmodel_dir\x18\x07 \x01(\t\x12\x12\n\nstage_step\x18\x08 \x01(\x04\x12\x17\n\x0fstage_max_steps\x18\t \x01(\x04\x12\x12\n\nstage_done\x18\n \x01(\x08\x12\x14\n\x0cstage_failed\x18\x0b \x01(\x08\x12\x0f\n\x07message\x18\x0c \x01(\t\x12\x17\n\x0fstage_eval_step\x18\x0e \x01(\x04\x12 \n\x13stage_selected_step\x18\x0f \x01(\x04H\x00\x88\x01\x01\x12\x1d\n\x15stage_selected_reason\x18\x10 \x01(\tB\x16\n\x14_stage_selected_stepJ\x04\x08\x04\x10\x05\x32\xc5\x03\n\x07Trainer\x12<\n\x08RunStage\x12\x18.kiln.v1.RunStageRequest\x1a\x16.kiln.v1.TrainerStatus\x12I\n\x10GetTrainerStatus\x12\x1d.kiln.v1.TrainerStatusRequest\x1a\x16.kiln.v1.TrainerStatus\x12L\n\x10\x46\x65tchStageExport\x12 .kiln.v1.FetchStageExportRequest\x1a\x14.kiln.v1.ExportChunk0\x01\x12\x46\n\rContinueStage\x12\x1d.kiln.v1.ContinueStageRequest\x1a\x16.kiln.v1.TrainerStatus\x12N\n\x11RestoreCheckpoint\x12!.kiln.v1.RestoreCheckpointRequest\x1a\x16.kiln.v1.TrainerStatus\x12K\n\rRecordScalars\x12\x1d.kiln.v1.RecordScalarsRequest\x1a\x1b.kiln.v1.RecordScalarsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kiln.v1.trainer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_RECORDSCALARSREQUEST_SCALARSENTRY']._loaded_options = None
+  _globals['_RECORDSCALARSREQUEST_SCALARSENTRY']._serialized_options = b'8\001'
   _globals['_STEPMETRICS_STALENESSENTRY']._loaded_options = None
   _globals['_STEPMETRICS_STALENESSENTRY']._serialized_options = b'8\001'
-  _globals['_CONTINUESTAGEREQUEST']._serialized_start=34
-  _globals['_CONTINUESTAGEREQUEST']._serialized_end=104
-  _globals['_RESTORECHECKPOINTREQUEST']._serialized_start=106
-  _globals['_RESTORECHECKPOINTREQUEST']._serialized_end=177
-  _globals['_FETCHSTAGEEXPORTREQUEST']._serialized_start=179
-  _globals['_FETCHSTAGEEXPORTREQUEST']._serialized_end=219
-  _globals['_EXPORTCHUNK']._serialized_start=221
-  _globals['_EXPORTCHUNK']._serialized_end=292
-  _globals['_RUNSTAGEREQUEST']._serialized_start=294
-  _globals['_RUNSTAGEREQUEST']._serialized_end=326
-  _globals['_TRAINERSTATUSREQUEST']._serialized_start=328
-  _globals['_TRAINERSTATUSREQUEST']._serialized_end=350
-  _globals['_STEPMETRICS']._serialized_start=353
-  _globals['_STEPMETRICS']._serialized_end=1431
-  _globals['_STEPMETRICS_STALENESSENTRY']._serialized_start=1078
-  _globals['_STEPMETRICS_STALENESSENTRY']._serialized_end=1126
-  _globals['_TRAINERSTATUS']._serialized_start=1434
-  _globals['_TRAINERSTATUS']._serialized_end=1836
-  _globals['_TRAINER']._serialized_start=1839
-  _globals['_TRAINER']._serialized_end=2215
+  _globals['_RECORDSCALARSREQUEST']._serialized_start=35
+  _globals['_RECORDSCALARSREQUEST']._serialized_end=180
+  _globals['_RECORDSCALARSREQUEST_SCALARSENTRY']._serialized_start=134
+  _globals['_RECORDSCALARSREQUEST_SCALARSENTRY']._serialized_end=180
+  _globals['_RECORDSCALARSREPLY']._serialized_start=182
+  _globals['_RECORDSCALARSREPLY']._serialized_end=202
+  _globals['_CONTINUESTAGEREQUEST']._serialized_start=204
+  _globals['_CONTINUESTAGEREQUEST']._serialized_end=274
+  _globals['_RESTORECHECKPOINTREQUEST']._serialized_start=276
+  _globals['_RESTORECHECKPOINTREQUEST']._serialized_end=347
+  _globals['_FETCHSTAGEEXPORTREQUEST']._serialized_start=349
+  _globals['_FETCHSTAGEEXPORTREQUEST']._serialized_end=389
+  _globals['_EXPORTCHUNK']._serialized_start=391
+  _globals['_EXPORTCHUNK']._serialized_end=462
+  _globals['_RUNSTAGEREQUEST']._serialized_start=464
+  _globals['_RUNSTAGEREQUEST']._serialized_end=496
+  _globals['_TRAINERSTATUSREQUEST']._serialized_start=498
+  _globals['_TRAINERSTATUSREQUEST']._serialized_end=520
+  _globals['_STEPMETRICS']._serialized_start=523
+  _globals['_STEPMETRICS']._serialized_end=1601
+  _globals['_STEPMETRICS_STALENESSENTRY']._serialized_start=1248
+  _globals['_STEPMETRICS_STALENESSENTRY']._serialized_end=1296
+  _globals['_TRAINERSTATUS']._serialized_start=1604
+  _globals['_TRAINERSTATUS']._serialized_end=2006
+  _globals['_TRAINER']._serialized_start=2009
+  _globals['_TRAINER']._serialized_end=2462
 # @@protoc_insertion_point(module_scope)

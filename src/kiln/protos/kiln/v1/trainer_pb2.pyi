@@ -6,6 +6,25 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RecordScalarsRequest(_message.Message):
+    __slots__ = ("step", "scalars")
+    class ScalarsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SCALARS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    scalars: _containers.ScalarMap[str, float]
+    def __init__(self, step: _Optional[int] = ..., scalars: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class RecordScalarsReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class ContinueStageRequest(_message.Message):
     __slots__ = ("stage", "step", "keep_step")
     STAGE_FIELD_NUMBER: _ClassVar[int]

@@ -59,6 +59,11 @@ class TrainerStub:
                 request_serializer=kiln_dot_v1_dot_trainer__pb2.RestoreCheckpointRequest.SerializeToString,
                 response_deserializer=kiln_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
                 _registered_method=True)
+        self.RecordScalars = channel.unary_unary(
+                '/kiln.v1.Trainer/RecordScalars',
+                request_serializer=kiln_dot_v1_dot_trainer__pb2.RecordScalarsRequest.SerializeToString,
+                response_deserializer=kiln_dot_v1_dot_trainer__pb2.RecordScalarsReply.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -108,6 +113,17 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RecordScalars(self, request, context):
+        """The stage driver's scalars (held-out evaluations, the job's progress, rollout's and the
+        buffer's figures) at the trainer's global step, for the job's TensorBoard files in the
+        output location (`spec.output`): on a cluster the driver runs in the operator, which cannot
+        write there. FAILED_PRECONDITION when the trainer runs no stages. Never retried: a lost
+        point is a gap in a plot, not lost training.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -135,6 +151,11 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.RestoreCheckpoint,
                     request_deserializer=kiln_dot_v1_dot_trainer__pb2.RestoreCheckpointRequest.FromString,
                     response_serializer=kiln_dot_v1_dot_trainer__pb2.TrainerStatus.SerializeToString,
+            ),
+            'RecordScalars': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordScalars,
+                    request_deserializer=kiln_dot_v1_dot_trainer__pb2.RecordScalarsRequest.FromString,
+                    response_serializer=kiln_dot_v1_dot_trainer__pb2.RecordScalarsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -272,6 +293,33 @@ class Trainer:
             '/kiln.v1.Trainer/RestoreCheckpoint',
             kiln_dot_v1_dot_trainer__pb2.RestoreCheckpointRequest.SerializeToString,
             kiln_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordScalars(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kiln.v1.Trainer/RecordScalars',
+            kiln_dot_v1_dot_trainer__pb2.RecordScalarsRequest.SerializeToString,
+            kiln_dot_v1_dot_trainer__pb2.RecordScalarsReply.FromString,
             options,
             channel_credentials,
             insecure,

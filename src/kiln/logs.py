@@ -11,10 +11,18 @@ and so do uncaught and unraisable exceptions; vLLM, which configures logging its
 process that imports it (the engine-core processes it starts included), is given a logging
 config file (`VLLM_LOGGING_CONFIG_PATH`) that installs this JSON handler; and a library logger
 that has a stderr handler of its own (transformers') is made to hand its records to the root
-handler instead. What still reaches stderr as plain text is what never passes through Python's
-logging: C++ warnings of torch and vLLM's kernels (`[W... utils.cpp] Warning: ...`), progress
-bars (tqdm's "Loading safetensors checkpoint shards"), a library's bare `print`, and whatever a
-process writes before this setup runs or after the interpreter tears logging down.
+handler instead.
+
+What never passes through Python's logging (C++ warnings of torch and vLLM's kernels, `[W...
+utils.cpp] Warning: ...`; progress bars, tqdm's "Loading safetensors checkpoint shards"; a
+library's bare `print`; a fatal error's traceback) is caught below it in a service
+(`setup_logging(..., relay=True)`): the process's stdout and stderr become a pipe to a small
+relay process (`python -m kiln.logs SERVICE`) that writes each line as a JSON record of logger
+`stdout` (levels from glog's `[W`/`[E`/`[F` prefixes), and passes lines that already are records
+(a child process's) through unchanged. The log handler itself writes to the original stderr. The
+relay is a process rather than a thread so that what a dying process writes last still gets
+out; it ends when every writer (the service and the children that inherited the pipe) has
+closed it.
 """
 from __future__ import annotations
 
@@ -49,6 +57,9 @@ class JsonFormatter(logging.Formatter):
         rid = request_id_var.get()
         if rid:
             entry["request_id"] = rid
+        ref = getattr(record, "k8s_ref", None)  # the object a kopf handler logs about
+        if isinstance(ref, dict) and ref.get("name"):
+            entry["object"] = "/".join(x for x in (ref.get("namespace"), ref.get("name")) if x)
         for key, value in getattr(record, "fields", {}).items():
             entry[key] = value
         if record.exc_info:
@@ -61,16 +72,18 @@ LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 VLLM_CONFIG_ENV = "VLLM_LOGGING_CONFIG_PATH"
 
 
-def setup_logging(service: str, level: str | None = None) -> None:
+def setup_logging(service: str, level: str | None = None, *, relay: bool = False) -> None:
     """Configure the root logger once per process. ValueError naming the variable for a
-    `KILN_LOG_FORMAT` or `KILN_LOG_LEVEL` it does not know."""
+    `KILN_LOG_FORMAT` or `KILN_LOG_LEVEL` it does not know. `relay` (a service's own process,
+    in JSON): stdout and stderr through the relay (module docstring)."""
     level = (level or os.environ.get("KILN_LOG_LEVEL") or "INFO").upper()
     if level not in LEVELS:
         raise ValueError(f"KILN_LOG_LEVEL: {level!r} is not a level (expected one of {', '.join(LEVELS)})")
     fmt = os.environ.get("KILN_LOG_FORMAT") or "json"
     if fmt not in FORMATS:
         raise ValueError(f"KILN_LOG_FORMAT: {fmt!r} is not a format (expected json or text)")
-    handler = logging.StreamHandler(sys.stderr)
+    stream = _start_relay(service) if relay and fmt == "json" else sys.stderr
+    handler = logging.StreamHandler(stream)
     if fmt == "text":
         handler.setFormatter(logging.Formatter(f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s"))
     else:
@@ -152,3 +165,81 @@ def adopt_library_loggers() -> None:
             logger.removeHandler(h)
         if own:
             logger.propagate = True
+
+
+# -- the relay for what bypasses logging ------------------------------------------------------
+_relayed: list = []  # the relay's process and the stream onto the original stderr
+
+
+def _start_relay(service: str):
+    """Point fds 1 and 2 at a relay process that writes JSON onto the original stderr; returns a
+    text stream onto that original stderr, for the log handler. Once per process."""
+    if _relayed:
+        return _relayed[1]
+    import subprocess
+
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    original = os.dup(2)
+    # The relay stays in the service's session (a supervisor that kills the session takes it
+    # too) but ignores the signals that stop the service, to drain what the service's last
+    # moments wrote; it ends at end of input.
+    proc = subprocess.Popen([sys.executable, "-m", __name__, service], stdin=subprocess.PIPE,
+                            stdout=original, stderr=original, close_fds=True)
+    os.dup2(proc.stdin.fileno(), 1)
+    os.dup2(proc.stdin.fileno(), 2)
+    proc.stdin.close()
+    out = os.fdopen(original, "w", buffering=1, encoding="utf-8", errors="replace")
+    _relayed.extend([proc, out])
+    try:
+        import faulthandler
+        if faulthandler.is_enabled():  # its dump must not depend on the relay's pipe
+            faulthandler.enable(file=out)
+    except (ImportError, ValueError):
+        pass
+    return out
+
+
+_GLOG = {"W": "warning", "E": "error", "F": "critical", "I": "info"}
+
+
+def relay_line(service: str, text: str) -> str:
+    """One line of stray output as a JSON record (unchanged if it already is one)."""
+    if text.startswith('{"ts": '):
+        return text
+    level = "info"
+    if len(text) > 2 and text[0] == "[" and text[1] in _GLOG and text[2].isdigit():
+        level = _GLOG[text[1]]
+    elif text.startswith("Traceback (most recent call last)"):
+        level = "error"
+    return json.dumps({"ts": round(time.time(), 3), "level": level, "service": service,
+                       "logger": "stdout", "msg": text}, ensure_ascii=False)
+
+
+def _relay_main(service: str) -> int:
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    source, sink = sys.stdin.buffer, sys.stdout
+    pending = b""
+    while True:
+        chunk = source.read1(65536)
+        if not chunk:
+            break
+        # Progress bars redraw with \r: each redraw is a line of its own.
+        lines = (pending + chunk).replace(b"\r", b"\n").split(b"\n")
+        pending = lines.pop()
+        for raw in lines:
+            text = raw.decode("utf-8", "replace").rstrip()
+            if text:
+                sink.write(relay_line(service, text) + "\n")
+        sink.flush()
+    if pending.strip():
+        sink.write(relay_line(service, pending.decode("utf-8", "replace").rstrip()) + "\n")
+    sink.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_relay_main(sys.argv[1] if len(sys.argv) > 1 else "kiln"))
