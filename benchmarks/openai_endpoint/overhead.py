@@ -9,7 +9,11 @@ tests/helpers/toolcall_model.py, tool outputs scripted) on one vLLM engine:
   `OpenAIServer`, whose `ExternalEpisodes` stitch the calls into a trajectory, then the reward
   call.
 - http: the same requests as plain JSON with aiohttp, which isolates the endpoint from the
-  `openai` client's own cost (that client runs in this process, on the same cores).
+  `openai` client's own cost (that client runs in this process, on the same cores);
+- http, client process: the same aiohttp client in a process of its own, as a scaffold is (in
+  a sandbox, another pod or another machine): this process then spends only what the endpoint
+  costs (HTTP server, episode bookkeeping, the engine's front end), and its event loop is not
+  shared with the client's.
 Prints one line per path (wall time, calls, this process's CPU time per call, mean and p50/p99
 latency of a call) and the overhead per call of each against the baseline: (mean - baseline
 mean) / baseline mean, and the endpoint's CPU time per call over the baseline's (what the
@@ -19,7 +23,7 @@ endpoint paths authenticate every call (`Authorization: Bearer`) and open each e
 `POST /v1/kiln/episodes` first, as a scaffold must; the last line also gives the cost of the
 key check alone: `GET /v1/models` (authenticated) against `GET /healthz` (not), sequentially.
 
-    python benchmarks/openai_endpoint/overhead.py [--episodes 128] [--rounds 2]
+    python benchmarks/openai_endpoint/overhead.py [--episodes 128] [--rounds 2] [--skip-openai]
 """
 from __future__ import annotations
 
@@ -138,6 +142,22 @@ async def via_http(base: str, episodes: int, tag: str) -> dict:
                    time.process_time() - c0)
 
 
+async def via_http_process(base: str, episodes: int) -> dict:
+    """`via_http` from a client process of its own (`--client`); the CPU per call is this
+    process's, the endpoint's alone."""
+    c0 = time.process_time()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--client", base, "--episodes", str(episodes),
+        stdout=asyncio.subprocess.PIPE)
+    out, _ = await proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"the client process exited with {proc.returncode}")
+    row = json.loads(out.decode().strip().splitlines()[-1])
+    row["path"] = "http endpoint (client process)"
+    row["cpu_ms_per_call"] = round((time.process_time() - c0) / row["calls"] * 1000, 2)
+    return row
+
+
 async def via_openai(base: str, episodes: int, tag: str) -> dict:
     lat: list[float] = []
     limits = httpx.Limits(max_connections=episodes + 8, max_keepalive_connections=episodes + 8)
@@ -189,25 +209,38 @@ async def main_async(args) -> list[dict]:
         for r in range(args.rounds):
             rows.append(await baseline(engine, fmt, args.episodes))
             rows.append(await via_http(base, args.episodes, f"h{r}"))
-            rows.append(await via_openai(base, args.episodes, f"r{r}"))
+            rows.append(await via_http_process(base, args.episodes))
+            if not args.skip_openai:
+                rows.append(await via_openai(base, args.episodes, f"r{r}"))
         auth_us = await key_check_cost(base)
     finally:
         await server.stop()
         await engine.close()
     for row in rows:
         print(json.dumps(row))
-    b = statistics.fmean(r["mean_ms"] for r in rows if r["path"].startswith("baseline"))
-    o = statistics.fmean(r["mean_ms"] for r in rows if r["path"].startswith("openai"))
-    h = statistics.fmean(r["mean_ms"] for r in rows if r["path"].startswith("http"))
-    bc = statistics.fmean(r["cpu_ms_per_call"] for r in rows if r["path"].startswith("baseline"))
-    hc = statistics.fmean(r["cpu_ms_per_call"] for r in rows if r["path"].startswith("http"))
-    print(json.dumps({"episodes": args.episodes, "baseline_mean_ms": round(b, 1),
+    def mean(path: str, key: str) -> float | None:
+        got = [r[key] for r in rows if r["path"] == path]
+        return statistics.fmean(got) if got else None
+
+    b = mean("baseline (agent loop)", "mean_ms")
+    h = mean("http endpoint (aiohttp client)", "mean_ms")
+    hp = mean("http endpoint (client process)", "mean_ms")
+    o = mean("openai endpoint", "mean_ms")
+    bc = mean("baseline (agent loop)", "cpu_ms_per_call")
+    hc = mean("http endpoint (aiohttp client)", "cpu_ms_per_call")
+    pc = mean("http endpoint (client process)", "cpu_ms_per_call")
+    print(json.dumps({"episodes": args.episodes, "rounds": args.rounds,
+                      "baseline_mean_ms": round(b, 1),
                       "http_mean_ms": round(h, 1), "http_overhead": round((h - b) / b, 3),
+                      "process_client_mean_ms": round(hp, 1),
+                      "process_client_overhead": round((hp - b) / b, 3),
                       "baseline_cpu_ms_per_call": round(bc, 2),
                       "http_cpu_ms_per_call": round(hc, 2),
                       "http_cpu_overhead_ms_per_call": round(hc - bc, 2),
+                      "endpoint_cpu_overhead_ms_per_call": round(pc - bc, 2),
                       "load_average": [round(x, 2) for x in os.getloadavg()],
-                      "openai_client_mean_ms": round(o, 1), "openai_client_overhead": round((o - b) / b, 3),
+                      **({"openai_client_mean_ms": round(o, 1),
+                          "openai_client_overhead": round((o - b) / b, 3)} if o else {}),
                       "trajectories": len(stored), "key_check_us_per_call": auth_us}))
     return rows
 
@@ -233,8 +266,15 @@ async def key_check_cost(base: str, n: int = 2000) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--episodes", type=int, default=128, help="concurrent episodes")
-    p.add_argument("--rounds", type=int, default=2, help="alternating rounds of both paths")
-    asyncio.run(main_async(p.parse_args()))
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds of every path")
+    p.add_argument("--skip-openai", action="store_true",
+                   help="leave out the openai client's path (its own cost dominates it)")
+    p.add_argument("--client", metavar="URL", help=argparse.SUPPRESS)  # the client process
+    args = p.parse_args()
+    if args.client:
+        print(json.dumps(asyncio.run(via_http(args.client, args.episodes, "client"))))
+        return
+    asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":

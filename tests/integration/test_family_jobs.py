@@ -1,9 +1,10 @@
 """A tiny RL job per model family, as `kiln run` runs it: `spec.model.init.arch` makes the
 checkpoint, the trainer builds the family, the megatron rollout engine serves it (the MoE
-families' and DeepSeek-V3's CPU engine; for Qwen3 the quickest to start, its vLLM path being
+families' and DeepSeek's CPU engine; for Qwen3 the quickest to start, its vLLM path being
 checked by tests/integration/test_family_consistency.py), and two RL steps train with weight sync
 (and routing replay for the MoE families; Qwen3-MoE's experts split over two trainer replicas).
-Qwen2, Llama and Qwen2-MoE run in the other end-to-end tests."""
+DeepSeek-V3.2's shape (the indexer choosing fewer keys than the sequence has) runs too. Qwen2,
+Llama and Qwen2-MoE run in the other end-to-end tests."""
 from __future__ import annotations
 
 import math
@@ -16,15 +17,21 @@ from helpers.kiln_run import kiln_run, read_records
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = ("qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3")
+# deepseek_v32 is DeepSeek-V3's model (MLA, sigmoid-routed experts, a dense first layer) with
+# Kiln's lightning indexer, choosing 16 keys per query of sequences up to 96 tokens: its job
+# runs all of DeepSeek-V3's path and the sparse attention besides (DeepSeek-V3's own dense
+# attention is checked against transformers in tests/integration/test_family_consistency.py).
+FAMILIES = ("qwen3", "qwen3_moe", "glm4_moe", "deepseek_v32")
 
 
 def _job(tmp: Path, arch: str) -> Path:
     moe = arch != "qwen3"
-    init = dict(arch=arch, hiddenSize=64, numLayers=2, numHeads=2, numKvHeads=2 if arch == "deepseek_v3" else 1,
+    init = dict(arch=arch, hiddenSize=64, numLayers=2, numHeads=2, numKvHeads=2 if arch.startswith("deepseek") else 1,
                 intermediateSize=128, vocabSize=320, maxPositionEmbeddings=256)
     if moe:
         init.update(numExperts=8, numExpertsPerTok=2, moeIntermediateSize=32)
+    if arch == "deepseek_v32":
+        init.update(indexTopk=16)
     job = {
         "apiVersion": "kiln.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": f"family-{arch.replace('_', '-')}"},
         "spec": {

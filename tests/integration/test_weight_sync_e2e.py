@@ -102,10 +102,12 @@ def test_version_is_staged_while_published_and_applied_exactly_or_not_at_all(mod
             assert served_equals(engine, v1)
 
             # Version 2 fails part-way: the replica got its first buckets before the corrupt one.
+            # Nothing is sent after it: a message sent after the service has ended the call is
+            # reported as the sender's own INTERNAL, not as the service's status.
             packed2 = pack(2, version_weights(model, 0.5), BUCKET)
             bad = bytearray(packed2.buckets[3].data)
             bad[5] ^= 0x10
-            corrupt = list(packed2.buckets)
+            corrupt = list(packed2.buckets[:4])
             corrupt[3] = dataclasses.replace(packed2.buckets[3], data=bytes(bad))
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await publish(packed2, cut=3, buckets=corrupt)

@@ -1,12 +1,12 @@
-"""Chat templates whose tool calls Kiln's chat formats cannot read (GLM-4.5's XML arguments,
-DeepSeek's, gpt-oss's harmony) are refused at `spec.rollout.toolCallFormat` whenever the tools
-would be rendered with them, never served with a hermes parser that fails every call; Kiln's own
-(hermes, Qwen3-style `<think>`) templates pass."""
+"""Chat templates whose tool calls the chosen format cannot read are refused at
+`spec.rollout.toolCallFormat` whenever the tools would be rendered with them, never served with a
+parser that fails every call: GLM-4.5's XML arguments unless glm45 (or auto, which picks it);
+DeepSeek's and gpt-oss's harmony always (no format reads them). Kiln's own (hermes, Qwen3-style
+`<think>`) templates pass."""
 from __future__ import annotations
 
 import json
 
-import pytest
 
 from kiln.api.capabilities import Target, model_refusals
 from kiln.models.tiny import CHAT_TEMPLATE_WITH_TOOLS
@@ -21,17 +21,26 @@ def _refused(model_dir, fmt: str) -> list[str]:
             if r.capability.name == "chat-tool-format"]
 
 
-@pytest.mark.parametrize(("template", "what"), [(GLM45_TOOLS_TEMPLATE, "GLM-4.5's XML tool calls"),
-                                                 (DEEPSEEK_TOOLS, "DeepSeek's tool calls")])
-def test_a_foreign_tool_format_is_refused_unless_tags(tmp_path, template, what) -> None:
+def test_a_foreign_tool_format_is_refused_unless_tags(tmp_path) -> None:
     d = checkpoint_config(tmp_path)
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
-    for fmt in ("hermes", "auto", "llama3"):
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": DEEPSEEK_TOOLS}))
+    for fmt in ("hermes", "auto", "llama3", "glm45"):
         (refusal,) = _refused(d, fmt)
         assert refusal.startswith(f"spec.rollout.toolCallFormat: toolCallFormat {fmt}: the tokenizer's chat "
-                                  f"template writes {what}")
+                                  "template writes DeepSeek's tool calls")
         assert "use toolCallFormat tags" in refusal
     assert _refused(d, "tags") == []
+
+
+def test_glm_tool_calls_need_the_glm45_format(tmp_path) -> None:
+    d = checkpoint_config(tmp_path)
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": GLM45_TOOLS_TEMPLATE}))
+    for fmt in ("hermes", "llama3"):
+        (refusal,) = _refused(d, fmt)
+        assert refusal.startswith(f"spec.rollout.toolCallFormat: toolCallFormat {fmt}: the tokenizer's chat "
+                                  "template writes GLM-4.5's XML tool calls")
+        assert "use toolCallFormat glm45 (or auto)" in refusal
+    assert _refused(d, "glm45") == _refused(d, "auto") == _refused(d, "tags") == []
 
 
 def test_kiln_hermes_template_and_a_template_without_tools_pass(tmp_path) -> None:

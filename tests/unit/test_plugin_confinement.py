@@ -28,7 +28,7 @@ from helpers.episodes import REPO, TASKS
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="confinement drops root: needs root")
 
 HOSTILE = textwrap.dedent('''
-    import ctypes, json, os, signal, socket
+    import ctypes, json, os, resource, signal, socket
     from kiln.env import Environment, Grade, Task, ToolResult, ToolSpec
 
     class Probe(Task):
@@ -72,6 +72,9 @@ HOSTILE = textwrap.dedent('''
                 "service_environ": attempt(lambda: open(f"/proc/{task.service_pid}/environ").read()),
                 "unshare_user": "refused" if libc.unshare(0x10000000) != 0 else "done",
                 "network": attempt(lambda: socket.create_connection(("127.0.0.1", 22), 2)),
+                "allocate_1g": attempt(lambda: len(bytearray(1 << 30))),
+                "address_space": resource.getrlimit(resource.RLIMIT_AS)[0],
+                "processes": resource.getrlimit(resource.RLIMIT_NPROC)[0],
             }
             return ToolResult(json.dumps(report))
 
@@ -109,7 +112,7 @@ def _job(tasks: list[dict]) -> RLJob:
         "spec": {"model": {"path": "/nonexistent"}, "tasks": tasks,
                  "stages": [{"name": "rl", "type": "rl", "tasks": [t["name"] for t in tasks],
                              "batchSize": 8, "microBatchSize": 8}],
-                 "sandbox": {"timeoutSeconds": 20}}})
+                 "sandbox": {"timeoutSeconds": 20, "pluginMemory": "768Mi"}}})
 
 
 @pytest.fixture
@@ -139,6 +142,10 @@ def test_hostile_plugin_is_refused_what_only_the_service_may(folders, plugin_pat
             for what in ("read_key", "write_beside_key", "write_plugin_dir", "signal_service",
                          "setuid_root", "service_environ", "unshare_user", "network"):
                 assert report[what].startswith("refused"), (index, what, report)
+            # Its own limits: the job's address space (a gigabyte is refused as MemoryError,
+            # the service lives on) and a process count for the plugins' uid.
+            assert report["allocate_1g"] == "refused: MemoryError", report
+            assert report["address_space"] == 768 << 20 and report["processes"] == 512, report
     finally:
         manager.close_plugins()
     assert key.read_text().startswith("-----BEGIN")
@@ -161,6 +168,7 @@ def test_without_root_the_worker_is_still_apart_and_filtered(folders, plugin_pat
     assert report["pid"] != os.getpid()
     assert report["no_new_privs"] == "1" and report["seccomp"] == "2", report
     assert report["unshare_user"] == "refused", report
+    assert report["allocate_1g"] == "refused: MemoryError", report
 
 
 def test_example_plugin_plays_through_the_worker(plugin_path):

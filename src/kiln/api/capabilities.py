@@ -258,7 +258,7 @@ MODEL_CAPABILITIES: tuple[Capability, ...] = (
                "tensorParallel up to the family's limit (1 for MoE models)", ("trainer",), _moe_tp,
                needs_model=True),
     Capability("chat-tool-format", ("spec", "rollout", "toolCallFormat"),
-               "a chat template whose tool calls are hermes or llama3 (or toolCallFormat tags)",
+               "a chat template whose tool calls are hermes, llama3 or glm45 (or toolCallFormat tags)",
                ("rollout",), lambda m, t: foreign_tool_format(m.chat_template, t.tool_call_format),
                needs_model=True),
     Capability("expert-parallel", ("spec", "trainer", "expertParallel"),

@@ -99,13 +99,15 @@ class RolloutSpec(Model):
     think_every: int = Field(0, ge=0)
     """With `thinking: turn-level`: the model may also think on every this-many-th turn after
     the first (0: on the first turn alone)."""
-    tool_call_format: Literal["auto", "tags", "hermes", "llama3"] = "auto"
+    tool_call_format: Literal["auto", "tags", "hermes", "llama3", "glm45"] = "auto"
     """How the model's prompts, replies and tool calls are written. `hermes` (Qwen, Hermes:
-    `<tool_call>{json}</tool_call>`) and `llama3` (a JSON object per call) render the
-    conversation with the tokenizer's chat template (`tools=`); `tags` is Kiln's plain text
-    protocol without a chat template (`<call>NAME ARG</call>`, `<obs>`, `<answer>`), which the
-    quickstart's tiny models use. `auto`: the chat template when it renders tools (llama3 for
-    Llama models, hermes otherwise), else `tags`."""
+    `<tool_call>{json}</tool_call>`), `llama3` (a JSON object per call) and `glm45` (GLM-4.5
+    and later: `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>`)
+    render the conversation with the tokenizer's chat template (`tools=`); `tags` is Kiln's
+    plain text protocol without a chat template (`<call>NAME ARG</call>`, `<obs>`, `<answer>`),
+    which the quickstart's tiny models use. `auto`: the chat template when it renders tools
+    (glm45 for a template that writes GLM's tool calls, llama3 for Llama models, hermes
+    otherwise), else `tags`."""
     max_concurrent_episodes: int = Field(64, ge=1)
     """Episodes in flight per rollout replica, at most."""
     target_engine_occupancy: int | None = Field(None, ge=1)
@@ -269,6 +271,10 @@ class SandboxSpec(Model):
     """Sandboxes started ahead of demand (cuts start latency of container backends)."""
     output_limit_bytes: int = Field(65536, ge=1024)
     """Bytes of stdout and of stderr kept per tool call; the rest is cut behind a marker."""
+    plugin_memory: ByteQuantity = "2Gi"
+    """Address space of each task set's plugin worker (the process a job's environment and
+    reward plugins run in, `RLIMIT_AS`): an allocation past it raises MemoryError in the
+    plugin, which fails that call, not the service."""
     replicas: int = Field(1, ge=0)
     """Sandbox service pods (on a cluster)."""
     resources: Resources = Field(default_factory=Resources)

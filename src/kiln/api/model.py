@@ -23,10 +23,13 @@ MODEL_ROOT_ENV = "KILN_MODEL_ROOT"
 class ModelInit(Model):
     """Create a small random-initialised model locally (tests, quickstart). Nothing is downloaded."""
 
-    arch: Literal["qwen2", "llama", "qwen2_moe", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3"] = "qwen2"
+    arch: Literal["qwen2", "llama", "qwen2_moe", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3",
+                  "deepseek_v32"] = "qwen2"
     """Architecture of the checkpoint written (Hugging Face Qwen2, Llama, Qwen2-MoE, Qwen3,
-    Qwen3-MoE, GLM-4.5 MoE or DeepSeek-V3; the last two with one dense first layer, one shared
-    expert and sigmoid routing, DeepSeek-V3 with multi-latent attention of fixed small ranks)."""
+    Qwen3-MoE, GLM-4.5 MoE, DeepSeek-V3 or DeepSeek-V3.2; the last three with one dense first
+    layer, one shared expert and sigmoid routing, DeepSeek-V3 with multi-latent attention of
+    fixed small ranks, V3.2 that model with a random lightning indexer per layer choosing
+    `indexTopk` keys per query, the sparse attention Kiln's DSA kernels run)."""
     hidden_size: int = Field(128, ge=8)
     """Width of the residual stream."""
     num_layers: int = Field(2, ge=1)
@@ -55,6 +58,9 @@ class ModelInit(Model):
     """MoE archs: width of each expert's hidden layer."""
     shared_expert_intermediate_size: int = Field(128, ge=8)
     """qwen2_moe: width of the shared expert's hidden layer (Qwen3-MoE has none)."""
+    index_topk: int = Field(64, ge=1)
+    """deepseek_v32: keys each query attends to, chosen by the indexer (a sequence no longer
+    than this attends densely)."""
 
     @model_validator(mode="after")
     def _heads(self) -> ModelInit:

@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--engine", choices=("auto", "vllm", "megatron", "torch"), default="auto",
                    help="inference engine (auto: vllm, or megatron for DSA checkpoints)")
-    p.add_argument("--tool-call-format", choices=("auto", "hermes", "llama3"), default="auto",
+    p.add_argument("--tool-call-format", choices=("auto", "hermes", "llama3", "glm45"), default="auto",
                    help="tool-call syntax (auto: from the model's family and chat template)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="dtype the engine runs in (default float32)")

@@ -137,5 +137,6 @@ def prepare_model(job: RLJob, out=sys.stdout) -> None:
                     dtype=job.spec.model.dtype, perturb_norms=False,
                     num_experts=init.num_experts, num_experts_per_tok=init.num_experts_per_tok,
                     moe_intermediate_size=init.moe_intermediate_size,
-                    shared_expert_intermediate_size=init.shared_expert_intermediate_size)
+                    shared_expert_intermediate_size=init.shared_expert_intermediate_size,
+                    index_topk=init.index_topk)
     out.write(f"created model {path} ({time.monotonic() - t0:.1f} s)\n")

@@ -136,7 +136,7 @@ class ExternalEpisodes:
         """`stage_group_size`: the group size of the stage being trained (a reward call must
         use it); None: any (`kiln serve`, which trains nothing)."""
         if not isinstance(fmt, ChatFormat):
-            raise ValueError("the OpenAI endpoint needs a chat-template format (hermes or llama3); "
+            raise ValueError("the OpenAI endpoint needs a chat-template format (hermes, llama3 or glm45); "
                              "the tags format has no chat messages")
         self.engine, self.fmt, self.sink = engine, fmt, sink
         self.max_tokens_per_turn, self.max_total_tokens = max_tokens_per_turn, max_total_tokens

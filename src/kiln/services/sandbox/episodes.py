@@ -25,6 +25,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kiln.api.base import quantity_value
 from kiln.api.spec import RLJob
 from kiln.env import Grade, Task, ToolResult
 from kiln.episode import Action, Demonstration, Turn, EpisodeInfo, Message, StepResult, ToolOutput
@@ -107,8 +108,9 @@ class EpisodeManager:
         self.task_sets: dict[str, TaskSet] = {}
         try:
             for ts in job.spec.tasks:
-                self.task_sets[ts.name] = load_task_set(ts, base_dir, tasks_root,
-                                                        confine_plugins=True)
+                self.task_sets[ts.name] = load_task_set(
+                    ts, base_dir, tasks_root, confine_plugins=True,
+                    plugin_memory=int(quantity_value(job.spec.sandbox.plugin_memory)))
             # A task naming its own image runs only on the docker backend: refused at start.
             for ts in self.task_sets.values():
                 for task in ts.tasks:

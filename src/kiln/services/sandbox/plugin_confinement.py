@@ -18,8 +18,11 @@ has no network, cannot see or signal the service (another PID namespace) and can
 back. A service that is not root cannot change uid: its worker then runs as its own uid, still
 a separate process under the seccomp filter and no_new_privs, without the namespaces.
 
-Not covered: talking to the worker (`plugins.py`); a memory or CPU limit of the worker's own
-(it has the service's cgroup, so the sandbox pod's limits hold it).
+Limits: the worker bounds its own address space (`sandbox.pluginMemory`, RLIMIT_AS), open
+files, file size and, as its own uid, processes (`plugin_host.confine`); it shares the
+service's cgroup, so the sandbox pod's limits hold all workers together.
+
+Not covered: talking to the worker (`plugins.py`); a CPU limit of the worker's own.
 """
 from __future__ import annotations
 
@@ -56,9 +59,10 @@ def _readable_paths(extra: list[Path]) -> list[str]:
     return kept
 
 
-def confined_argv(read_only: list[Path]) -> list[str]:
+def confined_argv(read_only: list[Path], memory_bytes: int | None = None) -> list[str]:
     """The command line of a plugin worker (see the module docstring)."""
-    python = [sys.executable, "-m", "kiln.services.sandbox.plugin_host"]
+    python = [sys.executable, "-m", "kiln.services.sandbox.plugin_host",
+              *(["--memory-bytes", str(memory_bytes)] if memory_bytes else [])]
     if os.geteuid() != 0:
         return python
     for tool in (BWRAP, SETPRIV):

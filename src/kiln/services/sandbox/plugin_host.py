@@ -31,9 +31,13 @@ import traceback
 from typing import Any
 
 #: Resource limits the worker sets on itself: no core dumps (they would hold the plugin's
-#: memory on disk), a bounded number of open files and of files written.
+#: memory on disk), a bounded number of open files and of files written; its address space
+#: (`--memory-bytes`, the job's `sandbox.pluginMemory`) comes on top.
 LIMITS = {resource.RLIMIT_CORE: 0, resource.RLIMIT_NOFILE: 4096,
           resource.RLIMIT_FSIZE: 1 << 30}
+#: Processes and threads of the plugins' own uid, all workers together (set only when the
+#: worker runs as that uid, not as the service's: the count is per uid).
+PLUGIN_PROCESSES = 512
 
 #: Exceptions a sandbox request may end with, raised again in the plugin as their own type
 #: (the environment API documents them: FileNotFoundError from read_file, ...).
@@ -192,10 +196,17 @@ class _Host:
         return None if grade is None else grade_out(grade)
 
 
-def confine() -> None:
+def confine(memory_bytes: int | None = None) -> None:
     """Tighten this process before any plugin code runs: resource limits, then the syscall
     filter (which sets no_new_privs: nothing exec'd later gains privileges)."""
-    for which, value in LIMITS.items():
+    from kiln.services.sandbox.plugin_confinement import PLUGIN_UID
+
+    limits = dict(LIMITS)
+    if memory_bytes:
+        limits[resource.RLIMIT_AS] = memory_bytes
+    if os.getuid() == PLUGIN_UID:
+        limits[resource.RLIMIT_NPROC] = PLUGIN_PROCESSES
+    for which, value in limits.items():
         soft, hard = resource.getrlimit(which)
         value = value if hard == resource.RLIM_INFINITY else min(value, hard)
         resource.setrlimit(which, (value, value))
@@ -235,7 +246,8 @@ def main() -> int:
     os.dup2(devnull, 0)
     os.close(devnull)
     sys.stdout = sys.stderr
-    confine()
+    memory = sys.argv[sys.argv.index("--memory-bytes") + 1] if "--memory-bytes" in sys.argv else None
+    confine(int(memory) if memory else None)
     asyncio.run(_main(protocol_in, protocol_out))
     return 0
 

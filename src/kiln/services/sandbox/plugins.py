@@ -49,12 +49,12 @@ LOAD_TIMEOUT_S = 300.0
 class PluginWorker:
     """One confined worker process and the calls in flight to it."""
 
-    def __init__(self, name: str, read_only: list[Path]) -> None:
+    def __init__(self, name: str, read_only: list[Path], memory_bytes: int | None = None) -> None:
         self.name = name
         env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(p for p in sys.path if p),
                "PYTHONDONTWRITEBYTECODE": "1", "LANG": "C.UTF-8"}
         # Not the service's environment: it may hold addresses and secrets.
-        self.proc = subprocess.Popen(confined_argv(read_only), stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen(confined_argv(read_only, memory_bytes), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env, start_new_session=True)
         self._write_lock = threading.Lock()
         self._ids = itertools.count()
@@ -297,14 +297,14 @@ class PluginReward:
 
 
 def load_plugins(name: str, env: str | None, builtin: str | None, reward: str | None,
-                 base_dir: Path, records: list | None, read_only: list[Path]
-                 ) -> tuple[PluginEnvironment | None, list[PluginTask], PluginReward | None,
+                 base_dir: Path, records: list | None, read_only: list[Path],
+                 memory_bytes: int | None = None) -> tuple[PluginEnvironment | None, list[PluginTask], PluginReward | None,
                             PluginWorker]:
     """A worker for one task set, its plugins loaded. `env`: the environment plugin's
     reference (its tasks made from `records`), or None with `builtin` the built-in environment
     a reward plugin is paired with. ValueError (the plugin cannot be used: its message names
     what) or PluginFailure (the worker failed)."""
-    worker = PluginWorker(name, [base_dir, *read_only])
+    worker = PluginWorker(name, [base_dir, *read_only], memory_bytes)
     try:
         out = codec._dict(worker.call_blocking("load", {
             "env": env, "builtin": builtin, "reward": reward, "base_dir": str(base_dir),

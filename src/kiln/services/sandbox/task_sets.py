@@ -46,19 +46,20 @@ class TaskSet:
 
 
 def load_task_set(spec: TaskSetSpec, base_dir: Path, tasks_root: str | None = None, *,
-                  confine_plugins: bool = False) -> TaskSet:
+                  confine_plugins: bool = False, plugin_memory: int | None = None) -> TaskSet:
     """The task set a job's `spec.tasks` entry names, its environment made. EpisodeError
     (naming the entry) for anything that cannot load. `tasks_root`: where a cluster's task
     sources are mounted (`kiln.api.task_sources`). `confine_plugins`: run the task set's
     plugins in a confined worker (`plugins.py`), as the service must; without it they are
-    imported here (the CLI does, in the user's own process)."""
+    imported here (the CLI does, in the user's own process); `plugin_memory` bounds that
+    worker's address space (bytes)."""
     where = f"spec.tasks[{spec.name}]"
     try:
         spec = located(spec, tasks_root)
     except ValueError as exc:
         raise EpisodeError(str(exc)) from None
     if confine_plugins and (not isinstance(spec.env, str) or spec.reward):
-        return _load_confined(spec, base_dir, where)
+        return _load_confined(spec, base_dir, where, plugin_memory)
     try:
         if isinstance(spec.env, str):
             env_cls = builtin_environment(spec.env)
@@ -81,7 +82,8 @@ def _read_records(spec: TaskSetSpec, base_dir: Path, where: str) -> tuple[Path, 
         raise EpisodeError(f"{where}.path: {path}: {exc}") from None
 
 
-def _load_confined(spec: TaskSetSpec, base_dir: Path, where: str) -> TaskSet:
+def _load_confined(spec: TaskSetSpec, base_dir: Path, where: str,
+                   memory_bytes: int | None) -> TaskSet:
     """A task set whose environment or reward is a plugin, the plugin run in its worker."""
     plugin_env = not isinstance(spec.env, str)
     env_dir, records = base_dir, None
@@ -92,7 +94,7 @@ def _load_confined(spec: TaskSetSpec, base_dir: Path, where: str) -> TaskSet:
         env, tasks, reward_fn, worker = load_plugins(
             spec.name, spec.env.plugin if plugin_env else None,
             None if plugin_env else spec.env, spec.reward.plugin if spec.reward else None,
-            env_dir, records, [base_dir])
+            env_dir, records, [base_dir], memory_bytes)
     except (ValueError, PluginFailure) as exc:
         raise EpisodeError(f"{where}: {exc}") from None
     if env is None:

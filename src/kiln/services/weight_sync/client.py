@@ -36,6 +36,11 @@ log = logging.getLogger("kiln.weight_sync.client")
 
 # Besides the transient codes: a version that arrived corrupt, or a stream cut short.
 _RETRYABLE = TRANSIENT | {grpc.StatusCode.DATA_LOSS, grpc.StatusCode.CANCELLED}
+#: What gRPC Python reports when a message could not be sent because the call had already
+#: ended: INTERNAL with these details, in place of the status the server ended it with (it
+#: records its own send failure first when the two race, as under load). The server's reason is
+#: then unknown, and publishing again finds it out.
+SEND_FAILED = "Internal error from Core"
 
 
 class PublishError(RuntimeError):
@@ -46,7 +51,8 @@ class PublishError(RuntimeError):
         super().__init__(f"publishing version {version} failed: {code.name}: {details}")
         self.policy_version = version
         self.code = code
-        self.retryable = code in _RETRYABLE
+        self.retryable = code in _RETRYABLE or (code == grpc.StatusCode.INTERNAL
+                                                 and details == SEND_FAILED)
 
 
 @dataclass(frozen=True)

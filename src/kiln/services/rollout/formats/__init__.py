@@ -11,8 +11,8 @@ Formats:
 - `tags` (`tags.py`): no chat template; the prompt is the task's text, a call is
   `<call>NAME ARG</call>`, an answer `<answer>TEXT</answer>`, an output `<obs>TEXT</obs>`; the
   quickstart's tiny models are trained for it;
-- `hermes`, `llama3` (`chat.py`): the tokenizer's chat template (with `tools=`) renders the
-  conversation, and replies carry the family's tool calls (`toolcalls.py`).
+- `hermes`, `llama3`, `glm45` (`chat.py`): the tokenizer's chat template (with `tools=`)
+  renders the conversation, and replies carry the family's tool calls (`toolcalls.py`).
 `choose_format` picks one for a model when the job says `auto`.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from kiln.episode import Action, Demonstration, EpisodeInfo, ToolOutput
 
-FORMAT_NAMES = ("tags", "hermes", "llama3")
+FORMAT_NAMES = ("tags", "hermes", "llama3", "glm45")
 THINKING_MODES = ("interleaved", "preserved", "turn-level", "off")
 
 
@@ -84,8 +84,8 @@ def demonstration_tokens(fmt: Format, demo: Demonstration) -> tuple[list[int], l
 
 def choose_format(setting: str, tokenizer: Any, model_type: str = "") -> str:
     """The format to use: `setting` unless it is `auto`, which means the tokenizer's chat
-    template when it renders tools (the family's tool calls: llama3 for Llama models, hermes
-    otherwise), else `tags`."""
+    template when it renders tools (the family's tool calls: glm45 for a template that writes
+    GLM's `<arg_key>`, llama3 for Llama models, hermes otherwise), else `tags`."""
     if setting != "auto":
         if setting not in FORMAT_NAMES:
             raise ValueError(f"tool-call format {setting!r} is not one of {('auto', *FORMAT_NAMES)}")
@@ -93,6 +93,8 @@ def choose_format(setting: str, tokenizer: Any, model_type: str = "") -> str:
     template = getattr(tokenizer, "chat_template", None) or ""
     if "tools" not in template:
         return "tags"
+    if "<arg_key>" in template:
+        return "glm45"
     return "llama3" if model_type == "llama" else "hermes"
 
 
@@ -112,7 +114,7 @@ def make_format(name: str, tokenizer: Any, *, thinking: str = "interleaved",
                              "llama3): the tags format has no turns to re-render")
         from kiln.services.rollout.formats.tags import TagsFormat
         return TagsFormat(tokenizer, thinking=thinking)
-    if name in ("hermes", "llama3"):
+    if name in ("hermes", "llama3", "glm45"):
         from kiln.services.rollout.formats.chat import ChatFormat
         return ChatFormat(tokenizer, name, thinking=thinking, think_every=think_every)
     raise ValueError(f"tool-call format {name!r} is not one of {FORMAT_NAMES}")

@@ -1,5 +1,6 @@
 """The chat-template format: the tokenizer's own chat template renders the conversation (with
-`tools=`), and replies carry the model family's tool calls (`toolcalls.py`: hermes, llama3).
+`tools=`), and replies carry the model family's tool calls (`toolcalls.py`: hermes, llama3,
+glm45).
 
 Token exactness. The model's reply tokens are kept as sampled. What follows them is found by
 rendering the conversation twice with the template, before and after the tools' outputs, and
@@ -27,8 +28,14 @@ from kiln.env import ToolCall
 from kiln.episode import Action, EpisodeInfo, ToolOutput
 from kiln.services.rollout.formats import thinks_on, toolcalls
 
+#: Tokens that end a reply besides the tokenizer's end of text, per format: a GLM reply ends
+#: where the model hands over to the tools (`<|observation|>`) or to the user (`<|user|>`).
+TURN_ENDS = {"glm45": ("<|observation|>", "<|user|>")}
 #: Written before each reply when thinking is off (as Qwen3's template does).
 EMPTY_THINK = "<think>\n\n</think>\n\n"
+#: Formats whose template writes the empty think block otherwise: GLM's replies are
+#: `\n<think>THOUGHT</think>` (empty without a thought), a newline, then the text.
+EMPTY_THINKS = {"glm45": "\n<think></think>"}
 #: A thought with something in it, and the whitespace after it.
 _THOUGHT_RE = re.compile(r"<think>(?!\s*</think>).*?</think>\s*", re.S)
 
@@ -132,8 +139,15 @@ class ChatFormat:
         eos = tokenizer.eos_token_id
         self.stop_token_ids = [eos] if eos is not None else []
         self.end_texts = [tokenizer.eos_token] if tokenizer.eos_token else []
+        vocab = tokenizer.get_vocab()
+        for end in TURN_ENDS.get(name, ()):
+            if end not in vocab:
+                raise ValueError(f"tool-call format {name}: the tokenizer has no {end} token, "
+                                 "which ends this family's replies")
+            self.stop_token_ids.append(vocab[end])
+            self.end_texts.append(end)
         self.thinking, self.think_every = thinking, think_every
-        self.empty_think = self.encode(EMPTY_THINK)
+        self.empty_think = self.encode(EMPTY_THINKS.get(name, EMPTY_THINK))
         self.prefix = self.empty_think if thinking == "off" else []
 
     def encode(self, text: str) -> list[int]:
@@ -145,4 +159,11 @@ class ChatFormat:
 
     def reply_ids(self, content: str, tool_calls: list[ToolCall]) -> list[int]:
         text = toolcalls.render(tool_calls, content, self.name)
-        return self.encode(text) + self.stop_token_ids
+        if self.name == "glm45":
+            # A reply without a thought, as GLM writes one: the empty think block (the prefix
+            # already holds it when thinking is off), a newline, the text; it hands over to the
+            # tools or to the user.
+            text = ("\n" if self.prefix else EMPTY_THINKS["glm45"] + "\n") + text
+            end = "<|observation|>" if tool_calls else "<|user|>"
+            return self.encode(text) + [self.tokenizer.convert_tokens_to_ids(end)]
+        return self.encode(text) + self.stop_token_ids[:1]

@@ -5,6 +5,10 @@ demonstrations), plus the check of a call's arguments against its tool's JSON sc
   "arguments": {...}}</tool_call>`; text around the calls is the reply's content.
 - `llama3` (Llama 3.1+ JSON tool calling): the whole reply is one JSON object `{"name": ...,
   "parameters": {...}}`, optionally after `<|python_tag|>`.
+- `glm45` (GLM-4.5, 4.6, 4.7): each call is `<tool_call>NAME` then, per argument,
+  `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>`, then `</tool_call>`; a value is written
+  as it is when it is a string and as JSON otherwise, so it is read back by the tool's schema (a
+  parameter typed `string` as written, any other as JSON).
 
 A reply without calls is a final answer; a reply that looks like a call but does not parse, or
 names an unknown tool, or whose arguments do not fit the tool's schema, is unparseable (the
@@ -21,8 +25,9 @@ from typing import Any
 from kiln.env import ToolCall, ToolSpec
 from kiln.episode import Action
 
-FORMATS = ("hermes", "llama3")
+FORMATS = ("hermes", "llama3", "glm45")
 _HERMES_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_GLM_ARG_RE = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
 
 def schema_problem(value: Any, schema: dict[str, Any], path: str = "arguments") -> str | None:
@@ -82,17 +87,40 @@ def _as_call(obj: Any, args_key: str) -> ToolCall:
     return ToolCall(obj["name"], args)
 
 
+def _glm_call(block: str, tools: list[ToolSpec]) -> ToolCall:
+    """One GLM-4.5 call's inside (`NAME<arg_key>...`), its values read by the tool's schema."""
+    name = block.split("<arg_key>", 1)[0].strip()
+    if not name or "<" in name:
+        raise ValueError("a GLM tool call must start with the tool's name")
+    rest = block[len(block.split("<arg_key>", 1)[0]):]
+    if _GLM_ARG_RE.sub("", rest).strip():
+        raise ValueError(f"{name}: arguments must be <arg_key>K</arg_key><arg_value>V</arg_value> pairs")
+    props = next((t.parameters.get("properties", {}) for t in tools if t.name == name), {})
+    args: dict[str, Any] = {}
+    for key, value in _GLM_ARG_RE.findall(rest):
+        key = key.strip()
+        if props.get(key, {}).get("type") == "string":
+            args[key] = value
+            continue
+        try:
+            args[key] = json.loads(value)
+        except json.JSONDecodeError:
+            args[key] = value  # the schema check says what was expected
+    return ToolCall(name, args)
+
+
 def parse(text: str, fmt: str, tools: list[ToolSpec]) -> Action:
     """The action a reply's text asks for, in tool-call format `fmt`."""
     try:
-        if fmt == "hermes":
+        if fmt in ("hermes", "glm45"):
             blocks = _HERMES_RE.findall(text)
             if not blocks:
                 if "<tool_call>" in text:
                     return Action(content=text, unparseable=True,
                                   problem="a <tool_call> block is not closed")
                 return Action(content=text.strip())
-            calls = [_as_call(json.loads(b), "arguments") for b in blocks]
+            calls = ([_as_call(json.loads(b), "arguments") for b in blocks] if fmt == "hermes"
+                     else [_glm_call(b, tools) for b in blocks])
             content = _HERMES_RE.sub("", text).strip()
         elif fmt == "llama3":
             body = text.strip().removeprefix("<|python_tag|>").strip()
@@ -116,6 +144,13 @@ def render(calls: list[ToolCall], content: str, fmt: str) -> str:
     if fmt == "hermes":
         blocks = "".join(f"<tool_call>\n{json.dumps({'name': c.name, 'arguments': c.arguments})}\n"
                          "</tool_call>" for c in calls)
+        return (content + "\n" + blocks if content and blocks else content + blocks)
+    if fmt == "glm45":
+        blocks = "".join(
+            f"<tool_call>{c.name}\n" + "".join(
+                f"<arg_key>{k}</arg_key>\n<arg_value>"
+                f"{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}</arg_value>\n"
+                for k, v in c.arguments.items()) + "</tool_call>" for c in calls)
         return (content + "\n" + blocks if content and blocks else content + blocks)
     if fmt == "llama3":
         if len(calls) > 1:
