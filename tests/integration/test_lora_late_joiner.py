@@ -105,3 +105,63 @@ async def test_a_replica_joining_a_lora_stage_gets_the_trained_base_then_the_ada
         await channel.close()
         await server.stop(0)
         await engine.close()
+
+
+async def test_a_restarted_weight_sync_gets_the_base_again_from_the_trainer(model_dir: Path) -> None:
+    """Weight-sync restarts during the LoRA stage (a new, empty service): the trainer's
+    publisher, told the adapter's trained base (`TrainerEngine.adapter_base`, as the stage
+    runner wires it), has its adapter refused for want of a base, publishes the base at its own
+    version, then the adapter; a replica that joins after the restart recovers as before."""
+    from kiln.services.rollout.engine import EngineSettings, start_engine
+    from kiln.services.trainer.publisher import GrpcWeightPublisher
+
+    trainer = TrainerEngine(TrainerConfig(model_dir=model_dir, micro_batch_size=2, loss=MaskedLoss(),
+                                          optimizer=OptimizerConfig(lr=1e-2)), resume=False)
+    engine = await start_engine("torch", EngineSettings(model=str(model_dir), dtype="float32",
+                                                        lora_scaling=LORA.scaling))
+    servers, channels, subscription = [], [], None
+
+    async def weight_sync():
+        servicer = WeightSyncServicer(commit_timeout=30)
+        server, port = await create_server(
+            "127.0.0.1:0", [Registration(pb_grpc.add_WeightSyncServicer_to_server, servicer, SERVICE_NAME)])
+        servers.append(server)
+        channels.append(grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS))
+        return servicer, channels[-1]
+
+    try:
+        _, first = await weight_sync()
+        publisher = GrpcWeightPublisher(asyncio.get_running_loop(), first, bucket_bytes=1 << 20, timeout=30)
+        publisher.adapter_base = trainer.adapter_base
+        for version in (1, 2):  # full-weight stage
+            trainer.sft_step(_batch())
+            trainer.policy_version = version
+            await asyncio.to_thread(publisher.publish, version, trainer.named_hf_tensors())
+        trainer.config = trainer.config.model_copy(update={"lora": LORA})
+        trainer.sft_step(_batch())  # the LoRA stage's first step puts the adapter on
+        assert trainer.adapter_base()[0] == 2
+        await asyncio.to_thread(publisher.publish, 3, list(trainer.named_hf_tensors()))
+
+        restarted, second = await weight_sync()  # the service restarted: it holds nothing
+        publisher.channel = second
+        trainer.sft_step(_batch())
+        await asyncio.to_thread(publisher.publish, 4, list(trainer.named_hf_tensors()))
+        assert restarted.store.base.policy_version == 2 and restarted.store.policy_version == 4
+
+        receiver = ws.make_receiver(second, "late", engine.apply_weights)
+        subscription = asyncio.create_task(ws.subscribe_and_apply(second, "late", engine.apply_weights,
+                                                                  receiver=receiver, reconnect_delay=0.05))
+        reached = await _wait_for(lambda: receiver.applied_policy_version == 4 or receiver.rejected)
+        assert reached and receiver.rejected == [] and receiver.applied == [2, 4]
+        seqs = [t.tokens for t in _batch()]
+        ours, theirs = trainer.logprobs(seqs), await engine.score(seqs)
+        assert max(abs(a - b) for x, y in zip(ours, theirs) for a, b in zip(x, y)) <= 1e-5
+    finally:
+        if subscription is not None:
+            subscription.cancel()
+            await asyncio.gather(subscription, return_exceptions=True)
+        for channel in channels:
+            await channel.close()
+        for server in servers:
+            await server.stop(0)
+        await engine.close()

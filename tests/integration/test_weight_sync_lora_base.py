@@ -98,3 +98,38 @@ async def test_a_replica_without_the_base_gets_it_first_and_applies_it_before_th
             await asyncio.gather(task, return_exceptions=True)
         await channel.close()
         await server.stop(0)
+
+
+def test_a_base_publish_is_kept_as_the_base_and_never_served_as_a_version() -> None:
+    """The roles of a publish (`x-kiln-publish-role`): an adapter that needs a base is refused
+    while none is held (FAILED_PRECONDITION, "no-base"); a base is complete weights, kept as
+    the base only (the latest version does not move, no subscriber is woken); an adapter as a
+    base, or a base older than the one held, is refused."""
+    async def main() -> None:
+        servicer = WeightSyncServicer(commit_timeout=30)
+        server, port = await create_server(
+            "127.0.0.1:0", [Registration(pb_grpc.add_WeightSyncServicer_to_server, servicer, SERVICE_NAME)])
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
+        try:
+            try:
+                await ws.publish(channel, 5, adapter(1), BUCKET, role="needs-base")
+                raise AssertionError("an adapter needing a base was taken without one")
+            except ws.PublishError as exc:
+                assert exc.code == grpc.StatusCode.FAILED_PRECONDITION and "no-base" in str(exc)
+                assert not exc.retryable
+            await ws.publish(channel, 3, complete(2), BUCKET, role="base")
+            store = servicer.store
+            assert store.base.policy_version == 3 and store.latest is None and store.policy_version == 0
+            for tensors, version, why in ((adapter(1), 4, "not an adapter"), (complete(2), 2, "older")):
+                try:
+                    await ws.publish(channel, version, tensors, BUCKET, role="base")
+                    raise AssertionError(f"a base that is {why} was taken")
+                except ws.PublishError:
+                    pass
+            await ws.publish(channel, 5, adapter(1), BUCKET, role="needs-base")
+            assert store.policy_version == 5 and store.base.policy_version == 3
+        finally:
+            await channel.close()
+            await server.stop(0)
+
+    asyncio.run(main())

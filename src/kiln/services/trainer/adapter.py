@@ -32,6 +32,8 @@ class TrainerAdapter:
         self.model, self.spec, self.lora, self.base, self.dtype = model, spec, lora_spec, base, dtype
         self.digest = lora.weights_digest(iter_hf_tensors(model, spec), dtype)
         """`lora.weights_digest` of the frozen base, which every version names."""
+        self.base_version = 0
+        """The policy version the frozen base was published as (0: the job's checkpoint)."""
         lora.attach(model, spec, lora_spec, seed)
 
     def version_tensors(self):
@@ -55,7 +57,8 @@ class TrainerAdapter:
         return lora.write_peft_dir(tensors, self.lora, out_dir, source_dir=source_dir, base_model=base_model)
 
     def meta(self) -> dict[str, Any]:
-        return {"lora": self.lora.model_dump(), "lora_base": self.base}
+        return {"lora": self.lora.model_dump(), "lora_base": self.base,
+                "lora_base_version": self.base_version}
 
     @staticmethod
     def spec_in(meta: dict[str, Any]) -> tuple[LoraSpec, AdapterBase] | None:

@@ -110,7 +110,18 @@ class TrainerEngine(EngineCheckpoints):
         adapter alone (the base's moments mean nothing to it). Collective at TP > 1."""
         self.adapter = TrainerAdapter(self.model, self.spec, spec, seed=self.config.seed, base=base,
                                       dtype=getattr(torch, self.config.params_dtype))
+        # Trained weights were last published as the current version (a stage's end publishes).
+        self.adapter.base_version = self.policy_version if base == "trained" else 0
         self._new_optimizer()
+
+    def adapter_base(self):
+        """(version, complete weights) of the frozen base a LoRA adapter applies to when earlier
+        stages trained it, for a weight-sync that lost it; None without an adapter, on the
+        job's own checkpoint (every replica starts from it), or at TP > 1 (the weights are
+        gathered collectively, which only the publishing rank would join)."""
+        if self.adapter is None or self.adapter.base != "trained" or self.config.tensor_parallel > 1:
+            return None
+        return self.adapter.base_version, iter_hf_tensors(self.model, self.spec)
 
     # --- log-probs -------------------------------------------------------------------------
 

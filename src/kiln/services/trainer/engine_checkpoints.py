@@ -81,6 +81,8 @@ class EngineCheckpoints:
         if self.adapter is None and (found := TrainerAdapter.spec_in(meta)) is not None:
             self._attach_lora(*found)  # a LoRA stage's checkpoint, resumed before the stage runs
         if self.adapter is not None:
+            self.adapter.base_version = int(meta.get("lora_base_version", 0))
+        if self.adapter is not None:
             self.adapter.load_model_state(state["model"], path)
         else:
             self.model.load_state_dict(state["model"], strict=True)

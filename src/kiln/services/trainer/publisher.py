@@ -5,6 +5,11 @@ that loop and waits for the commit, so a step never overlaps the publish of its 
 With `record`, the bytes each committed version carried go to that JSON file
 (`bytes_per_version`, `policy_version`: a LoRA job's versions carry the adapter alone), which a
 local run's summary reports as `weight_sync_bytes_per_version`.
+
+A LoRA adapter on weights that earlier full-weight stages trained (`adapter_base`) is published
+as needing its base: a weight-sync that restarted since that base was published refuses it
+("no-base"), and the base is published again first, at its own version (`WeightStore.open_base`),
+so replicas that join later still get it before the adapter.
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -32,18 +37,34 @@ class GrpcWeightPublisher:
                  timeout: float, retry_seconds: float = 300.0, record: Path | None = None) -> None:
         self.loop, self.channel, self.record = loop, channel, record
         self.bucket_bytes, self.timeout, self.retry_seconds = bucket_bytes, timeout, retry_seconds
+        self.adapter_base: Callable[[], tuple[int, Iterable[tuple[str, torch.Tensor]]] | None] = \
+            lambda: None
+        """(version, complete weights) of the base the published adapter applies to, when
+        earlier stages trained it (the stage runner sets it: `TrainerEngine.adapter_base`)."""
+
+    def _send(self, version: int, tensors: list, role: str) -> None:
+        fut = asyncio.run_coroutine_threadsafe(
+            # No snapshot: this thread waits for the commit, so the weights hold still.
+            publish(self.channel, version, tensors, self.bucket_bytes, timeout=self.timeout,
+                    snapshot=False, role=role), self.loop)
+        fut.result(self.timeout + 30)
 
     def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         tensors = list(named_tensors)
         deadline = time.monotonic() + self.retry_seconds
         delay = 0.5
+        base = self.adapter_base()
         while True:
-            fut = asyncio.run_coroutine_threadsafe(
-                # No snapshot: this thread waits for the commit, so the weights hold still.
-                publish(self.channel, version, tensors, self.bucket_bytes, timeout=self.timeout,
-                        snapshot=False), self.loop)
             try:
-                fut.result(self.timeout + 30)
+                try:
+                    self._send(version, tensors, "needs-base" if base is not None else "version")
+                except PublishError as exc:
+                    if base is None or "no-base" not in str(exc):
+                        raise
+                    log.warning("weight-sync holds no base for adapter version %d (it restarted): "
+                                "publishing the base, version %d, first", version, base[0])
+                    self._send(base[0], list(base[1]), "base")
+                    self._send(version, tensors, "needs-base")
                 metrics.POLICY_VERSION.labels("trainer").set(version)
                 if self.record is not None:
                     record_version_bytes(self.record, version, sum(t.numel() * t.element_size() for _, t in tensors))

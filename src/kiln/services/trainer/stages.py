@@ -104,6 +104,8 @@ class StageRunner:
         self.buffer, self.publisher, self.run_dir = buffer, publisher, run_dir
         self.tracker = tracker
         self.driver_scalars = DriverScalars(job, run_dir, output_dir)
+        if hasattr(publisher, "adapter_base"):  # a weight-sync that restarted may need the base
+            publisher.adapter_base = engine.adapter_base
         self.status = StageStatus()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -27,7 +27,7 @@ from kiln.protos.kiln.v1 import weight_sync_pb2_grpc as pb_grpc
 from kiln.services.weight_sync import wire
 from kiln.services.weight_sync.buckets import DEFAULT_BUCKET_BYTES, PackedVersion, pack
 from kiln.services.weight_sync.receiver import ApplyFn, ReplicaReceiver
-from kiln.services.weight_sync.servicer import STREAMS_METADATA
+from kiln.services.weight_sync.servicer import ROLE_METADATA, STREAMS_METADATA
 
 if TYPE_CHECKING:
     import torch
@@ -68,26 +68,29 @@ async def publish(channel: grpc.aio.Channel, version: int,
                   named_tensors: Iterable[tuple[str, "torch.Tensor"]],
                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, streams: int = 1,
                   algorithm: str = "xxh3_64", timeout: float | None = None,
-                  snapshot: bool = True) -> PublishResult:
+                  snapshot: bool = True, role: str = "version") -> PublishResult:
     """Publish `named_tensors` (Hugging Face names) as policy version `version`. With
     `snapshot=False` nothing is copied up front (the caller leaves the tensors alone until this
     returns, as the trainer's publisher does): packing is one read for the digests, and each
-    bucket's bytes are taken as it is sent."""
+    bucket's bytes are taken as it is sent. `role`: `version`, or `base` / `needs-base`
+    (`servicer.ROLE_METADATA`)."""
     t0 = time.perf_counter()
     packed = await asyncio.to_thread(pack, version, list(named_tensors), bucket_bytes, algorithm,
                                      snapshot=snapshot)
     pack_seconds = time.perf_counter() - t0
     return await publish_packed(channel, packed, streams=streams, timeout=timeout,
-                                pack_seconds=pack_seconds)
+                                pack_seconds=pack_seconds, role=role)
 
 
 async def publish_packed(channel: grpc.aio.Channel, packed: PackedVersion, *, streams: int = 1,
-                         timeout: float | None = None, pack_seconds: float = 0.0) -> PublishResult:
+                         timeout: float | None = None, pack_seconds: float = 0.0,
+                         role: str = "version") -> PublishResult:
     """Send an already packed version over `streams` parallel Publish streams."""
     if streams < 1:
         raise ValueError(f"streams={streams} must be >= 1")
     stub = pb_grpc.WeightSyncStub(channel)
-    metadata = ((STREAMS_METADATA, str(streams)),)
+    metadata = ((STREAMS_METADATA, str(streams)),) + (
+        ((ROLE_METADATA, role),) if role != "version" else ())
     version = packed.manifest.policy_version
     t0 = time.perf_counter()
     try:

@@ -1,7 +1,8 @@
 """gRPC servicer for `kiln.v1.WeightSync`: translates between protobuf and `WeightStore`.
 
 Status codes say whether retrying helps: FAILED_PRECONDITION for a version that is not newer
-than the latest (republishing it will never succeed), DATA_LOSS for a corrupt or truncated
+than the latest (republishing it will never succeed) or for an adapter version that needs a
+base the service does not hold ("no-base": publish the base, then the version again), DATA_LOSS for a corrupt or truncated
 publish (republishing may), INVALID_ARGUMENT for a malformed stream (a bug in the sender).
 """
 from __future__ import annotations
@@ -29,6 +30,11 @@ _REJECTED = LogLimiter(burst=5, period_s=60)
 SERVICE_NAME = "kiln.v1.WeightSync"
 STREAMS_METADATA = "x-kiln-publish-streams"
 """A publish split over N parallel streams sends N here on every stream (default 1)."""
+ROLE_METADATA = "x-kiln-publish-role"
+"""`base`: the complete weights later adapter versions apply to (`WeightStore.open_base`);
+`needs-base`: an adapter version on trained weights, refused while no base is held; absent: a
+version."""
+ROLES = ("version", "base", "needs-base")
 
 _CODES = {
     "stale": grpc.StatusCode.FAILED_PRECONDITION,
@@ -37,6 +43,7 @@ _CODES = {
     "busy": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "checksum": grpc.StatusCode.DATA_LOSS,
     "truncated": grpc.StatusCode.DATA_LOSS,
+    "no-base": grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 
@@ -54,6 +61,13 @@ def _expected_streams(context: grpc.aio.ServicerContext) -> int:
                 raise TransferError("manifest", f"{STREAMS_METADATA}: {streams} is not in 1..{MAX_STREAMS}")
             return streams
     return 1
+
+
+def _role(context: grpc.aio.ServicerContext) -> str:
+    role = dict(context.invocation_metadata() or ()).get(ROLE_METADATA, "version")
+    if role not in ROLES:
+        raise TransferError("manifest", f"{ROLE_METADATA}: {role!r} is not one of {ROLES}")
+    return role
 
 
 SHARED_CHUNKS = 32
@@ -101,7 +115,11 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
                     if pending is None:
                         if not isinstance(chunk, Manifest):
                             raise TransferError("manifest", "a publish stream must start with the manifest")
-                        pending = self.store.open_stream(chunk, _expected_streams(context))
+                        role = _role(context)
+                        pending = (self.store.open_base(chunk, _expected_streams(context))
+                                   if role == "base" else
+                                   self.store.open_stream(chunk, _expected_streams(context),
+                                                          needs_base=role == "needs-base"))
                     elif isinstance(chunk, Manifest):
                         raise TransferError("manifest", "a publish stream carries one manifest")
                     else:

@@ -16,6 +16,12 @@ reference), and, while the latest is a LoRA adapter (`kiln.models.lora_names`), 
 of complete weights, the base that adapter applies to: a replica that joins during a LoRA stage
 following full-weight stages holds only the job's starting checkpoint, so it is sent that base
 before the adapter (`base_for`), or it would refuse every adapter version.
+
+A restarted service holds no base. So a trainer whose adapter sits on weights that earlier
+stages trained publishes its adapter versions as needing one (`open_stream(needs_base=True)`):
+they are refused ("no-base") while none is held, and the trainer then publishes the base itself
+(`open_base`: complete weights at the version they were first published as, kept as the base
+and never served as a version of their own) and the adapter again.
 Everything here runs on one asyncio loop; nothing is thread-safe.
 Not covered: persistence (a restarted service has no version until the trainer publishes again).
 """
@@ -111,6 +117,8 @@ class WeightStore:
         """The latest committed version of complete weights (`latest` itself unless that is a
         LoRA adapter)."""
         self._pending: dict[int, PendingVersion] = {}
+        self._base_pending: PendingVersion | None = None
+        """A base being published (`open_base`): apart, as subscribers never see it."""
         self._changed = asyncio.Condition()
         self._commit_times: dict[int, float] = {}
         self.replicas: dict[str, ReplicaState] = {}
@@ -121,9 +129,17 @@ class WeightStore:
 
     # --- publishing -------------------------------------------------------------------------
 
-    def open_stream(self, manifest: Manifest, expected_streams: int = 1) -> PendingVersion:
+    def open_stream(self, manifest: Manifest, expected_streams: int = 1, *,
+                    needs_base: bool = False) -> PendingVersion:
         """A publish stream announced `manifest`; returns the version's pending state (shared by
-        the `expected_streams` parallel streams of the same version)."""
+        the `expected_streams` parallel streams of the same version). `needs_base`: an adapter
+        on weights earlier stages trained, refused ("no-base") while no base is held."""
+        if needs_base and self.base is None:
+            SYNC_FAILURES.labels("no-base").inc()
+            raise TransferError(
+                "no-base", f"version {manifest.policy_version} is an adapter on trained weights this "
+                "service does not hold (it restarted since they were published): publish them "
+                "as the base first")
         if manifest.policy_version <= self.policy_version:
             SYNC_FAILURES.labels("stale").inc()
             raise TransferError(
@@ -165,6 +181,24 @@ class WeightStore:
             asyncio.get_running_loop().create_task(self._notify())
         return pending
 
+    def open_base(self, manifest: Manifest, expected_streams: int = 1) -> PendingVersion:
+        """A publish stream announced the complete weights later adapter versions apply to, at
+        the version they were first published as: kept as `base` when whole, not as a version
+        (no subscriber gets it but before an adapter, `base_for`)."""
+        if is_adapter_version(t.name for t in manifest.tensors):
+            raise TransferError("manifest", f"version {manifest.policy_version}: a base must be "
+                                            "complete weights, not an adapter")
+        if self.base is not None and manifest.policy_version < self.base.policy_version:
+            raise TransferError("stale", f"base version {manifest.policy_version} is older than the "
+                                         f"base held, version {self.base.policy_version}")
+        pending = self._base_pending
+        if pending is None or pending.done.done() or pending.manifest != manifest:
+            if pending is not None:
+                self._fail(pending, TransferError("stale", "replaced by another base"))
+            pending = self._base_pending = PendingVersion(Assembly(manifest), expected_streams)
+        pending.opened += 1
+        return pending
+
     def add_bucket(self, pending: PendingVersion, bucket: Bucket) -> None:
         """Check and keep one bucket; commits the version when it was the last one."""
         if pending.done.done():
@@ -196,7 +230,10 @@ class WeightStore:
         SYNC_FAILURES.labels(exc.reason).inc()
         pending.done.set_exception(exc)
         pending.done.exception()  # mark retrieved: streams that already left need not see it
-        self._pending.pop(pending.assembly.policy_version, None)
+        if pending is self._base_pending:
+            self._base_pending = None
+        elif self._pending.get(pending.assembly.policy_version) is pending:
+            del self._pending[pending.assembly.policy_version]
         pending._wake()
 
     def _commit(self, pending: PendingVersion) -> None:
@@ -206,6 +243,11 @@ class WeightStore:
         except TransferError as exc:
             self._fail(pending, exc)
             raise
+        if pending is self._base_pending:  # kept as the base only: nobody is told
+            self.base = StoredVersion(pending.assembly.manifest, buckets, time.time())
+            self._base_pending = None
+            pending.done.set_result(self.base)
+            return
         if version <= self.policy_version:
             # A newer version was committed while this one was in flight.
             exc = TransferError("stale", f"version {version} was overtaken by {self.policy_version}")
