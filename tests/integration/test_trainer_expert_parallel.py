@@ -157,8 +157,16 @@ def test_ep2_equals_one_rank(tmp_path: Path) -> None:
             for name, t in w2.items():
                 assert torch.equal(saved["published"][name], t), name
                 assert torch.equal(saved["resumed"][name], t), name
-            # A checkpoint split over two EP ranks is refused by one.
+            # A checkpoint split over two EP ranks is refused by one as a resume, but exported
+            # (`kiln export`: load_weights) as the whole model, bit for bit what EP 2 wrote.
             with pytest.raises(ValueError, match="expertParallel 2, this trainer runs 1"):
                 TrainerEngine(_config(model_dir, 1, 1, out / f"ckpt{i}"))
+            whole = TrainerEngine(_config(model_dir, 1, 1))
+            (ckpt,) = sorted((out / f"ckpt{i}").glob("step_*"))
+            whole.load_weights(ckpt)
+            whole.export_hf(tmp_path / f"merged-{i}")
+            merged = load_file(str(tmp_path / f"merged-{i}" / "model.safetensors"))
+            assert merged.keys() == w2.keys()
+            assert all(torch.equal(merged[k], w2[k]) for k in w2)
     finally:
         parallel.shutdown_parallel()

@@ -16,6 +16,9 @@ adapter_model.safetensors, and the tokenizer), which `peft.PeftModel.from_pretra
 the base model; `--merge` writes the merged model as a Hugging Face checkpoint instead (what
 `RUN_DIR/final-hf/` and the stages' folders hold for such a job).
 
+A checkpoint of `trainer.expertParallel` > 1 (each EP rank's experts in its part) is merged:
+every expert under its global index.
+
 Not covered: checkpoints of tensorParallel > 1 (each rank holds a shard; the trainer's own
 stage exports gather them).
 """
@@ -107,7 +110,9 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, *, force: bool
     engine = TrainerEngine(TrainerConfig(model_dir=job.spec.model.local_path(), params_dtype=dtype,
                                          checkpoint_dir=ckpt.parent, seed=job.spec.seed),
                            resume=False)
-    engine.load_checkpoint(ckpt)  # a LoRA checkpoint puts its adapter on (its meta says which)
+    # A LoRA checkpoint puts its adapter on (its meta says which); one whose experts were split
+    # over EP ranks is merged into the whole model.
+    engine.load_weights(ckpt)
     with torch.no_grad():
         if engine.adapter is not None and not merge:  # PEFT's adapter files
             return engine.adapter.write_peft(out, engine.config.model_dir, _adapter_base(run_dir, job))

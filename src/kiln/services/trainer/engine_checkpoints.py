@@ -64,6 +64,22 @@ class EngineCheckpoints:
         self._restore(state, meta, Path(path))
         torch.set_rng_state(state["rng"])
 
+    def load_weights(self, path: Path) -> None:
+        """The model of checkpoint `path` alone (what an export needs): as `load_checkpoint`
+        restores it, or, for a checkpoint whose experts were split over EP ranks read by a
+        trainer without expert parallelism, every rank's experts merged into this model."""
+        meta, state = ckpt.read_checkpoint(path)
+        parts = state.get("ep_ranks")
+        if parts and len(parts) > 1 and parallel.ep_size() == 1:
+            from kiln.models.hf_io import load_state_into
+
+            merged = rank_grads.merged_expert_model(parts, self.spec)
+            # Megatron's `_extra_state` entries hold no weights (and only rank 0's are there).
+            load_state_into(self.model, {k: v for k, v in merged.items()
+                                         if not k.endswith("._extra_state")})
+            return
+        self._restore(state, meta, Path(path))
+
     def _meta(self) -> dict:
         """What a checkpoint keeps beside the tensors."""
         return {"step": self.step_count, "policy_version": self.policy_version,

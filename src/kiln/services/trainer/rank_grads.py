@@ -105,3 +105,22 @@ def expert_part(state: dict, path: Path) -> dict:
                          f"{len(parts) if parts else 1}, this trainer runs {ep}; export it to HF "
                          "format and start from that instead")
     return {**state, **parts[parallel.ep_rank()]} if parts else state
+
+
+def merged_expert_model(parts: list[dict], spec) -> dict:
+    """The whole model's state from a checkpoint whose experts were split over EP ranks
+    (`ep_ranks`, one part per rank): every rank's experts under their global index, the rows
+    all ranks share from rank 0; what a model without expert parallelism loads (`kiln
+    export`). ValueError when a part lacks an expert it should hold."""
+    from kiln.models.hf_io import expert_split_rows
+
+    merged = dict(parts[0]["model"])
+    split, whole = expert_split_rows(spec, len(parts)), expert_split_rows(spec, 1)
+    for (_, local_name, _, owner), (_, global_name, _, _) in zip(split, whole):
+        if owner is None:
+            continue
+        try:
+            merged[global_name] = parts[owner]["model"][local_name]
+        except KeyError:
+            raise ValueError(f"EP rank {owner}'s part of the checkpoint lacks {local_name}") from None
+    return merged
