@@ -176,7 +176,7 @@ def test_export_writes_a_peft_adapter_and_a_merged_checkpoint(model_dir: Path, t
 
 
 def test_peft_loads_the_exported_adapter(model_dir: Path, tmp_path: Path) -> None:
-    peft = pytest.importorskip("peft")  # not a dependency: checked where it is installed
+    import peft  # a test dependency (deploy/requirements.txt)
     engine = TrainerEngine(TrainerConfig(model_dir=model_dir, lora=SUBSET), resume=False)
     _randomise_b(engine.model, seed=7)
     out = engine.adapter.write_peft(tmp_path / "adapter", model_dir)
