@@ -84,6 +84,16 @@ def test_cluster_tasks_example_trains_from_a_configmap_and_writes_its_model_out(
         assert summary["stages"]["rl"]["steps"] == 2
         # Beside it the trainer's report of the steps: the loss over both stages and more.
         assert {"loss.png", "reward.png", "staleness.png"} <= {p.name for p in (output / "report").iterdir()}
+        # And the job's TensorBoard files: the trainer's steps, and the operator's driver's
+        # held-out evaluations before and after the RL stage, which it sent the trainer.
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        trainer_board = EventAccumulator(str(output / "tensorboard"))
+        trainer_board.Reload()
+        assert "train/loss" in trainer_board.Tags()["scalars"]
+        driver_board = EventAccumulator(str(output / "tensorboard" / "driver"))
+        driver_board.Reload()
+        assert len(driver_board.Scalars("eval/terminal-heldout/greedy_success")) == 2
         exported = tmp_path / "model"
         subprocess.run([str(KILN), "export", str(output), "--out", str(exported)], check=True,
                        timeout=120)
