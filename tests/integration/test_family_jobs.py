@@ -3,8 +3,7 @@ checkpoint, the trainer builds the family, the megatron rollout engine serves it
 families' and DeepSeek's CPU engine; for Qwen3 the quickest to start, its vLLM path being
 checked by tests/integration/test_family_consistency.py), and two RL steps train with weight sync
 (and routing replay for the MoE families; Qwen3-MoE's experts split over two trainer replicas).
-DeepSeek-V3.2's shape (the indexer choosing fewer keys than the sequence has) runs too. Qwen2,
-Llama and Qwen2-MoE run in the other end-to-end tests."""
+Qwen2, Llama and Qwen2-MoE run in the other end-to-end tests."""
 from __future__ import annotations
 
 import math
@@ -17,11 +16,11 @@ from helpers.kiln_run import kiln_run, read_records
 
 pytestmark = pytest.mark.slow
 
-# deepseek_v32 is DeepSeek-V3's model (MLA, sigmoid-routed experts, a dense first layer) with
-# Kiln's lightning indexer, choosing 16 keys per query of sequences up to 96 tokens: its job
-# runs all of DeepSeek-V3's path and the sparse attention besides (DeepSeek-V3's own dense
-# attention is checked against transformers in tests/integration/test_family_consistency.py).
-FAMILIES = ("qwen3", "qwen3_moe", "glm4_moe", "deepseek_v32")
+# `_job(tmp, "deepseek_v32")` makes the same job for DeepSeek-V3.2's shape (DeepSeek-V3's model
+# with Kiln's lightning indexer choosing 16 keys per query): it passes, but takes 210 s on an
+# idle 2-core machine (the sparse attention on the CPU), too long to run on every change; its
+# pieces are tested on the fast path (tests/unit/test_deepseek_v32.py).
+FAMILIES = ("qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3")
 
 
 def _job(tmp: Path, arch: str) -> Path:

@@ -58,7 +58,7 @@ from kiln.episode import EpisodeInfo
 from kiln.routing import RoutedExperts, merge_routing
 from kiln.services.rollout.engine import Engine, SamplingOptions
 from kiln.services.rollout.formats.chat import ChatConversation, ChatFormat
-from kiln.services.rollout.openai_messages import (ContextOverflow, RequestError, digests,
+from kiln.services.rollout.openai_messages import (ContextOverflow, digests,
                                                    normalized, template_message,
                                                    tools_from_openai)
 from kiln.trajectory import Trajectory, spans_from_versions
