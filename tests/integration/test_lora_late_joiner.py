@@ -60,6 +60,26 @@ async def _wait_for(cond, timeout: float = 60.0) -> bool:
     return True
 
 
+async def _join_late(channel, engine, trainer):
+    """A replica subscribing now, from the job's checkpoint: it applies the trained base (version
+    2), then the adapter (version 4), and serves what the trainer computes. Returns its receiver
+    and subscription task."""
+    receiver = ws.make_receiver(channel, "late", engine.apply_weights)
+    subscription = asyncio.create_task(ws.subscribe_and_apply(channel, "late", engine.apply_weights,
+                                                              receiver=receiver, reconnect_delay=0.05))
+    reached = await _wait_for(lambda: receiver.applied_policy_version == 4 or receiver.rejected)
+    try:
+        assert reached and receiver.rejected == [] and receiver.applied == [2, 4]
+        seqs = [t.tokens for t in _batch()]
+        ours, theirs = trainer.logprobs(seqs), await engine.score(seqs)
+        assert max(abs(a - b) for x, y in zip(ours, theirs) for a, b in zip(x, y)) <= 1e-5
+    except BaseException:
+        subscription.cancel()
+        await asyncio.gather(subscription, return_exceptions=True)
+        raise
+    return receiver, subscription
+
+
 async def test_a_replica_joining_a_lora_stage_gets_the_trained_base_then_the_adapter(model_dir: Path) -> None:
     from kiln.services.rollout.engine import EngineSettings, start_engine
 
@@ -83,19 +103,13 @@ async def test_a_replica_joining_a_lora_stage_gets_the_trained_base_then_the_ada
         assert lora.BASE_DIGEST in dict(trainer.named_hf_tensors())  # adapter versions
         assert servicer.store.base.policy_version == 2
 
-        receiver = ws.make_receiver(channel, "late", engine.apply_weights)
-        subscription = asyncio.create_task(ws.subscribe_and_apply(channel, "late", engine.apply_weights,
-                                                                  receiver=receiver, reconnect_delay=0.05))
-        reached = await _wait_for(lambda: receiver.applied_policy_version == 4 or receiver.rejected)
-        assert reached and receiver.rejected == [] and receiver.applied == [2, 4]
-        seqs = [t.tokens for t in _batch()]
-        ours, theirs = trainer.logprobs(seqs), await engine.score(seqs)
-        assert max(abs(a - b) for x, y in zip(ours, theirs) for a, b in zip(x, y)) <= 1e-5
+        receiver, subscription = await _join_late(channel, engine, trainer)
 
         trainer.sft_step(_batch())  # the next adapter follows without the base again
         await ws.publish(channel, 5, list(trainer.named_hf_tensors()))
         assert await _wait_for(lambda: receiver.applied_policy_version == 5)
         assert receiver.applied == [2, 4, 5] and receiver.rejected == []
+        seqs = [t.tokens for t in _batch()]
         ours, theirs = trainer.logprobs(seqs), await engine.score(seqs)
         assert max(abs(a - b) for x, y in zip(ours, theirs) for a, b in zip(x, y)) <= 1e-5
     finally:
@@ -148,14 +162,7 @@ async def test_a_restarted_weight_sync_gets_the_base_again_from_the_trainer(mode
         await asyncio.to_thread(publisher.publish, 4, list(trainer.named_hf_tensors()))
         assert restarted.store.base.policy_version == 2 and restarted.store.policy_version == 4
 
-        receiver = ws.make_receiver(second, "late", engine.apply_weights)
-        subscription = asyncio.create_task(ws.subscribe_and_apply(second, "late", engine.apply_weights,
-                                                                  receiver=receiver, reconnect_delay=0.05))
-        reached = await _wait_for(lambda: receiver.applied_policy_version == 4 or receiver.rejected)
-        assert reached and receiver.rejected == [] and receiver.applied == [2, 4]
-        seqs = [t.tokens for t in _batch()]
-        ours, theirs = trainer.logprobs(seqs), await engine.score(seqs)
-        assert max(abs(a - b) for x, y in zip(ours, theirs) for a, b in zip(x, y)) <= 1e-5
+        _, subscription = await _join_late(second, engine, trainer)
     finally:
         if subscription is not None:
             subscription.cancel()

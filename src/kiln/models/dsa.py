@@ -157,13 +157,19 @@ def _attention_classes():
 
         backend = "auto"
 
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                    packed_seq_params=None):
+        def _indices(self, packed_seq_params, attention_bias):
+            """The keys its parent selected for this call; refuses what it cannot attend."""
             if packed_seq_params is not None or attention_bias is not None:
                 raise ValueError("DSA attention supports neither packed sequences nor attention bias")
             indices = getattr(self, "indices", None)
             if indices is None:
-                raise RuntimeError("DSACoreAttention called without indices (only DSASelfAttention may call it)")
+                raise RuntimeError(f"{type(self).__name__} called without indices (only its parent "
+                                   "self-attention, which selects them, may call it)")
+            return indices
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            indices = self._indices(packed_seq_params, attention_bias)
             # [s, b, heads, d] -> [b, s, heads, d]; causality comes from the indexer's selection.
             q, k, v = (x.transpose(0, 1).contiguous() for x in (query, key, value))
             ctx = sparse_attention(q, k, v, indices, scale=self.softmax_scale, backend=self.backend)
@@ -203,12 +209,7 @@ def _mla_attention_classes():
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
-            if packed_seq_params is not None or attention_bias is not None:
-                raise ValueError("DSA attention supports neither packed sequences nor attention bias")
-            indices = getattr(self, "indices", None)
-            if indices is None:
-                raise RuntimeError("DSAMLACoreAttention called without indices (only DSAMLASelfAttention "
-                                   "may call it)")
+            indices = self._indices(packed_seq_params, attention_bias)
             v_dim = value.shape[-1]
             value = torch.nn.functional.pad(value, (0, key.shape[-1] - v_dim))
             q, k, v = (x.transpose(0, 1).contiguous() for x in (query, key, value))
