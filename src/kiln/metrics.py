@@ -245,6 +245,19 @@ SERIES: dict[str, Metric] = {m.name: m for m in (
        "progress", "kiln_rollout_engine_idle_seconds_total", "counter"),
     _S("episode_reward", "reward", "Reward of finished episodes", "kiln_rollout_reward",
        "histogram", buckets=(0, 0.25, 0.5, 0.75, 1)),
+    # --- the rollout fleet's router (its OpenAI endpoint's front door)
+    _S("router_requests", "calls", "Calls the router forwarded, by the replica instance that "
+       "served them, how it was chosen (episode: the episode's own replica; conversation: by "
+       "the conversation's root; new: least loaded; any) and the HTTP status",
+       "kiln_router_requests_total", "counter", ("replica", "placement", "code")),
+    _S("router_refusals", "calls", "Calls the router answered itself (reason: replica_gone, "
+       "no_replica, unauthenticated, too_large)", "kiln_router_refusals_total", "counter",
+       ("reason",)),
+    _S("router_replica_load", "episodes", "Open episodes plus calls in flight of each rollout "
+       "replica, as the router places new episodes by", "kiln_router_replica_load",
+       labels=("replica",)),
+    _S("router_replicas", "replicas", "Rollout replicas the router knows, by state (serving, "
+       "draining, down)", "kiln_router_replicas", labels=("state",)),
     # --- sandbox
     _S("sandbox_start_seconds", "seconds", "Time to create a sandbox",
        "kiln_sandbox_start_seconds", "histogram", ("backend",),

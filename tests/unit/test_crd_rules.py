@@ -127,6 +127,9 @@ CASES = [
     ("stages.1.microBatchSize", 6, "microBatchSize must divide batchSize", 4),
     ("stages.1.rl.groupSize", 6, "batchSize must be a multiple of rl.groupSize", 4),
     ("stages.1.rl", {}, None, None),  # the default group size (8) divides 16: both accept
+    ("stages.0.tasks", [], "tasks: an sft or opd stage names the task sets it trains on", ["train"]),
+    # An rl stage may train on outside episodes alone, with the endpoint they come through.
+    ("rollout.openaiPort=8000:stages.1.tasks", [], None, []),
     ("rollout.replicas", 5, "replicas must be within autoscale's minReplicas and maxReplicas", 4),
     ("rollout.autoscale.maxReplicas", 0, None, 2),  # below minReplicas: refused by the bound too
     ("rollout.replicas=0:rollout.autoscale", {"minReplicas": 3, "maxReplicas": 2},

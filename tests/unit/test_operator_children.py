@@ -29,8 +29,9 @@ K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_children_pass_kubernetes_schema_validation(data: dict[str, Any], version: str) -> None:
     objs = children.desired_children(JOB, spec(data))
-    # 13 children and a NetworkPolicy per component; FULL adds the trainer's DP replicas.
-    assert len(objs) == (19 if data is FULL else 18)
+    # 13 children and a NetworkPolicy per component; FULL adds the trainer's DP replicas and
+    # the OpenAI endpoint's router (Deployment, Service, NetworkPolicy).
+    assert len(objs) == (22 if data is FULL else 18)
     for obj in objs:
         kubernetes_validate.validate(obj, version, strict=True)
 
@@ -106,11 +107,11 @@ def test_service_containers_run_the_component_with_spec_resources_and_grpc_probe
         "storage": "200Gi"}
 
 
-def test_the_openai_endpoint_gets_a_container_and_service_port_only_when_asked() -> None:
+def test_the_openai_endpoint_gets_a_container_port_and_a_router_only_when_asked() -> None:
     for data, want in ((FULL, [8000]), (SMALL, [])):
         objs = children.desired_children(JOB, spec(data))
         pod = workload(objs, "rollout")["spec"]["template"]["spec"]
-        # The API keys: the job's Secret, mounted into the rollout container alone.
+        # The API keys: the job's Secret, mounted into the rollout and router containers alone.
         keys = [v for v in pod["volumes"] if v["name"] == "openai-keys"]
         assert keys == ([{"name": "openai-keys", "secret": {"secretName": "agents", "defaultMode": 0o440}}]
                         if want else [])
@@ -122,10 +123,27 @@ def test_the_openai_endpoint_gets_a_container_and_service_port_only_when_asked()
                 other = workload(objs, c)["spec"]["template"]["spec"]
                 assert all(v["name"] != "openai-keys" for v in other["volumes"])
         ports = [p["containerPort"] for p in pod["containers"][0]["ports"] if p["name"] == "openai"]
-        service = by_name(objs)["Service/demo-rollout"]["spec"]["ports"]
-        assert ports == want and [p["port"] for p in service if p["name"] == "openai"] == want
-        others = [by_name(objs)[f"Service/demo-{c}"]["spec"]["ports"] for c in COMPONENTS if c != "rollout"]
-        assert all(p["name"] != "openai" for ports_ in others for p in ports_)
+        assert ports == want
+        # Outside agents connect to the router's Service; no component Service has the port.
+        services = [by_name(objs)[f"Service/demo-{c}"]["spec"]["ports"] for c in COMPONENTS]
+        assert all(p["name"] != "openai" for ports_ in services for p in ports_)
+        named = by_name(objs)
+        if not want:
+            assert not any(k.endswith(("/demo-router", "/demo-openai")) for k in named)
+            continue
+        router = named["Deployment/demo-router"]["spec"]
+        assert router["replicas"] == 2
+        (container,) = router["template"]["spec"]["containers"]
+        assert container["args"][container["args"].index("--discover-dns") + 1] == \
+            "demo-rollout.team-a.svc:8000"
+        assert container["args"][container["args"].index("--port") + 1] == "8000"
+        assert router["template"]["spec"]["volumes"] == keys
+        assert container["securityContext"]["runAsNonRoot"] is True
+        assert router["template"]["spec"]["automountServiceAccountToken"] is False
+        assert named["Service/demo-openai"]["spec"]["selector"] == router["selector"]["matchLabels"]
+        assert [p["port"] for p in named["Service/demo-openai"]["spec"]["ports"]] == [8000]
+        stopped = by_name(children.desired_children(JOB, spec(data), active=False))
+        assert stopped["Deployment/demo-router"]["spec"]["replicas"] == 0
 
 
 def test_docker_sandbox_gets_a_privileged_dind_sidecar_sized_from_the_spec() -> None:
@@ -249,13 +267,20 @@ def test_network_policies_admit_only_each_components_clients() -> None:
     assert trainer["podSelector"]["matchExpressions"][0]["values"] == ["trainer", "trainer-replica"]
     assert {"from": [{"podSelector": trainer["podSelector"]}]} in trainer["ingress"]  # rank to rank
     rollout = objs["NetworkPolicy/demo-rollout"]["spec"]["ingress"]
-    # The OpenAI endpoint: by default only the namespace's pods labelled as its clients.
-    assert {"from": [{"podSelector": {"matchLabels": {"kiln.dev/openai-client": "true"}}}],
+    # The rollout pods' OpenAI port: from the router's pods alone.
+    assert {"from": [{"podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "kiln", "app.kubernetes.io/instance": "demo",
+        "app.kubernetes.io/component": "router"}}}],
             "ports": [{"port": 8000, "protocol": "TCP"}]} in rollout
     assert all("from" in r for r in rollout if 8000 in [p["port"] for p in r.get("ports", [])])
+    # The router's: by default only the namespace's pods labelled as the endpoint's clients.
+    router = objs["NetworkPolicy/demo-router"]["spec"]["ingress"]
+    assert {"from": [{"podSelector": {"matchLabels": {"kiln.dev/openai-client": "true"}}}],
+            "ports": [{"port": 8000, "protocol": "TCP"}]} in router
+    assert all("from" in r for r in router if 8000 in [p["port"] for p in r.get("ports", [])])
     named = by_name(children.desired_children(JOB, spec(FULL, rollout__openai__allowedPeers=[
         {"cidr": "10.1.0.0/16"}, {"podLabels": {"app": "agents"}, "namespaceLabels": {"team": "a"}}])))
-    (rule,) = [r for r in named["NetworkPolicy/demo-rollout"]["spec"]["ingress"]
+    (rule,) = [r for r in named["NetworkPolicy/demo-router"]["spec"]["ingress"]
                if r["ports"] == [{"port": 8000, "protocol": "TCP"}]]
     assert rule["from"] == [{"ipBlock": {"cidr": "10.1.0.0/16"}},
                             {"namespaceSelector": {"matchLabels": {"team": "a"}},
@@ -278,3 +303,12 @@ def test_sandbox_pod_privileges_and_runtime_class() -> None:
             else:
                 assert main["securityContext"]["runAsNonRoot"] is True
                 assert main["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+
+
+def test_an_edit_dropping_the_openai_port_leaves_the_routers_children_to_delete() -> None:
+    from kiln.operator import router
+
+    with_port, without = spec(FULL), spec(FULL, rollout__openaiPort=None)
+    assert sorted((r["kind"], r["metadata"]["name"]) for r in router.stale(JOB, with_port, without)) == [
+        ("Deployment", "demo-router"), ("NetworkPolicy", "demo-router"), ("Service", "demo-openai")]
+    assert router.stale(JOB, with_port, with_port) == [] == router.stale(JOB, without, with_port)

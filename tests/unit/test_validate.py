@@ -351,3 +351,18 @@ def test_the_endpoint_port_cannot_be_one_kiln_listens_on(port: int) -> None:
     assert f"{port} is the" in problems[0].message and "a port of its own" in problems[0].message
     data["spec"]["rollout"] = {"openaiPort": 8000, "openai": {"apiKeySecret": "keys"}}
     assert validate_text(yaml.safe_dump(data), file="job.yaml")[1] == []
+
+
+def test_an_rl_stage_without_task_sets_needs_the_openai_endpoint() -> None:
+    """`tasks: []`: the stage trains on outside agents' episodes alone, so it needs their door."""
+    empty = GOOD.replace("tasks: [train]", "tasks: []")
+    _, problems = validate_text(empty, file="job.yaml")
+    assert len(problems) == 1 and "stages[0] (rl): tasks is empty" in problems[0].message
+    assert "rollout.openaiPort" in problems[0].message
+    served = empty + "  rollout:\n    openaiPort: 8000\n"
+    (job,), problems = validate_text(served, file="job.yaml")
+    assert problems == [] and job.spec.stages[0].tasks == []
+    opd = served.replace("type: rl", "type: opd").replace("groupSize: 8", "groupSize: 8\n        teacher: /t")
+    for other in (served.replace("type: rl", "type: sft"), opd):
+        problems = validate_text(other, file="job.yaml")[1]
+        assert any("tasks" in f"{p.path} {p.message}" for p in problems), problems

@@ -63,6 +63,9 @@ def _merge_variants(variants: list[dict[str, Any]]) -> dict[str, Any]:
             if name == key:
                 continue
             props.setdefault(name, schema)
+            if props[name].get("minItems") and not schema.get("minItems"):
+                # One variant allows an empty list (a rule for the others keeps theirs).
+                props[name] = {k: v for k, v in props[name].items() if k != "minItems"}
             described.setdefault(name, {}).setdefault(schema.get("description", ""), []).append(tag)
         req = set(v.get("required", []))
         required = req if required is None else required & req

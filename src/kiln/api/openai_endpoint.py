@@ -17,6 +17,11 @@ from kiln.api.base import Model
 #: the address `HOST_ENV` names (default 127.0.0.1).
 KEYS_ENV = "KILN_OPENAI_API_KEYS"
 HOST_ENV = "KILN_OPENAI_HOST"
+#: Behind a router on one machine (`kiln run`): the port a replica's endpoint listens on instead
+#: of `openaiPort` (0: any free one; the router holds `openaiPort`), and the file the replica
+#: announces its address in, for the router to find.
+PORT_ENV = "KILN_OPENAI_PORT"
+ANNOUNCE_ENV = "KILN_OPENAI_ANNOUNCE"
 #: Where the operator mounts `apiKeySecret` in the rollout container.
 KEYS_DIR = "/etc/kiln/openai-keys"
 #: Label a pod must carry (value "true") to reach a job's OpenAI endpoint when the job names no

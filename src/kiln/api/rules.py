@@ -59,6 +59,8 @@ RULES: dict[tuple[str, ...], list[tuple[str, str]]] = {
         ("self.batchSize % self.microBatchSize == 0", "microBatchSize must divide batchSize"),
         (f"self.type == 'sft' || self.batchSize % (has(self.rl) ? self.rl.groupSize : {_GROUP}) == 0",
          "batchSize must be a multiple of rl.groupSize"),
+        ("self.type == 'rl' || (has(self.tasks) && size(self.tasks) > 0)",
+         "tasks: an sft or opd stage names the task sets it trains on"),
     ],
     ("spec", "rollout"): [
         ("!has(self.autoscale) || (self.replicas >= self.autoscale.minReplicas && "

@@ -210,6 +210,10 @@ class RLStage(_StageBase):
 
     type: Literal["rl"]
     """`rl`."""
+    tasks: list[str] = Field(default_factory=list)
+    """Names of entries in `spec.tasks` whose episodes rollout plays and the stage trains on.
+    Empty: the stage trains on the episodes an outside agent plays through the OpenAI
+    endpoint alone (`rollout.openaiPort`; rewarded with the stage's `rl.groupSize`)."""
     kind: Literal["reasoning", "agentic", "general"] | None = None
     """What the stage trains, in a staged pipeline's terms (GLM-5's reasoning, agentic and
     general RL): a label the run's summary shows (`stages`); the settings say how it trains."""
@@ -318,6 +322,12 @@ class RLJobSpec(_Model):
                 raise ValueError(
                     f"stages[{i}] ({stage.name}): rl.teacherTopK needs trainer.tensorParallel 1 "
                     f"(the dense term takes the log-softmax of the whole vocabulary on one rank)")
+            if isinstance(stage, RLStage) and not stage.tasks and (
+                    stage.type != "rl" or stage.swarm is not None or not self.rollout.openai_port):
+                raise ValueError(
+                    f"stages[{i}] ({stage.name}): tasks is empty; only a plain rl stage may train "
+                    "on outside episodes alone, and only with rollout.openaiPort set (their "
+                    "source); name the task sets it plays")
             if isinstance(stage, RLStage) and stage.batch_size % stage.rl.group_size:
                 raise ValueError(
                     f"stages[{i}] ({stage.name}): batchSize ({stage.batch_size}) must be a "

@@ -97,6 +97,9 @@ def _stage(job, name: str | None):
 
 
 def workload(job, stage, args) -> Workload:
+    if not stage.tasks:
+        raise SystemExit(f"stage {stage.name}: it trains on outside episodes alone (tasks is "
+                         "empty), whose tool calls and latencies are not known here")
     task_set = next(t for t in job.spec.tasks if t.name == stage.tasks[0])
     if args.calls_p50 is not None:
         law = log_normal(args.calls_p50, args.calls_p99 or args.calls_p50)

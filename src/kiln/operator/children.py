@@ -22,7 +22,7 @@ import yaml
 from kiln.api import rules
 from kiln.api.spec import API_GROUP, API_VERSION, KIND, RLJobSpec, StorageSpec
 from kiln.api.openai_endpoint import CLIENT_LABEL
-from kiln.operator import frozen, naming
+from kiln.operator import frozen, naming, router
 from kiln.operator.naming import GRPC_PORT, METRICS_PORT, JobRef
 from kiln.operator.pods import HEALTH_PORT
 from kiln.operator.workloads import TRAINER_REPLICAS, SandboxHosting, workloads
@@ -130,7 +130,7 @@ def pvc(job: JobRef, component: str, storage: StorageSpec, image: str) -> dict[s
     }
 
 
-def service(job: JobRef, component: str, image: str, openai_port: int | None = None) -> dict[str, Any]:
+def service(job: JobRef, component: str, image: str) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "selector": naming.selector_labels(job, component),
         "ports": [
@@ -139,9 +139,6 @@ def service(job: JobRef, component: str, image: str, openai_port: int | None = N
             {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"},
         ],
     }
-    if openai_port:  # the rollout's OpenAI endpoint for outside agents (spec.rollout.openaiPort)
-        spec["ports"].append({"name": "openai", "port": openai_port, "targetPort": "openai",
-                              "protocol": "TCP", "appProtocol": "http"})
     if component in HEADLESS:
         spec["clusterIP"] = "None"
         # Peers find each other before they report ready (the trainer waits for the buffer).
@@ -195,8 +192,8 @@ def openai_peers(spec: RLJobSpec) -> list[dict[str, Any]]:
 def network_policy(job: JobRef, spec: RLJobSpec, component: str) -> dict[str, Any]:
     """Ingress to `component`'s pods: gRPC from its clients only; health and metrics from
     anywhere (kubelet probes, Prometheus); the rollout's OpenAI port, when asked for, from the
-    job's `rollout.openai.allowedPeers` only (`openai_peers`); between the trainer's ranks (replica 0 and the data-parallel
-    replicas), every port: gloo and NCCL connect each rank to every other on ports of their own."""
+    router's pods only (which admit `rollout.openai.allowedPeers`: `openai_peers`, `router.py`);
+    between the trainer's ranks (replica 0 and the data-parallel replicas), every port: gloo and NCCL connect each rank to every other on ports of their own."""
     clients = frozen.CLIENTS if component in frozen.components(spec) else GRPC_CLIENTS[component]
     pods = [c for c in clients if c != "operator"]
     if component == "trainer":
@@ -217,7 +214,8 @@ def network_policy(job: JobRef, spec: RLJobSpec, component: str) -> dict[str, An
         selector = ranks["podSelector"]
         rules.append({"from": [ranks]})
     if component == "rollout" and spec.rollout.openai_port:
-        rules.append({"from": openai_peers(spec),
+        # Outside agents reach the endpoint through the router (`router.py`) alone.
+        rules.append({"from": [router.router_pods(job)],
                       "ports": [{"port": spec.rollout.openai_port, "protocol": "TCP"}]})
     return {
         "apiVersion": "networking.k8s.io/v1",
@@ -256,11 +254,11 @@ def desired_children(job: JobRef, spec: RLJobSpec, *, active: bool = True,
     return [
         config_map(job, spec),
         *pvcs(job, spec),
-        *(service(job, c, spec.image, spec.rollout.openai_port if c == "rollout" else None)
-          for c in naming.COMPONENTS),
+        *(service(job, c, spec.image) for c in naming.COMPONENTS),
         *frozen_services,
         *workloads(job, spec, hashes, active=active, hosting=hosting,
                    frozen_addresses=frozen.addresses(job, spec)),
         *frozen_rest,
         *(network_policy(job, spec, c) for c in (*naming.COMPONENTS, *frozen.components(spec))),
+        *router.children(job, spec, active=active, peers=openai_peers(spec)),
     ]

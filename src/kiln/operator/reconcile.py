@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from kiln.api.images import from_registry
 from kiln.api.spec import API_GROUP, API_VERSION, KIND, RLJobSpec
 from kiln.api.validate import validate_document
-from kiln.operator import adoption, children, frozen
+from kiln.operator import adoption, children, frozen, router
 from kiln.operator.kube import Kube
 from kiln.operator.naming import RETAINED_FROM, JobRef
 from kiln.operator.tls import ensure_certificates
@@ -89,8 +89,10 @@ def reconcile(kube: Kube, job: JobRef, spec: RLJobSpec, *,
                                               finished_stages=finished_stages):
         key = f"{manifest['kind']}/{manifest['metadata']['name']}"
         result.actions[key] = kube.apply(manifest)
-    # An edit that names fewer frozen checkpoints leaves deployments nothing uses any more.
-    for ref in frozen.stale(job, previous, spec) if previous is not None else []:
+    # An edit that names fewer frozen checkpoints, or drops openaiPort, leaves deployments
+    # nothing uses any more.
+    gone = [*frozen.stale(job, previous, spec), *router.stale(job, previous, spec)] if previous else []
+    for ref in gone:
         if kube.delete(ref):
             result.actions[f"{ref['kind']}/{ref['metadata']['name']}"] = "deleted"
     return result

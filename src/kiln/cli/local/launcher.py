@@ -75,7 +75,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"kiln run: {exc}", file=sys.stderr)
         return Exit.REFUSED
     services: dict[str, processes.ServiceProcess] = {}
-    fleet = None
+    fleet = router = None
     interrupted = failed = expired = False
 
     def _interrupt(signum, frame):  # noqa: ARG001
@@ -92,6 +92,8 @@ def main(args: argparse.Namespace) -> int:
         processes.issue_certificates(run_dir, job.metadata.name)
         if job.spec.rollout.openai_port:
             out.write(openai_access.grant(run_dir, job.spec.rollout.openai_port))
+            router = openai_access.LocalRouter(run_dir, job.spec.rollout.openai_port)
+            router.start()
         group = processes.trainer_group(job.spec.trainer.data_parallel)
         for name in order:
             addrs = {n: s.address for n, s in services.items()}
@@ -126,6 +128,8 @@ def main(args: argparse.Namespace) -> int:
             for name in dead:
                 if name not in group or len(group) == 1:
                     services[name] = processes.restart(services[name], job_file, run_dir, addrs)
+            if router is not None and router.supervise():
+                out.write("\nthe OpenAI endpoint's router exited; restarted\n")
             return dead
 
         shown = LocalProgress(run_dir, out, job)
@@ -151,6 +155,8 @@ def main(args: argparse.Namespace) -> int:
         out.write(f"\nkiln run: {exc}\nlogs: {run_dir / 'logs'}; continue with kiln run --resume {run_dir}\n")
         failed = True
     finally:
+        if router is not None:
+            router.stop()
         if fleet is not None:
             fleet.close()  # workers already retired by autoscaling, still on their way out
         _stop_all(services)

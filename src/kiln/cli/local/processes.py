@@ -24,6 +24,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kiln.api.openai_endpoint import ANNOUNCE_ENV, HOST_ENV, PORT_ENV
 from kiln.control import channels
 from kiln.tls import TLS_DIR_ENV
 
@@ -87,6 +88,11 @@ def start(name: str, job_file: Path, run_dir: Path, addresses: dict[str, str],
     if name.startswith(ROLLOUT_WORKER_PREFIX):
         # Its own task stream (the producer salts the job's seed with it), across restarts too.
         env["KILN_ROLLOUT_REPLICA"] = name.removeprefix(ROLLOUT_WORKER_PREFIX)
+    if name == "rollout" or name.startswith(ROLLOUT_WORKER_PREFIX):
+        # Its OpenAI endpoint (if the job has one) on a free loopback port, announced for the
+        # router, which holds `openaiPort` (`openai_access.LocalRouter`).
+        env.update({PORT_ENV: "0", HOST_ENV: "127.0.0.1", ANNOUNCE_ENV: str(state / "openai.json")})
+        (state / "openai.json").unlink(missing_ok=True)
     module = component_of(name).replace("-", "_")
     cmd = [sys.executable, "-m", f"kiln.services.{module}.main", "--job", str(job_file),
            "--address", f"127.0.0.1:{port}", "--metrics-port", "0", "--run-dir", str(state),

@@ -77,6 +77,12 @@ ROLLOUT_ENGINE_REQUESTS = _series("engine_requests")
 ROLLOUT_ENGINE_IDLE = _series("engine_idle_seconds")
 EPISODE_REWARD = _series("episode_reward")
 
+# --- the rollout fleet's router ---------------------------------------------------------------
+ROUTER_REQUESTS = _series("router_requests")
+ROUTER_REFUSALS = _series("router_refusals")
+ROUTER_REPLICA_LOAD = _series("router_replica_load")
+ROUTER_REPLICAS = _series("router_replicas")
+
 # --- sandbox -----------------------------------------------------------------------------------
 SANDBOX_START_SECONDS = _series("sandbox_start_seconds")
 SANDBOX_FAILURES = _series("sandbox_failures")

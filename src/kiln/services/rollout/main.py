@@ -247,10 +247,10 @@ async def build(job: RLJob | None, args: argparse.Namespace):
     servicer = RolloutServicer(producer, task_sets)
     openai = None
     if spec.rollout.openai_port:
-        from kiln.api.openai_endpoint import HOST_ENV
+        from kiln.api.openai_endpoint import ANNOUNCE_ENV, HOST_ENV, PORT_ENV
         from kiln.services.rollout.openai_auth import ApiKeys
         from kiln.services.rollout.openai_episodes import ExternalEpisodes
-        from kiln.services.rollout.openai_server import OpenAIServer
+        from kiln.services.rollout.openai_server import OpenAIServer, replica_name
 
         async def to_buffer(trajs, group_size: int) -> None:
             await buffer.put_async(trajs, group_size)
@@ -261,17 +261,29 @@ async def build(job: RLJob | None, args: argparse.Namespace):
                              max_total_tokens=s.max_total_tokens, settings=spec.rollout.openai,
                              stage_group_size=lambda: producer.mode.group_size),
             model_name=Path(spec.model.path).name, tokenizer=tokenizer, keys=ApiKeys.from_env(),
-            host=os.environ.get(HOST_ENV, "127.0.0.1"), port=spec.rollout.openai_port,
+            host=os.environ.get(HOST_ENV, "127.0.0.1"),
+            port=int(os.environ.get(PORT_ENV, spec.rollout.openai_port)),
             on_dead=lambda reason: (log.critical("%s; exiting so that this service is restarted",
-                                                 reason), os._exit(1)))
+                                                 reason), os._exit(1)),
+            replica=replica_name(os.environ.get("KILN_ROLLOUT_REPLICA", "")))
         await openai.start()
+        if announce := os.environ.get(ANNOUNCE_ENV):
+            # For the fleet's router under `kiln run` (on a cluster it finds the pods by DNS).
+            part = Path(announce + ".part")
+            part.write_text(json.dumps({"url": f"http://{openai.host}:{openai.port}",
+                                        "instance": openai.instance}))
+            os.replace(part, announce)
 
     async def on_stop() -> None:
         if openai is not None:
-            await openai.stop()
+            openai.drain()  # the router sends new outside episodes to the other replicas
         # A pod scaled away (the operator sets this within its grace period): episodes in
         # flight finish and ship before the weights stop coming.
         await producer.drain(float(os.environ.get("KILN_ROLLOUT_DRAIN_SECONDS", "0")))
+        if openai is not None:
+            await openai.stop()
+            if announce := os.environ.get(ANNOUNCE_ENV):
+                Path(announce).unlink(missing_ok=True)
         subscription.cancel()
         await producer.stop()
         await engine.close()

@@ -148,11 +148,13 @@ class ExternalEpisodes:
         """Caller -> its open episodes."""
         self.dropped_idle = 0
         self.evicted = 0
+        self.id_suffix = ""
+        """Ends every episode id: `.<instance>` behind the fleet's router (`router.py`)."""
         self._by_conversation: dict[tuple[str, str], str] = {}
         """(caller, digest of a conversation up to its last reply) -> the issued episode."""
         # What `stalled_for` measures: generations in flight, and when one last started after
         # none was, or ended.
-        self._inflight = 0
+        self.in_flight = 0
         self._progress = time.monotonic()
         special = getattr(fmt.tokenizer, "all_special_tokens", None) or []
         self._special = sorted((t for t in special if t), key=len, reverse=True)
@@ -176,7 +178,7 @@ class ExternalEpisodes:
             raise TooManyEpisodes(f"this API key holds {self.settings.max_open_episodes} open "
                                   "episodes (rollout.openai.maxOpenEpisodes); reward or delete "
                                   "one first")
-        episode_id = "ep-" + secrets.token_hex(16)
+        episode_id = "ep-" + secrets.token_hex(16) + self.id_suffix
         self._episodes[episode_id] = _Episode(episode_id, caller)
         self._open[caller] = self._open.get(caller, 0) + 1
         return episode_id
@@ -190,7 +192,7 @@ class ExternalEpisodes:
     def stalled_for(self) -> float:
         """Seconds since a generation last ended while some are in flight (0 with none in
         flight): an engine that takes requests and never answers them (wedged) stalls."""
-        return time.monotonic() - self._progress if self._inflight else 0.0
+        return time.monotonic() - self._progress if self.in_flight else 0.0
 
     def _close(self, ep: _Episode) -> None:
         if ep.key and self._by_conversation.get((ep.caller, ep.key)) == ep.episode_id:
@@ -242,14 +244,14 @@ class ExternalEpisodes:
             raise ContextOverflow(self.max_total_tokens, prompt_tokens,
                                   sampling.max_tokens if exact_max_tokens else 1)
         budget = min(sampling.max_tokens, self.max_tokens_per_turn, room)
-        if not self._inflight:
+        if not self.in_flight:
             self._progress = time.monotonic()
-        self._inflight += 1
+        self.in_flight += 1
         try:
             gen = await self.engine.generate(seg.tokens, dataclasses.replace(
                 sampling, max_tokens=budget, stop_token_ids=tuple(self.fmt.stop_token_ids)))
         finally:
-            self._inflight -= 1
+            self.in_flight -= 1
             self._progress = time.monotonic()
         seg.tokens += gen.token_ids
         seg.mask += [1] * len(gen.token_ids)

@@ -8,7 +8,9 @@ can act as the policy.
     DELETE /v1/kiln/episodes/{id}          drop an episode without training on it
     GET  /v1/models, /v1/models/{id}       the one model served (another id: 404)
     GET  /healthz                          liveness, the only route without a key: 503 once
-                                           the engine is dead or wedged
+                                           the engine is dead or wedged; with the replica's
+                                           instance, whether it drains, and its open episodes
+                                           and calls in flight (what the router places by)
 
 Every request but /healthz carries `Authorization: Bearer <key>` (`openai_auth.py`); without a
 known key: 401. Episodes are bound to the key that opened them (`openai_episodes.py`): another
@@ -44,6 +46,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
+import secrets
 import time
 import uuid
 from typing import Any, Callable
@@ -58,9 +62,17 @@ from kiln.services.rollout.openai_params import check_reward, sampling_options
 
 log = logging.getLogger("kiln.rollout.openai")
 EPISODE_HEADER = "X-Kiln-Episode"
+REPLICA_HEADER = "X-Kiln-Replica"
+INSTANCE_CHARS = re.compile(r"[^a-z0-9-]")
 #: Bodies larger than this are parsed (and their history rendered) on the rendering thread.
 OFFLOAD_BYTES = 64 << 10
 CALLER = web.RequestKey("caller", str)
+
+
+def replica_name(replica: str) -> str:
+    """A rollout replica's name from `KILN_ROLLOUT_REPLICA`: a pod's name on a cluster, a
+    worker's number under `kiln run` (none for the first)."""
+    return f"rollout-{replica or 0}" if not replica or replica.isdigit() else replica
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", *,
@@ -78,13 +90,20 @@ class OpenAIServer:
     def __init__(self, episodes: ExternalEpisodes, *, model_name: str, tokenizer: Any,
                  keys: ApiKeys, host: str = "127.0.0.1", port: int = 0,
                  stall_seconds: float = 900.0,
-                 on_dead: Callable[[str], None] | None = None) -> None:
+                 on_dead: Callable[[str], None] | None = None, replica: str = "serve") -> None:
         """`stall_seconds`: an engine with requests in flight that answers none for this long
         is taken as wedged. `on_dead(reason)`: called once when the engine is found dead or
-        wedged (the process should exit, to be restarted); /healthz fails from then on."""
+        wedged (the process should exit, to be restarted); /healthz fails from then on.
+        `replica`: this server's name in the fleet (a pod's name, `kiln run`'s worker name)."""
         self.episodes, self.model_name, self.tokenizer = episodes, model_name, tokenizer
         self.keys, self.host, self.port = keys, host, port
         self.stall_seconds, self.on_dead = stall_seconds, on_dead
+        # This process's incarnation: a restarted replica gets a new one, so that the router
+        # can tell the episodes it lost (their ids end with the old one) from its new ones.
+        self.instance = f"{INSTANCE_CHARS.sub('-', replica) or 'serve'}-{secrets.token_hex(3)}"
+        episodes.id_suffix = "." + self.instance
+        self.draining = False
+        """Set by `drain`: no new episodes (503, retryable); open ones are still served."""
         self.dead = ""
         self.requests = 0
         self._runner: web.AppRunner | None = None
@@ -93,6 +112,7 @@ class OpenAIServer:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.episodes.settings.max_body_bytes,
                               middlewares=[self._authenticate])
+        app.on_response_prepare.append(self._name_replica)
         app.add_routes([
             web.post("/v1/kiln/episodes", self.open_episode),
             web.post("/v1/chat/completions", self.chat_completions),
@@ -124,6 +144,15 @@ class OpenAIServer:
         if self._runner is not None:
             await self._runner.cleanup()
         self.episodes.close()
+
+    def drain(self) -> None:
+        """Stop opening episodes (the replica is leaving): the router sends new ones elsewhere
+        and this one's open episodes go on until the process stops."""
+        self.draining = True
+
+    async def _name_replica(self, request: web.Request, response: web.StreamResponse) -> None:
+        # Which replica served a call, through the router too (what stickiness is checked by).
+        response.headers[REPLICA_HEADER] = self.instance
 
     async def _sweep(self) -> None:
         while True:
@@ -184,6 +213,10 @@ class OpenAIServer:
         return body, heavy
 
     async def open_episode(self, request: web.Request) -> web.Response:
+        if self.draining:
+            return _error(503, f"rollout replica {self.instance} is draining and opens no new "
+                          "episodes: open it again (the router sends it to another replica)",
+                          "server_error", code="replica_draining")
         try:
             episode_id = self.episodes.open(request[CALLER])
         except TooManyEpisodes as exc:
@@ -337,8 +370,13 @@ class OpenAIServer:
 
     async def healthz(self, request: web.Request) -> web.Response:
         if dead := self.check_engine():
-            return web.json_response({"ok": False, "reason": dead}, status=503)
-        return web.json_response({"ok": True})
+            return web.json_response({"ok": False, "reason": dead, "instance": self.instance},
+                                     status=503)
+        # What the fleet's router places episodes by.
+        return web.json_response({"ok": True, "instance": self.instance,
+                                  "draining": self.draining,
+                                  "open_episodes": len(self.episodes),
+                                  "in_flight": self.episodes.in_flight})
 
 
 def _not_open(episode_id: str) -> web.Response:
