@@ -11,7 +11,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${KILN_VENV:-$ROOT/.venv}"
 TOOLS="$ROOT/.tools"
 PY="${PYTHON:-python3.11}"
-STAMP_VERSION=7   # bump when the package set below changes
+STAMP_VERSION=8   # bump when the package set below changes
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 t0=$(date +%s)

@@ -49,3 +49,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 has_gpu = _cuda_available()
             if not has_gpu:
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # The keepalive test only waits (80 s of idle connections): start them now, read them then.
+    from helpers import keepalive_probe
+
+    if any(item.nodeid.endswith(keepalive_probe.TEST) for item in session.items):
+        keepalive_probe.start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    from helpers import keepalive_probe
+
+    keepalive_probe.stop()
