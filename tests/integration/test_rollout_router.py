@@ -40,8 +40,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class Fleet:
     """Two replicas and a router; `stored[i]`: what replica i's reward calls stored."""
 
-    def __init__(self, servers, stored, replicas: Replicas, base: str) -> None:
+    def __init__(self, servers, stored, replicas: Replicas, base: str, urls: set[str]) -> None:
         self.servers, self.stored, self.replicas, self.base = servers, stored, replicas, base
+        self.urls = urls
+        """What discovery finds (a scenario may take one away)."""
 
     def instance(self, i: int) -> str:
         return self.servers[i].instance
@@ -71,7 +73,7 @@ async def _fleet(model_dir: Path, scenario):
         replicas = Replicas(discover, session, interval=0.2)
         await replicas.refresh()
         runner, port = await serve(Router(replicas, ApiKeys({KEY: "test"})), "127.0.0.1", 0)
-        fleet = Fleet(servers, stored, replicas, f"http://127.0.0.1:{port}/v1")
+        fleet = Fleet(servers, stored, replicas, f"http://127.0.0.1:{port}/v1", urls)
         try:
             return await scenario(fleet)
         finally:
@@ -201,6 +203,32 @@ def test_a_draining_replica_gets_no_new_episodes_and_finishes_its_open_ones(mode
     assert direct.status_code == 503 and direct.json()["error"]["code"] == "replica_draining"
 
 
+def test_a_replica_no_longer_discovered_drains_while_it_answers(model_dir: Path) -> None:
+    """A pod gone from the Service's endpoints (scaled down, terminating) still holds its open
+    episodes: the router keeps it, as draining, until it stops answering."""
+    async def scenario(fleet: Fleet):
+        async with httpx.AsyncClient() as http, \
+                AsyncOpenAI(base_url=fleet.base, api_key=KEY, max_retries=0) as client:
+            opened = [await _open(http, fleet.base) for _ in range(2)]
+            leaving = fleet.servers[1]
+            kept = next(ep for ep, inst in opened if inst == leaving.instance)
+            fleet.urls.discard(f"http://127.0.0.1:{leaving.port}")
+            await fleet.replicas.refresh()
+            states = {r.instance: r.state() for r in fleet.replicas.known.values()}
+            after = [inst for _, inst in [await _open(http, fleet.base) for _ in range(2)]]
+            raws = await _play(client, kept)
+            await leaving.stop()
+            await fleet.replicas.refresh()
+            left = {r.instance for r in fleet.replicas.known.values()}
+        return states, after, raws, left, fleet.instance(0), leaving.instance
+
+    states, after, raws, left, alive, leaving = asyncio.run(_fleet(model_dir, scenario))
+    assert states == {alive: "serving", leaving: "draining"}
+    assert after == [alive, alive]
+    assert {r.headers[REPLICA_HEADER] for r in raws} == {leaving}
+    assert left == {alive}  # neither discovered nor answering: forgotten
+
+
 def test_the_router_refuses_callers_without_a_key_and_names_unknown_ids(model_dir: Path) -> None:
     async def scenario(fleet: Fleet):
         async with httpx.AsyncClient() as http:
@@ -217,3 +245,20 @@ def test_the_router_refuses_callers_without_a_key_and_names_unknown_ids(model_di
     assert opened == 0  # nothing reached a replica
     assert forged.status_code == 404 and "not open" in forged.json()["error"]["message"]
     assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
+
+
+def test_replicas_are_found_by_announcement_files_or_by_dns(tmp_path: Path) -> None:
+    from kiln.services.rollout.router_main import _parser, discovery
+
+    (tmp_path / "rollout").mkdir()
+    (tmp_path / "rollout-1").mkdir()
+    (tmp_path / "rollout" / "openai.json").write_text('{"url": "http://127.0.0.1:8001/"}')
+    (tmp_path / "rollout-1" / "openai.json").write_text('{"url": ')  # being written
+    files = discovery(_parser().parse_args(
+        ["--port", "0", "--discover-files", str(tmp_path / "rollout*" / "openai.json")]))
+    dns = discovery(_parser().parse_args(["--port", "0", "--discover-dns", "localhost:8000"]))
+    found = asyncio.run(files())
+    assert found == {"http://127.0.0.1:8001"}
+    assert "http://127.0.0.1:8000" in asyncio.run(dns())
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        discovery(_parser().parse_args(["--port", "0", "--discover-dns", "rollout"]))

@@ -10,7 +10,6 @@ listen elsewhere.
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -19,9 +18,8 @@ import time
 from pathlib import Path
 
 from kiln.api.openai_endpoint import HOST_ENV, KEYS_ENV
+from kiln.cli.local.processes import ANNOUNCEMENT
 from kiln.services.rollout.openai_auth import write_key
-
-ANNOUNCEMENT = "openai.json"
 
 
 def grant(run_dir: Path, port: int) -> str:
@@ -62,7 +60,6 @@ class LocalRouter:
                 raise RuntimeError(f"the OpenAI endpoint's router did not start on port "
                                    f"{self.port}:\n" + "\n".join(tail))
             time.sleep(0.05)
-        json.loads(self.ready_file.read_text())
 
     def supervise(self) -> bool:
         """Start it again if it died; whether it had."""

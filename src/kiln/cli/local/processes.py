@@ -36,6 +36,8 @@ REPLICA_PREFIX = "trainer-replica-"
 TEACHER = "teacher"
 #: Rollout workers after the first (`rollout-1`, ...: `fleet.py`), each the rollout service.
 ROLLOUT_WORKER_PREFIX = "rollout-"
+#: Where a rollout worker announces its OpenAI endpoint's address, in its state folder.
+ANNOUNCEMENT = "openai.json"
 
 
 class ServiceFailed(RuntimeError):
@@ -91,8 +93,8 @@ def start(name: str, job_file: Path, run_dir: Path, addresses: dict[str, str],
     if name == "rollout" or name.startswith(ROLLOUT_WORKER_PREFIX):
         # Its OpenAI endpoint (if the job has one) on a free loopback port, announced for the
         # router, which holds `openaiPort` (`openai_access.LocalRouter`).
-        env.update({PORT_ENV: "0", HOST_ENV: "127.0.0.1", ANNOUNCE_ENV: str(state / "openai.json")})
-        (state / "openai.json").unlink(missing_ok=True)
+        env.update({PORT_ENV: "0", HOST_ENV: "127.0.0.1", ANNOUNCE_ENV: str(state / ANNOUNCEMENT)})
+        (state / ANNOUNCEMENT).unlink(missing_ok=True)
     module = component_of(name).replace("-", "_")
     cmd = [sys.executable, "-m", f"kiln.services.{module}.main", "--job", str(job_file),
            "--address", f"127.0.0.1:{port}", "--metrics-port", "0", "--run-dir", str(state),

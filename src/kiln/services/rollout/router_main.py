@@ -128,8 +128,10 @@ async def run(args: argparse.Namespace) -> int:
         watcher = asyncio.ensure_future(replicas.watch())
         runner, port = await serve(Router(replicas, keys, max_body_bytes=args.max_body_bytes,
                                           count=count), args.host, args.port)
-        if args.ready_file is not None:
-            args.ready_file.write_text(json.dumps({"port": port}))
+        if args.ready_file is not None:  # whole or not at all: a reader polls for it
+            part = args.ready_file.with_name(args.ready_file.name + ".part")
+            part.write_text(json.dumps({"port": port}))
+            part.replace(args.ready_file)
         try:
             await stop.wait()
         finally:

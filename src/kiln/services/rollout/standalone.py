@@ -79,8 +79,10 @@ async def serve(model_dir: Path, *, port: int, api_key_file: Path, host: str = "
         loop.add_signal_handler(sig, stop.set)
     try:
         bound = await server.start()
-        if ready_file is not None:
-            ready_file.write_text(json.dumps({"port": bound, "format": name}))
+        if ready_file is not None:  # whole or not at all: a script polls for it
+            part = ready_file.with_name(ready_file.name + ".part")
+            part.write_text(json.dumps({"port": bound, "format": name}))
+            part.replace(ready_file)
         print(f"kiln serve: {model_dir} ({name} tool calls) at http://{host}:{bound}/v1", flush=True)
         await stop.wait()
     finally:
