@@ -12,7 +12,9 @@ conversation; each with its own first message so that they spread over the repli
 - direct: the same episodes, each sent by the client itself to one replica (alternating), as
   a client with a fixed list of replicas would: the same load per replica without the hop.
 
-Rounds alternate routed and direct in one run. An episode counts as sticky when every one of
+Rounds alternate routed and direct in one run; each prints how many episodes each replica
+served (a stock client's conversation is placed by its content, not by load, so a routed
+round's split can be uneven). An episode counts as sticky when every one of
 its calls was served by one replica (`X-Kiln-Replica`) and, for a stock client, continued the
 same issued episode. Prints each round's p50/p99 call latency, then
 
@@ -57,8 +59,9 @@ def _start(cmd: list[str], ready: Path, log: Path, env: dict[str, str], timeout:
     return proc, json.loads(ready.read_text())["port"]
 
 
-async def _episode(http: httpx.AsyncClient, base: str, i: int, named: bool) -> tuple[list[float], bool]:
-    """One 3-turn episode; its call latencies and whether it stayed on one replica."""
+async def _episode(http: httpx.AsyncClient, base: str, i: int,
+                   named: bool) -> tuple[list[float], bool, set[str]]:
+    """One 3-turn episode; its call latencies, whether it stayed on one replica, and which."""
     headers = dict(AUTH)
     if named:
         r = await http.post(f"{base}/kiln/episodes", headers=AUTH)
@@ -86,10 +89,10 @@ async def _episode(http: httpx.AsyncClient, base: str, i: int, named: bool) -> t
         r = await http.post(f"{base}/kiln/episodes/{headers['X-Kiln-Episode']}/reward",
                             headers=AUTH, json={"reward": 1.0, "group_size": 1})
         r.raise_for_status()
-    return latencies, len(replicas) == 1 and len(episodes) == 1
+    return latencies, len(replicas) == 1 and len(episodes) == 1, replicas
 
 
-async def _round(bases: list[str], episodes: int, concurrency: int) -> tuple[list[float], int]:
+async def _round(bases: list[str], episodes: int, concurrency: int) -> tuple[list[float], int, list[int]]:
     """Play `episodes` episodes (even ones named, odd ones not); episode i goes to
     bases[(i // 2) % len(bases)], so each replica gets both kinds."""
     gate = asyncio.Semaphore(concurrency)
@@ -98,7 +101,12 @@ async def _round(bases: list[str], episodes: int, concurrency: int) -> tuple[lis
             async with gate:
                 return await _episode(http, bases[(i // 2) % len(bases)], i, named=i % 2 == 0)
         results = await asyncio.gather(*(one(i) for i in range(episodes)))
-    return [lat for lats, _ in results for lat in lats], sum(ok for _, ok in results)
+    per_replica: dict[str, int] = {}
+    for _, _, replicas in results:
+        for r in replicas:
+            per_replica[r] = per_replica.get(r, 0) + 1
+    return ([lat for lats, _, _ in results for lat in lats], sum(ok for _, ok, _ in results),
+            sorted(per_replica.values(), reverse=True))
 
 
 def main() -> int:
@@ -136,13 +144,14 @@ def main() -> int:
         for r in range(args.rounds):
             for name, bases in (("direct", direct), ("routed", routed)):
                 t0 = time.perf_counter()
-                lats, ok = asyncio.run(_round(bases, args.episodes, args.concurrency))
+                lats, ok, spread = asyncio.run(_round(bases, args.episodes, args.concurrency))
                 lat[name] += lats
                 if name == "routed":
                     sticky, total = sticky + ok, total + args.episodes
                 q = statistics.quantiles(lats, n=100)
                 print(f"round {r + 1} {name:6s}: {len(lats)} calls in {time.perf_counter() - t0:.1f} s, "
-                      f"p50 {1e3 * q[49]:.1f} ms, p99 {1e3 * q[98]:.1f} ms", flush=True)
+                      f"p50 {1e3 * q[49]:.1f} ms, p99 {1e3 * q[98]:.1f} ms, episodes per replica "
+                      f"{'/'.join(map(str, spread))}", flush=True)
         ratio = statistics.median(lat["routed"]) / statistics.median(lat["direct"])
         print(f"load average {os.getloadavg()[0]:.2f}")
         print(f"sticky: {100 * sticky / total:.0f}% of {total} multi-turn episodes on one replica; "

@@ -262,3 +262,16 @@ def test_replicas_are_found_by_announcement_files_or_by_dns(tmp_path: Path) -> N
     assert "http://127.0.0.1:8000" in asyncio.run(dns())
     with pytest.raises(ValueError, match="HOST:PORT"):
         discovery(_parser().parse_args(["--port", "0", "--discover-dns", "rollout"]))
+
+
+def test_a_streamed_reply_comes_through_the_router_as_events(model_dir: Path) -> None:
+    async def scenario(fleet: Fleet):
+        async with AsyncOpenAI(base_url=fleet.base, api_key=KEY, max_retries=0) as client:
+            stream = await client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": PROMPT}], tools=TOOLS,
+                stream=True)
+            return [chunk async for chunk in stream]
+
+    chunks = asyncio.run(_fleet(model_dir, scenario))
+    assert chunks and chunks[-1].choices[0].finish_reason in ("stop", "tool_calls", "length")
+    assert chunks[0].choices[0].delta.role == "assistant"

@@ -261,17 +261,24 @@ class Router:
 
     async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse,
                      replica: Replica, placement: str) -> web.StreamResponse:
-        resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-        for k, v in upstream.headers.items():
-            if k.lower() not in HOP:
-                resp.headers[k] = v
-        resp.headers.setdefault(REPLICA_HEADER, replica.instance)
-        await resp.prepare(request)
-        # Chunk by chunk: a streamed reply's events reach the client as the replica sends them.
-        async for chunk in upstream.content.iter_any():
-            await resp.write(chunk)
-        await resp.write_eof()
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP}
+        headers.setdefault(REPLICA_HEADER, replica.instance)
         self.count(replica=replica.instance, placement=placement, code=str(upstream.status))
+        if not upstream.content_type.startswith("text/event-stream"):
+            # A whole JSON reply: one read, one write with its length (no chunking).
+            body = await upstream.read()
+            return web.Response(status=upstream.status, reason=upstream.reason, body=body,
+                                headers=headers)
+        resp = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
+        await resp.prepare(request)
+        # Event by event: a streamed reply reaches the client as the replica sends it.
+        try:
+            async for chunk in upstream.content.iter_any():
+                await resp.write(chunk)
+        except aiohttp.ClientError:
+            self.replicas.lost(replica)  # died mid-reply: the client sees the stream cut
+            raise
+        await resp.write_eof()
         return resp
 
 
