@@ -11,14 +11,13 @@ listen elsewhere.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from kiln.api.openai_endpoint import HOST_ENV, KEYS_ENV
-from kiln.cli.local.processes import ANNOUNCEMENT
+from kiln.cli.local.processes import ANNOUNCEMENT, terminate
 from kiln.services.rollout.openai_auth import write_key
 
 
@@ -69,11 +68,5 @@ class LocalRouter:
         return True
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            terminate(self.proc, timeout)

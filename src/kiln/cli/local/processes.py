@@ -221,15 +221,20 @@ def restart_group(group: dict[str, dict[str, str]], services: dict[str, ServiceP
 
 def stop(svc: ServiceProcess, timeout: float = 60.0) -> int | None:
     """SIGTERM (the service drains and runs its stop hook), SIGKILL if it does not exit."""
-    if svc.proc.poll() is None:
-        svc.proc.send_signal(signal.SIGTERM)
-        try:
-            svc.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            svc.proc.kill()
-            svc.proc.wait()
+    terminate(svc.proc, timeout)
     kill_leftovers(svc)
     return svc.proc.returncode
+
+
+def terminate(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM, then SIGKILL if `proc` has not exited within `timeout` seconds."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def kill_leftovers(svc: ServiceProcess) -> None:
