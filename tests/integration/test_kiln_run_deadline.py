@@ -18,7 +18,7 @@ from kiln.cli.exits import Exit
 
 pytestmark = pytest.mark.slow
 
-DEADLINE_S = 90  # past start-up and into training on an idle CI machine (103 steps in 120 s)
+DEADLINE_S = 60  # past start-up and into training on an idle CI machine (103 steps in 120 s)
 
 
 def test_a_run_past_its_deadline_ends_failed_and_keeps_what_it_did(tmp_path: Path) -> None:
