@@ -112,7 +112,10 @@ class Replicas:
 
     async def watch(self) -> None:
         while True:
-            await self.refresh()
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 — a round that failed must not end the watching
+                log.exception("a health round of the rollout replicas failed")
             await asyncio.sleep(self.interval)
 
     def lost(self, r: Replica) -> None:
