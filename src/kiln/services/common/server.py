@@ -41,6 +41,7 @@ from prometheus_client import start_http_server
 from kiln.api.spec import RLJob
 from kiln.api.validate import ManifestError, load_job
 from kiln.control.channels import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES
+from kiln.files import write_json_whole
 from kiln.services.common import metrics
 from kiln.services.common.interceptors import ObservabilityInterceptor
 from kiln.logs import adopt_library_loggers, setup_logging
@@ -285,8 +286,6 @@ def run_service(service: str, build: BuildFn, argv: Sequence[str] | None = None,
 
 async def _serve(service: str, build: BuildFn, job: RLJob | None, args: argparse.Namespace,
                  tls: Bundle | None, limits: ServerLimits) -> int:
-    import json
-
     http, _thread = start_http_server(args.metrics_port, addr=metrics_host(args.address))
     metrics_port = http.server_port
     # Bind and answer health checks (NOT_SERVING) before the possibly slow build.
@@ -303,10 +302,8 @@ async def _serve(service: str, build: BuildFn, job: RLJob | None, args: argparse
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     if args.port_file:
-        tmp = args.port_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"port": served.port, "metrics_port": metrics_port,
-                                   "pid": os.getpid()}))
-        tmp.replace(args.port_file)
+        write_json_whole(args.port_file, {"port": served.port, "metrics_port": metrics_port,
+                                          "pid": os.getpid()})
     log.info("%s listening on port %d, metrics on %d; building", service, served.port, metrics_port)
 
     build_task = asyncio.ensure_future(build(job, args))

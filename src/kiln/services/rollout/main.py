@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Sequence
 
 from kiln.control import channels
+from kiln.files import write_json_whole
 from kiln.api.capabilities import job_model_refusals
 from kiln.api.distillation import stage_teachers, teacher_process, teacher_refs
 from kiln.api.spec import RLJob
@@ -269,10 +270,8 @@ async def build(job: RLJob | None, args: argparse.Namespace):
         await openai.start()
         if announce := os.environ.get(ANNOUNCE_ENV):
             # For the fleet's router under `kiln run` (on a cluster it finds the pods by DNS).
-            part = Path(announce + ".part")
-            part.write_text(json.dumps({"url": f"http://{openai.host}:{openai.port}",
-                                        "instance": openai.instance}))
-            os.replace(part, announce)
+            write_json_whole(Path(announce), {"url": f"http://{openai.host}:{openai.port}",
+                                              "instance": openai.instance})
 
     async def on_stop() -> None:
         if openai is not None:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import aiohttp
 
+from kiln.files import write_json_whole
 from kiln.logs import setup_logging
 from kiln.services.rollout.openai_auth import ApiKeys
 from kiln.services.rollout.router import Replica, Replicas, Router, serve
@@ -99,12 +100,18 @@ def _metrics():
         else:
             M.ROUTER_REQUESTS.labels(replica, placement, code).inc()
 
+    shown: set[str] = set()
+
     def changed(replicas: list[Replica]) -> None:
         for state in ("serving", "draining", "down"):
             M.ROUTER_REPLICAS.labels(state).set(sum(r.state() == state for r in replicas))
-        for r in replicas:
-            if r.instance:
-                M.ROUTER_REPLICA_LOAD.labels(r.instance).set(r.weight())
+        now = {r.instance: r.weight() for r in replicas if r.instance}
+        for gone in shown - now.keys():  # a replica forgotten or restarted: no stale series
+            M.ROUTER_REPLICA_LOAD.remove(gone)
+        for instance, weight in now.items():
+            M.ROUTER_REPLICA_LOAD.labels(instance).set(weight)
+        shown.clear()
+        shown.update(now)
     return count, changed
 
 
@@ -128,10 +135,8 @@ async def run(args: argparse.Namespace) -> int:
         watcher = asyncio.ensure_future(replicas.watch())
         runner, port = await serve(Router(replicas, keys, max_body_bytes=args.max_body_bytes,
                                           count=count), args.host, args.port)
-        if args.ready_file is not None:  # whole or not at all: a reader polls for it
-            part = args.ready_file.with_name(args.ready_file.name + ".part")
-            part.write_text(json.dumps({"port": port}))
-            part.replace(args.ready_file)
+        if args.ready_file is not None:
+            write_json_whole(args.ready_file, {"port": port})
         try:
             await stop.wait()
         finally:

@@ -14,6 +14,7 @@ import signal
 import sys
 from pathlib import Path
 
+from kiln.files import write_json_whole
 from kiln.trajectory import Trajectory
 
 log = logging.getLogger("kiln.serve")
@@ -79,10 +80,8 @@ async def serve(model_dir: Path, *, port: int, api_key_file: Path, host: str = "
         loop.add_signal_handler(sig, stop.set)
     try:
         bound = await server.start()
-        if ready_file is not None:  # whole or not at all: a script polls for it
-            part = ready_file.with_name(ready_file.name + ".part")
-            part.write_text(json.dumps({"port": bound, "format": name}))
-            part.replace(ready_file)
+        if ready_file is not None:
+            write_json_whole(ready_file, {"port": bound, "format": name})
         print(f"kiln serve: {model_dir} ({name} tool calls) at http://{host}:{bound}/v1", flush=True)
         await stop.wait()
     finally:
